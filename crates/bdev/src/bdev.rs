@@ -1,0 +1,332 @@
+//! The block device interface that every frontend uses.
+//!
+//! Requests are checked once, when a frontend turns its protocol's offset and length into
+//! an [`Extent`] with [`BdevInfo::extent`]; a kind's implementation can then trust them.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+
+use basalt_io::DmaBuf;
+
+/// The largest read or write a bdev accepts in one request. Write zeroes and discard are
+/// not limited: they carry no data.
+pub const IO_BYTES_MAX: u64 = 128 << 20;
+
+/// Block sizes a bdev may have.
+pub const BLOCK_SIZE_MIN: u32 = 512;
+/// The largest block size a bdev may have.
+pub const BLOCK_SIZE_MAX: u32 = 65536;
+
+/// A request in flight. It borrows the bdev; callers hold an `Arc<dyn Bdev>`.
+pub type BdevFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BdevError>> + Send + 'a>>;
+
+/// Why a bdev request failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BdevError {
+    /// The range reaches past the last block.
+    #[error("bdev {bdev}: range {offset_bytes}+{len_bytes} is past the end ({size_bytes} bytes)")]
+    OutOfRange {
+        /// The bdev.
+        bdev: String,
+        /// Start of the range.
+        offset_bytes: u64,
+        /// Length of the range.
+        len_bytes: u64,
+        /// Size of the bdev.
+        size_bytes: u64,
+    },
+    /// Offset or length is not a multiple of the block size.
+    #[error(
+        "bdev {bdev}: range {offset_bytes}+{len_bytes} is not aligned to its {block_size}-byte blocks"
+    )]
+    Misaligned {
+        /// The bdev.
+        bdev: String,
+        /// Start of the range.
+        offset_bytes: u64,
+        /// Length of the range.
+        len_bytes: u64,
+        /// Block size of the bdev.
+        block_size: u32,
+    },
+    /// The range is empty.
+    #[error("bdev {bdev}: zero-length request at {offset_bytes}")]
+    Empty {
+        /// The bdev.
+        bdev: String,
+        /// Start of the range.
+        offset_bytes: u64,
+    },
+    /// A read or write larger than [`IO_BYTES_MAX`].
+    #[error("bdev {bdev}: {len_bytes}-byte request is larger than the {IO_BYTES_MAX}-byte maximum")]
+    TooLarge {
+        /// The bdev.
+        bdev: String,
+        /// Length asked for.
+        len_bytes: u64,
+    },
+    /// The device or file failed.
+    #[error("bdev {bdev}: {source}")]
+    Io {
+        /// The bdev.
+        bdev: String,
+        /// The system error.
+        source: io::Error,
+    },
+}
+
+impl BdevError {
+    /// The errno a frontend should report: `EINVAL` for bad requests, `ENOSPC` when the
+    /// backing store is full, `EIO` for other failures.
+    pub fn errno(&self) -> i32 {
+        match self {
+            BdevError::OutOfRange { .. }
+            | BdevError::Misaligned { .. }
+            | BdevError::Empty { .. }
+            | BdevError::TooLarge { .. } => libc_errno::EINVAL,
+            BdevError::Io { source, .. } => match source.raw_os_error() {
+                Some(libc_errno::ENOSPC) | Some(libc_errno::EDQUOT) => libc_errno::ENOSPC,
+                Some(libc_errno::EOPNOTSUPP) => libc_errno::EOPNOTSUPP,
+                _ => libc_errno::EIO,
+            },
+        }
+    }
+
+    /// Whether the request itself was bad (as opposed to the device failing).
+    pub fn is_invalid_request(&self) -> bool {
+        self.errno() == libc_errno::EINVAL
+    }
+}
+
+/// The Linux errno values this crate reports (stable ABI numbers).
+pub mod libc_errno {
+    /// Input/output error.
+    pub const EIO: i32 = 5;
+    /// Invalid argument.
+    pub const EINVAL: i32 = 22;
+    /// No space left on device.
+    pub const ENOSPC: i32 = 28;
+    /// Operation not supported.
+    pub const EOPNOTSUPP: i32 = 95;
+    /// Disk quota exceeded.
+    pub const EDQUOT: i32 = 122;
+}
+
+/// What a bdev is: fixed when it is created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BdevInfo {
+    /// Unique name in the target.
+    pub name: String,
+    /// UUID, lower-case hyphenated.
+    pub uuid: String,
+    /// What kind of device, as SPDK names it (`Malloc disk`, `URING bdev`).
+    pub product_name: &'static str,
+    /// Bytes per block.
+    pub block_size: u32,
+    /// Number of blocks.
+    pub block_count: u64,
+    /// Requests should not cross multiples of this many blocks (0: no boundary).
+    pub optimal_io_boundary_blocks: u32,
+}
+
+impl BdevInfo {
+    /// Size in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.block_count * u64::from(self.block_size)
+    }
+
+    /// Checks a read or write range: aligned, non-empty, in range, at most [`IO_BYTES_MAX`].
+    pub fn data_extent(&self, offset_bytes: u64, len_bytes: u64) -> Result<Extent, BdevError> {
+        if len_bytes > IO_BYTES_MAX {
+            return Err(BdevError::TooLarge {
+                bdev: self.name.clone(),
+                len_bytes,
+            });
+        }
+        self.extent(offset_bytes, len_bytes)
+    }
+
+    /// Checks a range for write zeroes or discard: aligned, non-empty, in range.
+    pub fn extent(&self, offset_bytes: u64, len_bytes: u64) -> Result<Extent, BdevError> {
+        let block_size = u64::from(self.block_size);
+        if len_bytes == 0 {
+            return Err(BdevError::Empty {
+                bdev: self.name.clone(),
+                offset_bytes,
+            });
+        }
+        if offset_bytes % block_size != 0 || len_bytes % block_size != 0 {
+            return Err(BdevError::Misaligned {
+                bdev: self.name.clone(),
+                offset_bytes,
+                len_bytes,
+                block_size: self.block_size,
+            });
+        }
+        match offset_bytes.checked_add(len_bytes) {
+            Some(end) if end <= self.size_bytes() => Ok(Extent {
+                offset_bytes,
+                len_bytes,
+            }),
+            _ => Err(BdevError::OutOfRange {
+                bdev: self.name.clone(),
+                offset_bytes,
+                len_bytes,
+                size_bytes: self.size_bytes(),
+            }),
+        }
+    }
+
+    /// An I/O error of this bdev.
+    pub fn io_error(&self, source: io::Error) -> BdevError {
+        BdevError::Io {
+            bdev: self.name.clone(),
+            source,
+        }
+    }
+}
+
+/// A byte range of a bdev that [`BdevInfo::extent`] checked: block-aligned, non-empty,
+/// within the device. Only that function makes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    offset_bytes: u64,
+    len_bytes: u64,
+}
+
+impl Extent {
+    /// First byte.
+    pub fn offset_bytes(&self) -> u64 {
+        self.offset_bytes
+    }
+
+    /// Length in bytes (non-zero).
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    /// One past the last byte.
+    pub fn end_bytes(&self) -> u64 {
+        self.offset_bytes + self.len_bytes
+    }
+}
+
+/// Counters of one bdev since it was created, as `bdev_get_iostat` reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoStatsSnapshot {
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Read requests completed.
+    pub num_read_ops: u64,
+    /// Bytes written (write zeroes included).
+    pub bytes_written: u64,
+    /// Write requests completed.
+    pub num_write_ops: u64,
+    /// Bytes discarded.
+    pub bytes_unmapped: u64,
+    /// Discard requests completed.
+    pub num_unmap_ops: u64,
+    /// Flush requests completed.
+    pub num_flush_ops: u64,
+    /// Requests that failed.
+    pub num_errors: u64,
+    /// Total read latency in nanoseconds.
+    pub read_latency_ns: u64,
+    /// Total write latency in nanoseconds.
+    pub write_latency_ns: u64,
+    /// Total discard latency in nanoseconds.
+    pub unmap_latency_ns: u64,
+}
+
+/// A block device. Every request's range was checked by [`BdevInfo::extent`].
+pub trait Bdev: Send + Sync {
+    /// What the device is.
+    fn info(&self) -> &BdevInfo;
+
+    /// Reads the extent.
+    fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf>;
+
+    /// Writes `data` (exactly `extent.len_bytes()` long); with `fua`, durable on return.
+    fn write(&self, extent: Extent, data: DmaBuf, fua: bool) -> BdevFuture<'_, ()>;
+
+    /// Makes every completed write durable.
+    fn flush(&self) -> BdevFuture<'_, ()>;
+
+    /// Makes the extent read as zeroes; `deallocate` lets the device free its space.
+    fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()>;
+
+    /// Frees the extent; it reads as zeroes afterwards on every Basalt kind.
+    fn discard(&self, extent: Extent) -> BdevFuture<'_, ()>;
+
+    /// Counters, where the bdev keeps them (the registry's decorator does).
+    fn io_stats(&self) -> Option<IoStatsSnapshot> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn info(block_size: u32, block_count: u64) -> BdevInfo {
+        BdevInfo {
+            name: "b".into(),
+            uuid: String::new(),
+            product_name: "test",
+            block_size,
+            block_count,
+            optimal_io_boundary_blocks: 0,
+        }
+    }
+
+    #[test]
+    fn extent_checks_each_rule() {
+        let info = info(512, 8);
+        assert!(info.extent(0, 4096).is_ok());
+        assert!(matches!(
+            info.extent(512, 4096),
+            Err(BdevError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            info.extent(1, 512),
+            Err(BdevError::Misaligned { .. })
+        ));
+        assert!(matches!(
+            info.extent(0, 100),
+            Err(BdevError::Misaligned { .. })
+        ));
+        assert!(matches!(info.extent(0, 0), Err(BdevError::Empty { .. })));
+        assert!(matches!(
+            info.extent(u64::MAX - 511, 512),
+            Err(BdevError::OutOfRange { .. })
+        ));
+        let big = self::info(4096, 1 << 30);
+        assert!(matches!(
+            big.data_extent(0, IO_BYTES_MAX + 4096),
+            Err(BdevError::TooLarge { .. })
+        ));
+        assert!(
+            big.extent(0, IO_BYTES_MAX + 4096).is_ok(),
+            "zeroing is not size-limited"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn accepted_extents_are_inside_and_aligned(
+            block_shift in 9u32..13, block_count in 1u64..1 << 20,
+            offset in any::<u64>(), len in any::<u64>(),
+        ) {
+            let info = info(1 << block_shift, block_count);
+            if let Ok(extent) = info.extent(offset, len) {
+                prop_assert!(extent.len_bytes() > 0);
+                prop_assert!(extent.end_bytes() <= info.size_bytes());
+                prop_assert_eq!(extent.offset_bytes() % u64::from(info.block_size), 0);
+                prop_assert_eq!(extent.len_bytes() % u64::from(info.block_size), 0);
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Per-bdev I/O counters: a decorator that wraps any bdev and counts what passes through.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use basalt_io::DmaBuf;
+
+use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, IoStatsSnapshot};
+
+/// A bdev that counts operations, bytes and latency of the bdev it wraps.
+pub struct Counted {
+    inner: Box<dyn Bdev>,
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes_read: AtomicU64,
+    num_read_ops: AtomicU64,
+    bytes_written: AtomicU64,
+    num_write_ops: AtomicU64,
+    bytes_unmapped: AtomicU64,
+    num_unmap_ops: AtomicU64,
+    num_flush_ops: AtomicU64,
+    num_errors: AtomicU64,
+    read_latency_ns: AtomicU64,
+    write_latency_ns: AtomicU64,
+    unmap_latency_ns: AtomicU64,
+}
+
+/// Which counters an operation moves.
+#[derive(Clone, Copy)]
+enum Kind {
+    Read,
+    Write,
+    Unmap,
+    Flush,
+}
+
+impl Counted {
+    /// Wraps `inner`.
+    pub fn new(inner: Box<dyn Bdev>) -> Self {
+        Self {
+            inner,
+            counters: Counters::default(),
+        }
+    }
+
+    fn count<'a, T: Send + 'a>(
+        &'a self,
+        kind: Kind,
+        len_bytes: u64,
+        request: BdevFuture<'a, T>,
+    ) -> BdevFuture<'a, T> {
+        let start = Instant::now();
+        Box::pin(async move {
+            let result = request.await;
+            let c = &self.counters;
+            if result.is_err() {
+                c.num_errors.fetch_add(1, Ordering::Relaxed);
+                return result;
+            }
+            let elapsed_ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let (bytes, ops, latency) = match kind {
+                Kind::Read => (&c.bytes_read, &c.num_read_ops, Some(&c.read_latency_ns)),
+                Kind::Write => (
+                    &c.bytes_written,
+                    &c.num_write_ops,
+                    Some(&c.write_latency_ns),
+                ),
+                Kind::Unmap => (
+                    &c.bytes_unmapped,
+                    &c.num_unmap_ops,
+                    Some(&c.unmap_latency_ns),
+                ),
+                Kind::Flush => (&c.num_flush_ops, &c.num_flush_ops, None),
+            };
+            if let Some(latency) = latency {
+                bytes.fetch_add(len_bytes, Ordering::Relaxed);
+                latency.fetch_add(elapsed_ns, Ordering::Relaxed);
+            }
+            ops.fetch_add(1, Ordering::Relaxed);
+            result
+        })
+    }
+}
+
+impl Bdev for Counted {
+    fn info(&self) -> &BdevInfo {
+        self.inner.info()
+    }
+
+    fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
+        self.count(Kind::Read, extent.len_bytes(), self.inner.read(extent))
+    }
+
+    fn write(&self, extent: Extent, data: DmaBuf, fua: bool) -> BdevFuture<'_, ()> {
+        self.count(
+            Kind::Write,
+            extent.len_bytes(),
+            self.inner.write(extent, data, fua),
+        )
+    }
+
+    fn flush(&self) -> BdevFuture<'_, ()> {
+        self.count(Kind::Flush, 0, self.inner.flush())
+    }
+
+    fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()> {
+        self.count(
+            Kind::Write,
+            extent.len_bytes(),
+            self.inner.write_zeroes(extent, deallocate),
+        )
+    }
+
+    fn discard(&self, extent: Extent) -> BdevFuture<'_, ()> {
+        self.count(Kind::Unmap, extent.len_bytes(), self.inner.discard(extent))
+    }
+
+    fn io_stats(&self) -> Option<IoStatsSnapshot> {
+        let c = &self.counters;
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        Some(IoStatsSnapshot {
+            bytes_read: get(&c.bytes_read),
+            num_read_ops: get(&c.num_read_ops),
+            bytes_written: get(&c.bytes_written),
+            num_write_ops: get(&c.num_write_ops),
+            bytes_unmapped: get(&c.bytes_unmapped),
+            num_unmap_ops: get(&c.num_unmap_ops),
+            num_flush_ops: get(&c.num_flush_ops),
+            num_errors: get(&c.num_errors),
+            read_latency_ns: get(&c.read_latency_ns),
+            write_latency_ns: get(&c.write_latency_ns),
+            unmap_latency_ns: get(&c.unmap_latency_ns),
+        })
+    }
+}

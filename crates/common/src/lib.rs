@@ -1,0 +1,15 @@
+//! Types shared by every Basalt layer.
+//!
+//! - [`byte_size`]: sizes with units (`4MiB`, `100GiB`), as the CLI and configs take them.
+//! - [`config_call`]: one entry of the target's saved configuration.
+//! - [`rpc_error`]: the JSON-RPC error every target handler returns.
+//!
+//! This crate does no I/O and reads no clock.
+
+pub mod byte_size;
+pub mod config_call;
+pub mod rpc_error;
+
+pub use byte_size::ByteSize;
+pub use config_call::ConfigCall;
+pub use rpc_error::RpcError;

@@ -1,0 +1,17 @@
+//! Disk I/O for Basalt: the one crate (with `vhost`'s guest memory) that holds `unsafe`.
+//!
+//! - [`dma_buf`]: [`DmaBuf`], a heap buffer aligned for O_DIRECT.
+//! - [`file_engine`]: [`FileEngine`], a file or block device driven by an io_uring thread
+//!   with many requests in flight, or by blocking `pread`/`pwrite` where io_uring is
+//!   refused; both complete async callers.
+//! - [`device`]: facts about a path (block device or not, its size).
+//!
+//! Invariant: a buffer handed to the kernel stays owned by the engine until its completion
+//! arrives, so the kernel never writes into freed memory.
+
+pub mod device;
+pub mod dma_buf;
+pub mod file_engine;
+
+pub use dma_buf::DmaBuf;
+pub use file_engine::{AllocateMode, FileEngine, OpenError, OpenOptions};
