@@ -1,0 +1,148 @@
+//! `basalt bench`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use basalt_bdev::Bdev;
+use basalt_bdev::file::{FileBdev, FileBdevOptions};
+use basalt_bdev::malloc::MallocBdev;
+use basalt_bench::{Device, Pattern, Workload};
+use basalt_common::ByteSize;
+use basalt_nbd::NbdUri;
+
+/// Options of `basalt bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// An in-process bdev: `malloc:SIZE` (e.g. malloc:1GiB) or `file:PATH`.
+    #[arg(long, conflicts_with = "nbd", required_unless_present = "nbd")]
+    pub bdev: Option<String>,
+    /// An NBD export: nbd://HOST[:PORT]/EXPORT (one connection per worker).
+    #[arg(long)]
+    pub nbd: Option<NbdUri>,
+    /// Worker threads (and NBD connections).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Requests in flight per worker.
+    #[arg(long, default_value_t = 1)]
+    pub iodepth: usize,
+    /// Bytes per request.
+    #[arg(long, default_value = "4KiB")]
+    pub bs: ByteSize,
+    /// read, write, randread, randwrite or randrw.
+    #[arg(long, default_value = "randread")]
+    pub rw: Pattern,
+    /// Percentage of reads with --rw randrw.
+    #[arg(long, default_value_t = 50)]
+    pub rwmixread: u8,
+    /// Seconds to run (default 10 unless --io-count is given).
+    #[arg(long)]
+    pub runtime: Option<f64>,
+    /// Requests to issue.
+    #[arg(long)]
+    pub io_count: Option<u64>,
+    /// Bytes of the device to use, from offset 0 (default: all of it).
+    #[arg(long)]
+    pub size: Option<ByteSize>,
+    /// Check what is read against what was written; read every written block back at the end.
+    #[arg(long)]
+    pub verify: bool,
+    /// Open file bdevs through the page cache (for filesystems that refuse O_DIRECT).
+    #[arg(long)]
+    pub buffered: bool,
+    /// Seed of the random offsets.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let runtime = match (args.runtime, args.io_count) {
+        (Some(seconds), _) if !(seconds > 0.0 && seconds.is_finite()) => {
+            bail!("--runtime must be a positive number of seconds")
+        }
+        (Some(seconds), _) => Some(Duration::from_secs_f64(seconds)),
+        (None, Some(_)) => None,
+        (None, None) => Some(Duration::from_secs(10)),
+    };
+    let workload = Workload {
+        pattern: args.rw,
+        read_percent: args.rwmixread,
+        block_size: args.bs.0,
+        workers: args.workers,
+        iodepth: args.iodepth,
+        runtime,
+        io_count: args.io_count,
+        working_set_bytes: args.size.map_or(0, |size| size.0),
+        verify: args.verify,
+        seed: args.seed,
+    };
+    let report = crate::runtime(args.workers, "bench")?.block_on(async {
+        let (device, target) = open_device(&args).await?;
+        basalt_bench::run(&device, &workload, target)
+            .await
+            .context("invalid workload")
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(if report.is_clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+async fn open_device(args: &BenchArgs) -> anyhow::Result<(Device, String)> {
+    if let Some(uri) = &args.nbd {
+        let device = Device::connect_nbd(uri, args.workers)
+            .await
+            .with_context(|| {
+                format!(
+                    "connecting to nbd://{}:{}/{}",
+                    uri.host, uri.port, uri.export
+                )
+            })?;
+        return Ok((
+            device,
+            format!("nbd://{}:{}/{}", uri.host, uri.port, uri.export),
+        ));
+    }
+    let spec = args.bdev.as_deref().unwrap_or_default();
+    let bdev: Arc<dyn Bdev> = if let Some(size) = spec.strip_prefix("malloc:") {
+        let size: ByteSize = size.parse()?;
+        let block_size = 512u32;
+        if size.0 < u64::from(block_size) {
+            bail!("malloc size {size} is smaller than one {block_size}-byte block");
+        }
+        Arc::new(MallocBdev::new(basalt_bdev::BdevInfo {
+            name: "bench".into(),
+            uuid: basalt_bdev::uuid::random(),
+            product_name: "Malloc disk",
+            block_size,
+            block_count: size.0 / u64::from(block_size),
+            optimal_io_boundary_blocks: 0,
+        }))
+    } else if let Some(path) = spec.strip_prefix("file:") {
+        let options = FileBdevOptions {
+            block_size: 512,
+            buffered: args.buffered,
+            queue_depth: 256,
+        };
+        Arc::new(FileBdev::open(
+            &PathBuf::from(path),
+            "bench".into(),
+            basalt_bdev::uuid::random(),
+            &options,
+        )?)
+    } else {
+        bail!("--bdev {spec:?} is neither malloc:SIZE nor file:PATH");
+    };
+    Ok((Device::Bdev(bdev), spec.to_string()))
+}

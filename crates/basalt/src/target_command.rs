@@ -1,0 +1,49 @@
+//! `basalt target`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use basalt_target::rpc_server::RpcServer;
+use basalt_target::{DEFAULT_RPC_SOCKET, Target, config};
+
+/// Options of `basalt target`.
+#[derive(clap::Args)]
+pub struct TargetArgs {
+    /// JSON-RPC Unix socket (created with mode 0600).
+    #[arg(short = 'r', long, default_value = DEFAULT_RPC_SOCKET)]
+    pub rpc_socket: PathBuf,
+    /// Start from this configuration (the JSON `save_config` returns).
+    #[arg(short = 'c', long)]
+    pub config: Option<PathBuf>,
+    /// Reactor threads (default: one per core).
+    #[arg(short = 'm', long)]
+    pub reactors: Option<usize>,
+}
+
+pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
+    let reactors = args
+        .reactors
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
+    crate::runtime(reactors, "reactor")?.block_on(serve(args))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn serve(args: TargetArgs) -> anyhow::Result<()> {
+    let target = Target::new();
+    if let Some(path) = &args.config {
+        config::load(&target, path)
+            .await
+            .context("loading the configuration")?;
+    }
+    let server = RpcServer::bind(&args.rpc_socket)
+        .with_context(|| format!("binding the JSON-RPC socket {}", args.rpc_socket.display()))?;
+    tracing::info!(socket = %args.rpc_socket.display(), "target ready for JSON-RPC");
+    tokio::select! {
+        result = server.run(target.clone()) => result.context("JSON-RPC server failed")?,
+        result = crate::shutdown_signal() => result?,
+    }
+    tracing::info!("target stopping");
+    target.nbd.stop();
+    Ok(())
+}

@@ -1,0 +1,498 @@
+//! The engine: `workers x iodepth` request loops sharing one set of counters.
+//!
+//! With `verify`, every block has a generation (how often this run wrote it) in a table;
+//! a loop takes a block's busy bit before touching it, so a block is never read and written
+//! at once, and a read of a block this run wrote must match [`pattern::fill`] of its
+//! generation. At the end every written block is read back once more.
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use basalt_io::DmaBuf;
+use hdrhistogram::Histogram;
+
+use crate::device::{Device, WorkerDevice};
+use crate::pattern::{self, splitmix64};
+use crate::report::{DirectionReport, Report};
+use crate::workload::{Pattern, Workload, WorkloadError};
+
+const BUSY: u32 = 1 << 31;
+/// Latencies above an hour are recorded as an hour.
+const LATENCY_NS_MAX: u64 = 3600 * 1_000_000_000;
+/// A block whose last write failed: its contents are unknown and not checked.
+const UNKNOWN: u32 = BUSY - 1;
+
+struct Shared {
+    workload: Workload,
+    blocks: u64,
+    start: Instant,
+    issued: AtomicU64,
+    stop: AtomicBool,
+    sequential_cursor: AtomicU64,
+    completed_ios: AtomicU64,
+    completed_bytes: AtomicU64,
+    generations: Vec<AtomicU32>,
+    errors: AtomicU64,
+    first_error: Mutex<Option<String>>,
+    verified: AtomicU64,
+    mismatches: AtomicU64,
+    first_mismatch: Mutex<Option<String>>,
+}
+
+#[derive(Default)]
+struct Tally {
+    read: Option<Histogram<u64>>,
+    write: Option<Histogram<u64>>,
+    read_bytes: u64,
+    write_bytes: u64,
+}
+
+impl Tally {
+    fn record(&mut self, is_read: bool, latency: Duration, bytes: u64) {
+        let (histogram, total) = if is_read {
+            (&mut self.read, &mut self.read_bytes)
+        } else {
+            (&mut self.write, &mut self.write_bytes)
+        };
+        let histogram = histogram.get_or_insert_with(|| {
+            Histogram::new_with_bounds(1, LATENCY_NS_MAX, 3)
+                .expect("bounds and 3 significant figures are valid")
+        });
+        let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX).max(1);
+        histogram.saturating_record(ns);
+        *total += bytes;
+    }
+
+    fn merge(&mut self, other: Tally) {
+        for (mine, theirs) in [(&mut self.read, other.read), (&mut self.write, other.write)] {
+            match (mine.as_mut(), theirs) {
+                (Some(mine), Some(theirs)) => mine
+                    .add(theirs)
+                    .expect("histograms with equal bounds merge"),
+                (None, Some(theirs)) => *mine = Some(theirs),
+                _ => {}
+            }
+        }
+        self.read_bytes += other.read_bytes;
+        self.write_bytes += other.write_bytes;
+    }
+}
+
+impl Shared {
+    fn record_error(&self, error: String) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert(error);
+    }
+
+    fn record_mismatch(&self, message: String) {
+        self.mismatches.fetch_add(1, Ordering::Relaxed);
+        let mut first = self
+            .first_mismatch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert(message);
+    }
+
+    fn should_stop(&self) -> bool {
+        if self.stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        if self
+            .workload
+            .runtime
+            .is_some_and(|runtime| self.start.elapsed() >= runtime)
+        {
+            self.stop.store(true, Ordering::Relaxed);
+            return true;
+        }
+        if let Some(count) = self.workload.io_count {
+            if self.issued.fetch_add(1, Ordering::Relaxed) >= count {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn pick_block(&self, rng: &mut u64) -> u64 {
+        if self.workload.pattern.is_random() {
+            splitmix64(rng) % self.blocks
+        } else {
+            self.sequential_cursor.fetch_add(1, Ordering::Relaxed) % self.blocks
+        }
+    }
+
+    fn is_read(&self, rng: &mut u64) -> bool {
+        match self.workload.pattern {
+            Pattern::Read | Pattern::RandRead => true,
+            Pattern::Write | Pattern::RandWrite => false,
+            Pattern::RandRw => splitmix64(rng) % 100 < u64::from(self.workload.read_percent),
+        }
+    }
+
+    /// Takes the block's busy bit; its generation, or `None` if another loop holds it.
+    fn lock_block(&self, block: u64) -> Option<u32> {
+        let slot = &self.generations[block as usize];
+        let generation = slot.load(Ordering::Acquire);
+        if generation & BUSY != 0 {
+            return None;
+        }
+        slot.compare_exchange(
+            generation,
+            generation | BUSY,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        )
+        .ok()
+    }
+
+    fn unlock_block(&self, block: u64, generation: u32) {
+        self.generations[block as usize].store(generation, Ordering::Release);
+    }
+
+    fn check(&self, data: &[u8], offset_bytes: u64, generation: u32) {
+        self.verified.fetch_add(1, Ordering::Relaxed);
+        if let Err(mismatch) = pattern::check(data, offset_bytes, generation) {
+            self.record_mismatch(format!(
+                "block at offset {offset_bytes} (generation {generation}): {mismatch:?}"
+            ));
+        }
+    }
+}
+
+async fn request_loop(shared: Arc<Shared>, device: WorkerDevice, mut rng: u64) -> Tally {
+    let mut tally = Tally::default();
+    let bs = shared.workload.block_size;
+    let verify = shared.workload.verify;
+    while !shared.should_stop() {
+        let is_read = shared.is_read(&mut rng);
+        let mut block = shared.pick_block(&mut rng);
+        let mut generation = 0;
+        if verify {
+            let mut locked = shared.lock_block(block);
+            for _ in 0..16 {
+                if locked.is_some() {
+                    break;
+                }
+                block = shared.pick_block(&mut rng);
+                locked = shared.lock_block(block);
+            }
+            let Some(current) = locked else {
+                // Nothing was done: give the issued request back so io_count stays exact.
+                if shared.workload.io_count.is_some() {
+                    shared.issued.fetch_sub(1, Ordering::Relaxed);
+                }
+                tokio::task::yield_now().await;
+                continue;
+            };
+            generation = current;
+        }
+        let offset = block * bs;
+        if is_read {
+            let start = Instant::now();
+            let result = device.read(offset, bs).await;
+            let latency = start.elapsed();
+            match result {
+                Ok(data) => {
+                    tally.record(true, latency, bs);
+                    if verify && generation != 0 && generation != UNKNOWN {
+                        shared.check(&data, offset, generation);
+                    }
+                }
+                Err(error) => shared.record_error(format!("read at {offset}: {error}")),
+            }
+        } else {
+            let next = if generation + 1 >= UNKNOWN {
+                1
+            } else {
+                generation + 1
+            };
+            let mut data = DmaBuf::zeroed(bs as usize);
+            pattern::fill(&mut data, offset, next);
+            let start = Instant::now();
+            let result = device.write(offset, data).await;
+            let latency = start.elapsed();
+            match result {
+                Ok(()) => {
+                    tally.record(false, latency, bs);
+                    generation = next;
+                }
+                Err(error) => {
+                    shared.record_error(format!("write at {offset}: {error}"));
+                    generation = UNKNOWN;
+                }
+            }
+        }
+        shared.completed_ios.fetch_add(1, Ordering::Relaxed);
+        shared.completed_bytes.fetch_add(bs, Ordering::Relaxed);
+        if verify {
+            shared.unlock_block(block, generation);
+        }
+    }
+    tally
+}
+
+/// Reads back every block this run wrote and checks it.
+async fn verify_loop(shared: Arc<Shared>, device: WorkerDevice, cursor: Arc<AtomicU64>) {
+    let bs = shared.workload.block_size;
+    loop {
+        let block = cursor.fetch_add(1, Ordering::Relaxed);
+        if block >= shared.blocks {
+            return;
+        }
+        let generation = shared.generations[block as usize].load(Ordering::Acquire);
+        if generation == 0 || generation == UNKNOWN {
+            continue;
+        }
+        let offset = block * bs;
+        match device.read(offset, bs).await {
+            Ok(data) => shared.check(&data, offset, generation),
+            Err(error) => shared.record_error(format!("verify read at {offset}: {error}")),
+        }
+    }
+}
+
+async fn progress_loop(shared: Arc<Shared>) {
+    let mut last = (Instant::now(), 0u64, 0u64);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = Instant::now();
+        let ios = shared.completed_ios.load(Ordering::Relaxed);
+        let bytes = shared.completed_bytes.load(Ordering::Relaxed);
+        let seconds = now.duration_since(last.0).as_secs_f64();
+        let iops = (ios - last.1) as f64 / seconds;
+        let mib = (bytes - last.2) as f64 / seconds / (1 << 20) as f64;
+        let errors = shared.errors.load(Ordering::Relaxed);
+        eprint!(
+            "\r[{:>4.0}s] {iops:>10.0} IOPS {mib:>9.1} MiB/s  {ios} ios  {errors} errors ",
+            shared.start.elapsed().as_secs_f64()
+        );
+        last = (now, ios, bytes);
+    }
+}
+
+/// Runs `workload` on `device`; `target` names it in the report. Call it on a runtime with
+/// `workload.workers` threads. A live progress line goes to stderr when it is a terminal.
+pub async fn run(
+    device: &Device,
+    workload: &Workload,
+    target: String,
+) -> Result<Report, WorkloadError> {
+    let working_set = workload.check(device.size_bytes(), device.block_size_min())?;
+    let blocks = working_set / workload.block_size;
+    let generations = if workload.verify {
+        let count = usize::try_from(blocks)
+            .map_err(|_| WorkloadError::Invalid("working set too large to verify".into()))?;
+        (0..count).map(|_| AtomicU32::new(0)).collect()
+    } else {
+        Vec::new()
+    };
+    let shared = Arc::new(Shared {
+        workload: workload.clone(),
+        blocks,
+        start: Instant::now(),
+        issued: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+        sequential_cursor: AtomicU64::new(0),
+        completed_ios: AtomicU64::new(0),
+        completed_bytes: AtomicU64::new(0),
+        generations,
+        errors: AtomicU64::new(0),
+        first_error: Mutex::new(None),
+        verified: AtomicU64::new(0),
+        mismatches: AtomicU64::new(0),
+        first_mismatch: Mutex::new(None),
+    });
+    let progress = std::io::stderr()
+        .is_terminal()
+        .then(|| tokio::spawn(progress_loop(shared.clone())));
+    let slots = workload.workers * workload.iodepth;
+    let mut tasks = Vec::with_capacity(slots);
+    let mut seed = workload.seed;
+    for slot in 0..slots {
+        let device = device.for_worker(slot % workload.workers);
+        tasks.push(tokio::spawn(request_loop(
+            shared.clone(),
+            device,
+            splitmix64(&mut seed),
+        )));
+    }
+    let mut tally = Tally::default();
+    for task in tasks {
+        match task.await {
+            Ok(slot_tally) => tally.merge(slot_tally),
+            Err(error) => shared.record_error(format!("request loop failed: {error}")),
+        }
+    }
+    let elapsed = shared.start.elapsed();
+    if let Some(progress) = progress {
+        progress.abort();
+        eprintln!();
+    }
+    if workload.verify {
+        let cursor = Arc::new(AtomicU64::new(0));
+        let loops: Vec<_> = (0..slots)
+            .map(|slot| {
+                tokio::spawn(verify_loop(
+                    shared.clone(),
+                    device.for_worker(slot % workload.workers),
+                    cursor.clone(),
+                ))
+            })
+            .collect();
+        for task in loops {
+            if let Err(error) = task.await {
+                shared.record_error(format!("verify loop failed: {error}"));
+            }
+        }
+    }
+    let direction = |histogram: &Option<Histogram<u64>>, bytes| {
+        histogram
+            .as_ref()
+            .and_then(|h| DirectionReport::new(h, bytes, elapsed))
+    };
+    let take =
+        |slot: &Mutex<Option<String>>| slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    Ok(Report {
+        target,
+        workload: workload.clone(),
+        elapsed_seconds: elapsed.as_secs_f64(),
+        read: direction(&tally.read, tally.read_bytes),
+        write: direction(&tally.write, tally.write_bytes),
+        errors: shared.errors.load(Ordering::Relaxed),
+        first_error: take(&shared.first_error),
+        verified_blocks: shared.verified.load(Ordering::Relaxed),
+        verify_mismatches: shared.mismatches.load(Ordering::Relaxed),
+        first_mismatch: take(&shared.first_mismatch),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use basalt_bdev::{Bdev, BdevInfo};
+
+    fn malloc(block_count: u64) -> Device {
+        let info = BdevInfo {
+            name: "m".into(),
+            uuid: String::new(),
+            product_name: "Malloc disk",
+            block_size: 512,
+            block_count,
+            optimal_io_boundary_blocks: 0,
+        };
+        let bdev: Arc<dyn Bdev> = Arc::new(basalt_bdev::malloc::MallocBdev::new(info));
+        Device::Bdev(bdev)
+    }
+
+    fn workload(pattern: Pattern) -> Workload {
+        Workload {
+            pattern,
+            read_percent: 50,
+            block_size: 4096,
+            workers: 2,
+            iodepth: 4,
+            runtime: None,
+            io_count: Some(2000),
+            working_set_bytes: 1 << 20,
+            verify: true,
+            seed: 7,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn verified_random_mix_is_clean_and_counts_exactly() {
+        let device = malloc(1 << 12);
+        let report = run(&device, &workload(Pattern::RandRw), "malloc".into())
+            .await
+            .expect("runs");
+        assert!(report.is_clean(), "{}", report.to_text());
+        let reads = report.read.as_ref().map_or(0, |r| r.ios);
+        let writes = report.write.as_ref().map_or(0, |w| w.ios);
+        assert_eq!(reads + writes, 2000, "io_count is exact");
+        assert!(reads > 0 && writes > 0);
+        assert!(report.verified_blocks > 0);
+        let latency = &report.write.as_ref().expect("writes").latency;
+        assert!(
+            latency.min_us > 0.0 && latency.max_us >= latency.mean_us,
+            "{latency:?}"
+        );
+        assert!(
+            latency.percentile("p99.9") >= latency.percentile("p10"),
+            "{latency:?}"
+        );
+    }
+
+    /// A device that returns wrong data must be caught: write with one run, then corrupt a
+    /// block behind the bench's back, then check that the final pass reports it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn verify_catches_corruption() {
+        let device = malloc(256);
+        let Device::Bdev(bdev) = &device else {
+            unreachable!()
+        };
+        let bdev = bdev.clone();
+        let mut workload = workload(Pattern::Write);
+        workload.io_count = Some(256);
+        workload.working_set_bytes = 0;
+        workload.iodepth = 1;
+        workload.workers = 1;
+        let shared_device = Device::Bdev(Arc::new(CorruptingBdev { inner: bdev }));
+        let report = run(&shared_device, &workload, "corrupting".into())
+            .await
+            .expect("runs");
+        assert_eq!(report.verify_mismatches, 1, "{}", report.to_text());
+        assert!(
+            report
+                .first_mismatch
+                .as_deref()
+                .is_some_and(|m| m.contains("offset 8192")),
+            "{:?}",
+            report.first_mismatch
+        );
+    }
+
+    /// Flips one byte of every read of offset 8192.
+    struct CorruptingBdev {
+        inner: Arc<dyn Bdev>,
+    }
+
+    impl Bdev for CorruptingBdev {
+        fn info(&self) -> &BdevInfo {
+            self.inner.info()
+        }
+        fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, DmaBuf> {
+            Box::pin(async move {
+                let mut data = self.inner.read(extent).await?;
+                if extent.offset_bytes() == 8192 {
+                    data[100] ^= 0xff;
+                }
+                Ok(data)
+            })
+        }
+        fn write(
+            &self,
+            extent: basalt_bdev::Extent,
+            data: DmaBuf,
+            fua: bool,
+        ) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.write(extent, data, fua)
+        }
+        fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.flush()
+        }
+        fn write_zeroes(
+            &self,
+            extent: basalt_bdev::Extent,
+            deallocate: bool,
+        ) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.write_zeroes(extent, deallocate)
+        }
+        fn discard(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.discard(extent)
+        }
+    }
+}

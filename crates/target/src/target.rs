@@ -1,0 +1,79 @@
+//! The target's state and JSON-RPC dispatch.
+
+use std::sync::Arc;
+
+use basalt_bdev::BdevRegistry;
+use basalt_common::RpcError;
+use basalt_nbd::NbdServer;
+use serde_json::{Value, json};
+
+use crate::config;
+
+/// Methods the target itself answers (the rest belong to subsystems).
+const OWN_METHODS: &[&str] = &[
+    "rpc_get_methods",
+    "save_config",
+    "basalt_get_version",
+    "spdk_get_version",
+];
+
+/// A running target: its bdevs and frontends.
+pub struct Target {
+    /// Every bdev.
+    pub bdevs: BdevRegistry,
+    /// The NBD frontend.
+    pub nbd: Arc<NbdServer>,
+}
+
+impl Default for Target {
+    fn default() -> Self {
+        Self {
+            bdevs: BdevRegistry::new(),
+            nbd: NbdServer::new(),
+        }
+    }
+}
+
+impl Target {
+    /// A target with no bdevs and no frontend listening.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Every method name, sorted.
+    pub fn methods() -> Vec<&'static str> {
+        let mut methods: Vec<&'static str> = OWN_METHODS
+            .iter()
+            .chain(basalt_bdev::rpc::METHODS)
+            .chain(basalt_nbd::rpc::METHODS)
+            .copied()
+            .collect();
+        methods.sort_unstable();
+        methods
+    }
+
+    /// Runs one JSON-RPC method.
+    pub async fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
+        match method {
+            "rpc_get_methods" => Ok(json!(Self::methods())),
+            "save_config" => {
+                Ok(serde_json::to_value(config::save(self)).expect("config serialises"))
+            }
+            "basalt_get_version" | "spdk_get_version" => Ok(json!({
+                "version": format!("basalt {}", env!("CARGO_PKG_VERSION")),
+                "fields": {"major": 0, "minor": 1, "patch": 0, "suffix": ""},
+            })),
+            _ => {
+                if let Some(result) = basalt_bdev::rpc::call(&self.bdevs, method, params.clone()) {
+                    return result;
+                }
+                if let Some(result) =
+                    basalt_nbd::rpc::call(&self.nbd, &self.bdevs, method, params).await
+                {
+                    return result;
+                }
+                Err(RpcError::method_not_found(method))
+            }
+        }
+    }
+}
