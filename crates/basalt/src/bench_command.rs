@@ -1,5 +1,6 @@
 //! `basalt bench`.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use anyhow::{Context, bail};
 use basalt_bdev::Bdev;
 use basalt_bdev::file::{FileBdev, FileBdevOptions};
 use basalt_bdev::malloc::MallocBdev;
-use basalt_bench::{Device, Pattern, Workload};
+use basalt_bench::{Device, Pattern, Progress, ProgressFn, Workload};
 use basalt_common::ByteSize;
 use basalt_nbd::NbdUri;
 
@@ -83,9 +84,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     };
     let report = crate::runtime(args.workers, "bench")?.block_on(async {
         let (device, target) = open_device(&args).await?;
-        basalt_bench::run(&device, &workload, target)
-            .await
-            .context("invalid workload")
+        let live = std::io::stderr().is_terminal();
+        let progress = live.then(|| Box::new(print_progress) as ProgressFn);
+        let report = basalt_bench::run(&device, &workload, target, progress).await;
+        if live {
+            eprintln!();
+        }
+        report.context("invalid workload")
     })?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -145,4 +150,16 @@ async fn open_device(args: &BenchArgs) -> anyhow::Result<(Device, String)> {
         bail!("--bdev {spec:?} is neither malloc:SIZE nor file:PATH");
     };
     Ok((Device::Bdev(bdev), spec.to_string()))
+}
+
+/// The live progress line, rewritten in place on a terminal.
+fn print_progress(progress: Progress) {
+    eprint!(
+        "\r[{:>4.0}s] {:>10.0} IOPS {:>9.1} MiB/s  {} ios  {} errors ",
+        progress.elapsed_seconds,
+        progress.iops,
+        progress.mib_per_second,
+        progress.ios,
+        progress.errors
+    );
 }

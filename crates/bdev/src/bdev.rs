@@ -157,7 +157,7 @@ impl BdevInfo {
                 offset_bytes,
             });
         }
-        if offset_bytes % block_size != 0 || len_bytes % block_size != 0 {
+        if !offset_bytes.is_multiple_of(block_size) || !len_bytes.is_multiple_of(block_size) {
             return Err(BdevError::Misaligned {
                 bdev: self.name.clone(),
                 offset_bytes,

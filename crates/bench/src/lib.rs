@@ -16,5 +16,5 @@ pub mod workload;
 
 pub use device::Device;
 pub use report::Report;
-pub use run::run;
+pub use run::{Progress, ProgressFn, run};
 pub use workload::{Pattern, Workload};

@@ -5,7 +5,6 @@
 //! at once, and a read of a block this run wrote must match [`pattern::fill`] of its
 //! generation. At the end every written block is read back once more.
 
-use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -109,11 +108,10 @@ impl Shared {
             self.stop.store(true, Ordering::Relaxed);
             return true;
         }
-        if let Some(count) = self.workload.io_count {
-            if self.issued.fetch_add(1, Ordering::Relaxed) >= count {
+        if let Some(count) = self.workload.io_count
+            && self.issued.fetch_add(1, Ordering::Relaxed) >= count {
                 return true;
             }
-        }
         false
     }
 
@@ -255,7 +253,25 @@ async fn verify_loop(shared: Arc<Shared>, device: WorkerDevice, cursor: Arc<Atom
     }
 }
 
-async fn progress_loop(shared: Arc<Shared>) {
+/// A once-a-second view of a run in progress.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    /// Seconds since the start.
+    pub elapsed_seconds: f64,
+    /// Requests per second over the last interval.
+    pub iops: f64,
+    /// MiB per second over the last interval.
+    pub mib_per_second: f64,
+    /// Requests completed so far.
+    pub ios: u64,
+    /// Requests failed so far.
+    pub errors: u64,
+}
+
+/// Receives [`Progress`] once a second.
+pub type ProgressFn = Box<dyn Fn(Progress) + Send + Sync>;
+
+async fn progress_loop(shared: Arc<Shared>, report: ProgressFn) {
     let mut last = (Instant::now(), 0u64, 0u64);
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -263,23 +279,24 @@ async fn progress_loop(shared: Arc<Shared>) {
         let ios = shared.completed_ios.load(Ordering::Relaxed);
         let bytes = shared.completed_bytes.load(Ordering::Relaxed);
         let seconds = now.duration_since(last.0).as_secs_f64();
-        let iops = (ios - last.1) as f64 / seconds;
-        let mib = (bytes - last.2) as f64 / seconds / (1 << 20) as f64;
-        let errors = shared.errors.load(Ordering::Relaxed);
-        eprint!(
-            "\r[{:>4.0}s] {iops:>10.0} IOPS {mib:>9.1} MiB/s  {ios} ios  {errors} errors ",
-            shared.start.elapsed().as_secs_f64()
-        );
+        report(Progress {
+            elapsed_seconds: shared.start.elapsed().as_secs_f64(),
+            iops: (ios - last.1) as f64 / seconds,
+            mib_per_second: (bytes - last.2) as f64 / seconds / (1 << 20) as f64,
+            ios,
+            errors: shared.errors.load(Ordering::Relaxed),
+        });
         last = (now, ios, bytes);
     }
 }
 
 /// Runs `workload` on `device`; `target` names it in the report. Call it on a runtime with
-/// `workload.workers` threads. A live progress line goes to stderr when it is a terminal.
+/// `workload.workers` threads. `progress`, if given, is called once a second.
 pub async fn run(
     device: &Device,
     workload: &Workload,
     target: String,
+    progress: Option<ProgressFn>,
 ) -> Result<Report, WorkloadError> {
     let working_set = workload.check(device.size_bytes(), device.block_size_min())?;
     let blocks = working_set / workload.block_size;
@@ -306,9 +323,7 @@ pub async fn run(
         mismatches: AtomicU64::new(0),
         first_mismatch: Mutex::new(None),
     });
-    let progress = std::io::stderr()
-        .is_terminal()
-        .then(|| tokio::spawn(progress_loop(shared.clone())));
+    let progress = progress.map(|report| tokio::spawn(progress_loop(shared.clone(), report)));
     let slots = workload.workers * workload.iodepth;
     let mut tasks = Vec::with_capacity(slots);
     let mut seed = workload.seed;
@@ -330,7 +345,6 @@ pub async fn run(
     let elapsed = shared.start.elapsed();
     if let Some(progress) = progress {
         progress.abort();
-        eprintln!();
     }
     if workload.verify {
         let cursor = Arc::new(AtomicU64::new(0));
@@ -406,7 +420,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn verified_random_mix_is_clean_and_counts_exactly() {
         let device = malloc(1 << 12);
-        let report = run(&device, &workload(Pattern::RandRw), "malloc".into())
+        let report = run(&device, &workload(Pattern::RandRw), "malloc".into(), None)
             .await
             .expect("runs");
         assert!(report.is_clean(), "{}", report.to_text());
@@ -441,7 +455,7 @@ mod tests {
         workload.iodepth = 1;
         workload.workers = 1;
         let shared_device = Device::Bdev(Arc::new(CorruptingBdev { inner: bdev }));
-        let report = run(&shared_device, &workload, "corrupting".into())
+        let report = run(&shared_device, &workload, "corrupting".into(), None)
             .await
             .expect("runs");
         assert_eq!(report.verify_mismatches, 1, "{}", report.to_text());

@@ -107,7 +107,7 @@ impl Workload {
     /// the working set actually used.
     pub fn check(&self, size_bytes: u64, block_size_min: u64) -> Result<u64, WorkloadError> {
         let invalid = |message: String| Err(WorkloadError::Invalid(message));
-        if self.block_size == 0 || self.block_size % block_size_min.max(1) != 0 {
+        if self.block_size == 0 || !self.block_size.is_multiple_of(block_size_min.max(1)) {
             return invalid(format!(
                 "bs {} is not a multiple of the device's {block_size_min}-byte blocks",
                 self.block_size

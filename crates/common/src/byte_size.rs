@@ -83,7 +83,7 @@ impl fmt::Display for ByteSize {
         let names = ["B", "KiB", "MiB", "GiB", "TiB"];
         let mut value = self.0;
         let mut unit = 0;
-        while unit + 1 < names.len() && value != 0 && value % 1024 == 0 {
+        while unit + 1 < names.len() && value != 0 && value.is_multiple_of(1024) {
             value /= 1024;
             unit += 1;
         }

@@ -65,7 +65,14 @@ struct Pending {
     reply: oneshot::Sender<io::Result<Vec<u8>>>,
 }
 
-type PendingMap = Arc<Mutex<HashMap<u64, Pending>>>;
+/// Requests awaiting replies, and why the connection closed once it has.
+#[derive(Default)]
+struct PendingState {
+    requests: HashMap<u64, Pending>,
+    closed: Option<String>,
+}
+
+type PendingMap = Arc<Mutex<PendingState>>;
 
 /// A connected client, in transmission.
 pub struct NbdClient {
@@ -167,7 +174,16 @@ impl NbdClient {
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         let read_len = if command == CMD_READ { len_bytes } else { 0 };
-        lock(&self.pending).insert(handle, Pending { read_len, reply });
+        {
+            let mut pending = lock(&self.pending);
+            if let Some(reason) = &pending.closed {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    reason.clone(),
+                ));
+            }
+            pending.requests.insert(handle, Pending { read_len, reply });
+        }
         let header = Request {
             flags,
             command,
@@ -188,7 +204,7 @@ impl NbdClient {
             }
         };
         if let Err(error) = sent {
-            lock(&self.pending).remove(&handle);
+            lock(&self.pending).requests.remove(&handle);
             return Err(error);
         }
         answer.await.unwrap_or_else(|_| {
@@ -221,7 +237,7 @@ impl Drop for NbdClient {
     }
 }
 
-fn lock(pending: &PendingMap) -> std::sync::MutexGuard<'_, HashMap<u64, Pending>> {
+fn lock(pending: &PendingMap) -> std::sync::MutexGuard<'_, PendingState> {
     pending
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -236,7 +252,7 @@ async fn read_replies(mut reader: OwnedReadHalf, pending: PendingMap) {
         let Some(reply) = SimpleReply::decode(&header) else {
             break io::Error::new(io::ErrorKind::InvalidData, "bad reply magic");
         };
-        let Some(request) = lock(&pending).remove(&reply.handle) else {
+        let Some(request) = lock(&pending).requests.remove(&reply.handle) else {
             break io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("reply to unknown handle {}", reply.handle),
@@ -257,11 +273,12 @@ async fn read_replies(mut reader: OwnedReadHalf, pending: PendingMap) {
         }
         let _ = request.reply.send(Ok(data));
     };
-    for (_, request) in lock(&pending).drain() {
-        let _ = request.reply.send(Err(io::Error::new(
-            error.kind(),
-            format!("nbd connection failed: {error}"),
-        )));
+    let reason = format!("nbd connection closed: {error}");
+    let mut state = lock(&pending);
+    state.closed = Some(reason.clone());
+    for (_, request) in state.requests.drain() {
+        let error = io::Error::new(io::ErrorKind::ConnectionAborted, reason.clone());
+        let _ = request.reply.send(Err(error));
     }
 }
 

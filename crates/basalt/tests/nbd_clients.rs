@@ -1,0 +1,200 @@
+//! The NBD export of `basalt target` used by clients we did not write: qemu-img, qemu-io,
+//! nbdinfo, nbdcopy and fio's nbd engine.
+
+mod support;
+
+use std::process::Command;
+
+use serde_json::{Value, json};
+use support::*;
+
+/// A target with a 64 MiB malloc export "disk" and a 4 MiB read-only export "ro".
+fn target_with_exports(dir: &ScratchDir) -> (TargetProcess, u16) {
+    let target = TargetProcess::start(&dir.path, &[]);
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"name": "m0", "num_blocks": 16384, "block_size": 4096}),
+    );
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"name": "m1", "num_blocks": 8192, "block_size": 512}),
+    );
+    let port = target.start_nbd();
+    target.rpc_ok(
+        "nbd_server_add_export",
+        json!({"bdev_name": "m0", "name": "disk"}),
+    );
+    target.rpc_ok(
+        "nbd_server_add_export",
+        json!({"bdev_name": "m1", "name": "ro", "readonly": true}),
+    );
+    (target, port)
+}
+
+#[test]
+fn qemu_img_and_qemu_io_use_the_export() {
+    require("qemu-img");
+    require("qemu-io");
+    let dir = ScratchDir::new("nbd-qemu");
+    let (_target, port) = target_with_exports(&dir);
+    let uri = format!("nbd://127.0.0.1:{port}/disk");
+    let info = run_ok(Command::new("qemu-img").args(["info", "--output=json", &uri]));
+    let info: Value = serde_json::from_str(&info).expect("qemu-img json");
+    assert_eq!(info["virtual-size"], json!(64 << 20), "{info}");
+
+    qemu_io_ok(
+        &uri,
+        false,
+        &[
+            "write -P 0xab 0 1M",
+            "write -P 0xcd -f 1M 64k", // FUA
+            "aio_write -P 0x11 2M 4k",
+            "aio_write -P 0x22 3M 4k",
+            "aio_flush",
+            "flush",
+        ],
+    );
+    qemu_io_ok(
+        &uri,
+        true,
+        &[
+            "read -P 0xab 0 1M",
+            "read -P 0xcd 1M 64k",
+            "read -P 0x11 2M 4k",
+            "read -P 0x22 3M 4k",
+            "read -P 0 4M 1M",
+        ],
+    );
+    qemu_io_ok(
+        &uri,
+        false,
+        &["discard 0 64k", "write -z 64k 64k", "write -z -u 128k 64k"],
+    );
+    qemu_io_ok(&uri, true, &["read -P 0 0 192k", "read -P 0xab 192k 64k"]);
+
+    // The read-only export refuses writes; qemu-io reports the failure.
+    let ro = format!("nbd://127.0.0.1:{port}/ro");
+    let out = run(Command::new("qemu-io").args(["-f", "raw", &ro, "-c", "write -P 1 0 4k"]));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !out.status.success() && text.contains("Permission denied"),
+        "{text}"
+    );
+    qemu_io_ok(&ro, true, &["read -P 0 0 4M"]);
+}
+
+#[test]
+fn nbdinfo_lists_exports_with_sizes_and_limits() {
+    require("nbdinfo");
+    let dir = ScratchDir::new("nbd-nbdinfo");
+    let (_target, port) = target_with_exports(&dir);
+    let out = run_ok(Command::new("nbdinfo").args([
+        "--list",
+        "--json",
+        &format!("nbd://127.0.0.1:{port}"),
+    ]));
+    let listing: Value = serde_json::from_str(&out).expect("nbdinfo json");
+    let exports = listing["exports"].as_array().expect("exports");
+    let find = |name: &str| {
+        exports
+            .iter()
+            .find(|e| e["export-name"] == json!(name))
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} not listed: {listing}"))
+    };
+    let disk = find("disk");
+    assert_eq!(disk["export-size"], json!(64 << 20));
+    assert_eq!(disk["can_multi_conn"], json!(true));
+    assert_eq!(disk["can_flush"], json!(true));
+    assert_eq!(disk["can_trim"], json!(true));
+    assert_eq!(disk["can_zero"], json!(true));
+    assert_eq!(disk["can_fua"], json!(true));
+    assert_eq!(disk["block_size_minimum"], json!(4096));
+    let ro = find("ro");
+    assert_eq!(ro["is_read_only"], json!(true));
+    assert_eq!(ro["export-size"], json!(4 << 20));
+    assert_eq!(ro["block_size_minimum"], json!(512));
+}
+
+#[test]
+fn nbdcopy_in_and_out_preserves_the_data() {
+    require("nbdcopy");
+    let dir = ScratchDir::new("nbd-nbdcopy");
+    let (_target, port) = target_with_exports(&dir);
+    let source = dir.join("source.bin");
+    run_ok(Command::new("dd").args([
+        "if=/dev/urandom",
+        &format!("of={}", source.display()),
+        "bs=1M",
+        "count=64",
+        "status=none",
+    ]));
+    let uri = format!("nbd://127.0.0.1:{port}/disk");
+    run_ok(Command::new("nbdcopy").args(["--connections=4", source.to_str().expect("utf8"), &uri]));
+    let copy = dir.join("copy.bin");
+    run_ok(Command::new("nbdcopy").args([&uri, copy.to_str().expect("utf8")]));
+    assert_eq!(sha256(&source), sha256(&copy));
+}
+
+/// fio writes verifiable blocks through 4 connections (multi-conn), then a second fio run
+/// reads every block back and checks its crc32c; a corrupted block is then detected.
+#[test]
+fn fio_randwrite_verify_through_several_connections() {
+    require("fio");
+    let dir = ScratchDir::new("nbd-fio");
+    let (target, port) = target_with_exports(&dir);
+    let uri = format!("nbd://127.0.0.1:{port}/disk");
+    let fio = |extra: &[&str]| {
+        let mut command = Command::new("fio");
+        command.args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--numjobs=4",
+            "--size=16m",
+            "--offset_increment=16m",
+            "--verify=crc32c",
+            "--verify_state_save=0",
+            "--group_reporting",
+            "--output-format=json",
+        ]);
+        command.args(extra);
+        run(&mut command)
+    };
+    let write = fio(&["--do_verify=0"]);
+    assert!(write.status.success());
+    let verify = fio(&["--verify_only"]);
+    assert!(verify.status.success(), "verify failed");
+    let stdout = String::from_utf8_lossy(&verify.stdout);
+    let json_start = stdout.find('{').expect("fio printed json");
+    let report: Value = serde_json::from_str(&stdout[json_start..]).expect("fio json");
+    assert_eq!(report["jobs"][0]["error"], json!(0));
+    assert!(
+        report["jobs"][0]["read"]["io_bytes"].as_u64().unwrap_or(0) >= 64 << 20,
+        "verify read everything"
+    );
+    let stats = target.rpc_ok("bdev_get_iostat", json!({"name": "m0"}));
+    assert!(
+        stats["bdevs"][0]["num_write_ops"].as_u64().unwrap_or(0) >= 16384,
+        "{stats}"
+    );
+
+    // Overwrite one region behind fio's back: the verify pass must now fail.
+    qemu_io_ok(
+        &format!("nbd://127.0.0.1:{port}/disk"),
+        false,
+        &["write -P 0 0 64k"],
+    );
+    let corrupted = fio(&["--verify_only"]);
+    assert!(
+        !corrupted.status.success(),
+        "fio must detect the overwritten blocks"
+    );
+}

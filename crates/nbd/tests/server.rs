@@ -1,0 +1,355 @@
+//! The NBD server under bad input: bad requests get their NBD error and the connection goes
+//! on; malformed handshakes end only their own connection; random bytes never crash it.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use basalt_bdev::malloc::MallocBdev;
+use basalt_bdev::{Bdev, BdevInfo};
+use basalt_nbd::protocol::*;
+use basalt_nbd::server::Export;
+use basalt_nbd::{NbdClient, NbdServer, NbdUri};
+use proptest::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const SIZE_BYTES: u64 = 8 << 20;
+
+fn malloc(name: &str) -> Arc<dyn Bdev> {
+    let info = BdevInfo {
+        name: name.into(),
+        uuid: String::new(),
+        product_name: "Malloc disk",
+        block_size: 512,
+        block_count: SIZE_BYTES / 512,
+        optimal_io_boundary_blocks: 0,
+    };
+    Arc::new(MallocBdev::new(info))
+}
+
+async fn server() -> (Arc<NbdServer>, u16) {
+    let server = NbdServer::new();
+    let bdev = malloc("m");
+    server.exports().insert(Arc::new(Export::new(
+        "disk".into(),
+        "m".into(),
+        bdev.clone(),
+        false,
+        None,
+    )));
+    server.exports().insert(Arc::new(Export::new(
+        "ro".into(),
+        "m".into(),
+        bdev,
+        true,
+        None,
+    )));
+    let address = server.start("127.0.0.1", 0).await.expect("listen");
+    (server, address.port())
+}
+
+async fn client(port: u16, export: &str) -> NbdClient {
+    let uri = NbdUri {
+        host: "127.0.0.1".into(),
+        port,
+        export: export.into(),
+    };
+    NbdClient::connect(&uri).await.expect("connect")
+}
+
+fn errno(result: io::Result<Vec<u8>>) -> Option<i32> {
+    result.err().and_then(|error| error.raw_os_error())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_work_and_bad_requests_get_their_error() {
+    let (_server, port) = server().await;
+    let nbd = client(port, "disk").await;
+    assert_eq!(nbd.size_bytes(), SIZE_BYTES);
+    assert_eq!(nbd.block_size_min(), 512);
+
+    nbd.write(4096, &[0x5a; 8192], false).await.expect("write");
+    nbd.write(16384, &[0x33; 512], true)
+        .await
+        .expect("fua write");
+    nbd.flush().await.expect("flush");
+    assert_eq!(nbd.read(4096, 8192).await.expect("read"), vec![0x5a; 8192]);
+    nbd.trim(4096, 4096).await.expect("trim");
+    nbd.write_zeroes(8192, 4096, true)
+        .await
+        .expect("write zeroes");
+    assert_eq!(nbd.read(4096, 8192).await.expect("read"), vec![0; 8192]);
+    assert_eq!(nbd.read(16384, 512).await.expect("read"), vec![0x33; 512]);
+
+    let einval = Some(EINVAL as i32);
+    assert_eq!(
+        errno(nbd.read(SIZE_BYTES, 512).await),
+        einval,
+        "read past the end"
+    );
+    assert_eq!(
+        errno(nbd.read(u64::MAX - 511, 512).await),
+        einval,
+        "offset overflow"
+    );
+    assert_eq!(
+        errno(
+            nbd.request(CMD_WRITE, 0, SIZE_BYTES - 512, 1024, &[1; 1024])
+                .await
+        ),
+        Some(ENOSPC as i32),
+        "write past the end"
+    );
+    assert_eq!(errno(nbd.read(100, 512).await), einval, "misaligned");
+    assert_eq!(errno(nbd.read(0, 0).await), einval, "empty read");
+    assert_eq!(
+        errno(nbd.request(99, 0, 0, 512, &[]).await),
+        einval,
+        "unknown command"
+    );
+    assert_eq!(
+        errno(nbd.request(CMD_READ, 1 << 9, 0, 512, &[]).await),
+        einval,
+        "unknown flag"
+    );
+    assert_eq!(
+        errno(nbd.request(CMD_TRIM, 0, SIZE_BYTES, 512, &[]).await),
+        einval,
+        "trim past the end"
+    );
+    let oversized = vec![7u8; PAYLOAD_SIZE_MAX as usize + 4096];
+    assert_eq!(
+        errno(
+            nbd.request(CMD_WRITE, 0, 0, oversized.len() as u32, &oversized)
+                .await
+        ),
+        einval,
+        "oversized payload"
+    );
+    assert_eq!(
+        errno(
+            nbd.request(CMD_READ, 0, 0, PAYLOAD_SIZE_MAX + 512, &[])
+                .await
+        ),
+        einval,
+        "oversized read"
+    );
+
+    // After all that, the same connection still works, and nothing was written.
+    assert_eq!(nbd.read(0, 4096).await.expect("read"), vec![0; 4096]);
+    assert_eq!(
+        nbd.read(SIZE_BYTES - 512, 512).await.expect("read"),
+        vec![0; 512]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_export_refuses_changes() {
+    let (_server, port) = server().await;
+    let nbd = client(port, "ro").await;
+    assert_ne!(nbd.transmission_flags() & TRANSMISSION_READ_ONLY, 0);
+    let eperm = Some(EPERM as i32);
+    assert_eq!(
+        errno(nbd.request(CMD_WRITE, 0, 0, 512, &[1; 512]).await),
+        eperm
+    );
+    assert_eq!(errno(nbd.request(CMD_TRIM, 0, 0, 512, &[]).await), eperm);
+    assert_eq!(
+        errno(nbd.request(CMD_WRITE_ZEROES, 0, 0, 512, &[]).await),
+        eperm
+    );
+    assert_eq!(nbd.read(0, 512).await.expect("reads work"), vec![0; 512]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_requests_in_flight_complete_out_of_order() {
+    let (_server, port) = server().await;
+    let nbd = Arc::new(client(port, "disk").await);
+    let mut tasks = Vec::new();
+    for index in 0..512u64 {
+        let nbd = nbd.clone();
+        tasks.push(tokio::spawn(async move {
+            let offset = (index % 2048) * 4096;
+            let byte = (index % 251) as u8;
+            nbd.write(offset, &vec![byte; 4096], false)
+                .await
+                .expect("write");
+            assert_eq!(
+                nbd.read(offset, 4096).await.expect("read"),
+                vec![byte; 4096]
+            );
+        }));
+    }
+    for task in tasks {
+        task.await.expect("request task");
+    }
+}
+
+/// Sends `bytes` as a whole client session and returns what the server sent back.
+async fn raw_session(port: u16, bytes: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let _ = stream.write_all(bytes).await;
+    let _ = stream.shutdown().await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer)).await;
+    answer
+}
+
+fn option(kind: u32, data: &[u8]) -> Vec<u8> {
+    let mut bytes = OPTION_MAGIC.to_be_bytes().to_vec();
+    bytes.extend_from_slice(&kind.to_be_bytes());
+    bytes.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(data);
+    bytes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_handshakes_end_only_their_connection() {
+    let (server, port) = server().await;
+    let survivor = client(port, "disk").await;
+    survivor.write(0, &[9; 512], false).await.expect("write");
+    let flags = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES).to_be_bytes();
+    let with_flags = |rest: &[u8]| [flags.as_slice(), rest].concat();
+    let mut huge = OPTION_MAGIC.to_be_bytes().to_vec();
+    huge.extend_from_slice(&OPT_GO.to_be_bytes());
+    huge.extend_from_slice(&u32::MAX.to_be_bytes());
+    let sessions: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", b"GET / HTTP/1.1\r\n\r\n".to_vec()),
+        (
+            "unknown client flags",
+            0xffff_ffffu32.to_be_bytes().to_vec(),
+        ),
+        ("bad option magic", with_flags(&[0u8; 16])),
+        (
+            "truncated option",
+            with_flags(&OPTION_MAGIC.to_be_bytes()[..5]),
+        ),
+        ("huge option length", with_flags(&huge)),
+        (
+            "unknown export by name",
+            with_flags(&option(OPT_EXPORT_NAME, b"nope")),
+        ),
+        (
+            "malformed info",
+            with_flags(&option(OPT_GO, &[0, 0, 0, 9, b'a'])),
+        ),
+        ("unknown option", with_flags(&option(12345, b"x"))),
+        ("list with data", with_flags(&option(OPT_LIST, b"x"))),
+    ];
+    for (name, bytes) in sessions {
+        let answer = raw_session(port, &bytes).await;
+        assert!(
+            answer.starts_with(&INIT_MAGIC.to_be_bytes()),
+            "{name}: greeting"
+        );
+        let replied = |code: u32| answer.windows(4).any(|w| w == code.to_be_bytes());
+        match name {
+            "malformed info" | "list with data" => {
+                assert!(replied(REP_ERR_INVALID), "{name}: {answer:?}")
+            }
+            "unknown option" => assert!(replied(REP_ERR_UNSUP), "{name}: {answer:?}"),
+            "huge option length" => {
+                assert!(replied(REP_ERR_TOO_BIG) || answer.len() == 18, "{name}")
+            }
+            _ => assert_eq!(answer.len(), 18, "{name}: only the greeting, then close"),
+        }
+    }
+    // The connection that was open all along still works.
+    assert_eq!(survivor.read(0, 512).await.expect("survivor"), vec![9; 512]);
+    assert_eq!(
+        server
+            .exports()
+            .list()
+            .iter()
+            .map(|e| e.connection_count())
+            .sum::<usize>(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_request_magic_closes_that_connection_only() {
+    let (_server, port) = server().await;
+    let survivor = client(port, "disk").await;
+    let mut session = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    session.extend(option(OPT_EXPORT_NAME, b"disk"));
+    session.extend_from_slice(&[0xee; REQUEST_SIZE]);
+    let answer = raw_session(port, &session).await;
+    assert_eq!(answer.len(), 18 + 10, "greeting, export info, then close");
+    assert_eq!(survivor.read(0, 512).await.expect("survivor"), vec![0; 512]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_an_export_closes_its_connections() {
+    let (server, port) = server().await;
+    let nbd = client(port, "disk").await;
+    nbd.read(0, 512).await.expect("read");
+    server.exports().remove("disk").expect("remove");
+    let after = tokio::time::timeout(Duration::from_secs(5), nbd.read(0, 512))
+        .await
+        .expect("answered or closed");
+    assert!(after.is_err(), "the connection is closed");
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Random client bytes after a valid start (flags, then option haggling or transmission)
+    /// never panic the server, and a good connection keeps working alongside.
+    #[test]
+    fn random_sessions_never_break_the_server(tail in proptest::collection::vec(any::<u8>(), 0..512), go in any::<bool>()) {
+        runtime().block_on(async {
+            let server = NbdServer::new();
+            server.exports().insert(Arc::new(Export::new("disk".into(), "m".into(), malloc("m"), false, None)));
+            let mut prefix = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES).to_be_bytes().to_vec();
+            if go {
+                prefix.extend(option(OPT_STRUCTURED_REPLY, &[]));
+                prefix.extend(option(OPT_GO, &InfoRequest { name: "disk".into(), requests: vec![INFO_BLOCK_SIZE] }.encode()));
+            }
+            prefix.extend_from_slice(&tail);
+            let (client_side, server_side) = tokio::io::duplex(1 << 16);
+            let (reader, writer) = tokio::io::split(server_side);
+            let serve = tokio::spawn(server.clone().serve(reader, writer));
+            let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
+            client_writer.write_all(&prefix).await.expect("send");
+            client_writer.shutdown().await.expect("shutdown");
+            let mut sink = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(5), client_reader.read_to_end(&mut sink)).await;
+            let outcome = tokio::time::timeout(Duration::from_secs(5), serve).await;
+            prop_assert!(matches!(outcome, Ok(Ok(_))), "server task panicked or hung: {:?}", outcome);
+            Ok(())
+        })?;
+    }
+
+    /// Random 28-byte request headers after a valid negotiation are answered or end the
+    /// connection; a second connection is unaffected.
+    #[test]
+    fn random_requests_never_break_the_server(requests in proptest::collection::vec((any::<u16>(), 0u16..8, any::<u64>(), 0u32..70_000), 1..8)) {
+        runtime().block_on(async {
+            let (_server, port) = server().await;
+            let good = client(port, "disk").await;
+            let uri = NbdUri { host: "127.0.0.1".into(), port, export: "disk".into() };
+            let fuzz = NbdClient::connect(&uri).await.expect("connect");
+            for (flags, command, offset, len) in requests {
+                let payload = if command == CMD_WRITE { vec![0xaa; len as usize] } else { Vec::new() };
+                if command == CMD_DISC { continue; }
+                let _ = tokio::time::timeout(Duration::from_secs(5), fuzz.request(command, flags, offset, len, &payload)).await;
+            }
+            let read = good.read(0, 512).await;
+            prop_assert!(read.as_ref().is_ok_and(|data| data.len() == 512), "good connection: {:?}", read.map(|d| d.len()));
+            Ok(())
+        })?;
+    }
+}
