@@ -117,9 +117,10 @@ impl BdevRegistry {
     /// Drops `owner`'s claim on the bdev (no-op if it held none).
     pub fn release(&self, name: &str, owner: &str) {
         if let Some(entry) = self.lock().get_mut(name)
-            && let Some(position) = entry.claims.iter().position(|claim| claim == owner) {
-                entry.claims.remove(position);
-            }
+            && let Some(position) = entry.claims.iter().position(|claim| claim == owner)
+        {
+            entry.claims.remove(position);
+        }
     }
 
     /// Deletes a bdev of `kind`; refused while something uses it.

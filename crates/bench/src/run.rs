@@ -109,9 +109,10 @@ impl Shared {
             return true;
         }
         if let Some(count) = self.workload.io_count
-            && self.issued.fetch_add(1, Ordering::Relaxed) >= count {
-                return true;
-            }
+            && self.issued.fetch_add(1, Ordering::Relaxed) >= count
+        {
+            return true;
+        }
         false
     }
 
