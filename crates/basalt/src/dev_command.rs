@@ -36,7 +36,8 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", args.data_dir.display()))?;
     let socket = args.data_dir.join("target.sock");
     let target = Target::new();
-    let block_size = 4096u64;
+    // 512-byte blocks: every client, however it aligns its requests, can use the volume.
+    let block_size = 512u64;
     let calls = [
         (
             "bdev_malloc_create",

@@ -82,6 +82,30 @@ impl FileBdev {
     }
 }
 
+/// `EOPNOTSUPP` from Linux (stable ABI number).
+const EOPNOTSUPP: i32 = 95;
+/// Bytes per write when zeroing by writing.
+const ZERO_CHUNK_BYTES: u64 = 1 << 20;
+
+impl FileBdev {
+    /// Writes zeroes over `extent`, a chunk at a time, reusing one buffer.
+    async fn zero_by_writing(&self, extent: Extent) -> Result<(), crate::BdevError> {
+        let mut offset = extent.offset_bytes();
+        let mut buffer = DmaBuf::zeroed(ZERO_CHUNK_BYTES.min(extent.len_bytes()) as usize);
+        while offset < extent.end_bytes() {
+            let len = ZERO_CHUNK_BYTES.min(extent.end_bytes() - offset);
+            buffer.truncate(len as usize);
+            buffer = self
+                .engine
+                .write(offset, buffer, false)
+                .await
+                .map_err(|error| self.info.io_error(error))?;
+            offset += len;
+        }
+        Ok(())
+    }
+}
+
 impl Bdev for FileBdev {
     fn info(&self) -> &BdevInfo {
         &self.info
@@ -124,10 +148,18 @@ impl Bdev for FileBdev {
             AllocateMode::ZeroRange
         };
         Box::pin(async move {
-            self.engine
+            let allocated = self
+                .engine
                 .allocate(mode, extent.offset_bytes(), extent.len_bytes())
-                .await
-                .map_err(|error| self.info.io_error(error))
+                .await;
+            match allocated {
+                // Filesystems without this fallocate mode (and some block devices) still
+                // get zeroes, by writing them.
+                Err(error) if error.raw_os_error() == Some(EOPNOTSUPP) => {
+                    self.zero_by_writing(extent).await
+                }
+                other => other.map_err(|error| self.info.io_error(error)),
+            }
         })
     }
 
@@ -185,6 +217,33 @@ mod tests {
                 .all(|b| *b == 0)
         );
         bdev.flush().await.expect("flush");
+        drop(bdev);
+        std::fs::remove_file(path).expect("remove");
+    }
+
+    #[tokio::test]
+    async fn zeroing_by_writing_covers_the_extent_only() {
+        let path = std::env::temp_dir().join(format!("basalt-file-zero-{}", std::process::id()));
+        std::fs::write(&path, vec![0xeeu8; 3 << 20]).expect("create");
+        let options = FileBdevOptions {
+            block_size: 4096,
+            buffered: true,
+            queue_depth: 4,
+        };
+        let bdev = FileBdev::open(&path, "f".into(), String::new(), &options).expect("open");
+        let extent = bdev.info().extent(4096, (2 << 20) + 8192).expect("extent");
+        bdev.zero_by_writing(extent).await.expect("zero");
+        let all = bdev.info().extent(0, 3 << 20).expect("extent");
+        let data = bdev.read(all).await.expect("read");
+        assert!(data[..4096].iter().all(|b| *b == 0xee), "before the extent");
+        assert!(
+            data[4096..(2 << 20) + 12288].iter().all(|b| *b == 0),
+            "the extent"
+        );
+        assert!(
+            data[(2 << 20) + 12288..].iter().all(|b| *b == 0xee),
+            "after the extent"
+        );
         drop(bdev);
         std::fs::remove_file(path).expect("remove");
     }

@@ -154,7 +154,16 @@ async fn send_info<W: AsyncWrite + Unpin>(
     item.extend_from_slice(&export.size_bytes().to_be_bytes());
     item.extend_from_slice(&export.transmission_flags().to_be_bytes());
     reply(writer, option, REP_INFO, &item).await?;
-    for &kind in requested {
+    // Block sizes go to every client, asked or not (the protocol allows it), so a client
+    // that did not ask still learns our alignment rather than meeting EINVAL.
+    let mut kinds = vec![INFO_BLOCK_SIZE];
+    kinds.extend(
+        requested
+            .iter()
+            .copied()
+            .filter(|&kind| kind != INFO_BLOCK_SIZE),
+    );
+    for kind in kinds {
         let mut item = kind.to_be_bytes().to_vec();
         match kind {
             INFO_NAME => item.extend_from_slice(export.name.as_bytes()),

@@ -16,7 +16,7 @@ use basalt_bdev::{Bdev, BdevError};
 use basalt_io::DmaBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::handshake::{self, Outcome};
@@ -71,16 +71,12 @@ impl Export {
 
     /// Transmission flags sent to clients.
     pub fn transmission_flags(&self) -> u16 {
-        let mut flags = TRANSMISSION_HAS_FLAGS
-            | TRANSMISSION_SEND_FLUSH
-            | TRANSMISSION_SEND_FUA
-            | TRANSMISSION_SEND_TRIM
-            | TRANSMISSION_SEND_WRITE_ZEROES
-            | TRANSMISSION_CAN_MULTI_CONN;
+        let common = TRANSMISSION_HAS_FLAGS | TRANSMISSION_SEND_FLUSH | TRANSMISSION_CAN_MULTI_CONN;
         if self.readonly {
-            flags |= TRANSMISSION_READ_ONLY;
+            common | TRANSMISSION_READ_ONLY
+        } else {
+            common | TRANSMISSION_SEND_FUA | TRANSMISSION_SEND_TRIM | TRANSMISSION_SEND_WRITE_ZEROES
         }
-        flags
     }
 
     /// The description sent with NBD_INFO_DESCRIPTION.
@@ -278,11 +274,13 @@ impl NbdServer {
     }
 }
 
-/// A completed request, waiting for the writer.
+/// A completed request, waiting for the writer. It holds its share of the connection's
+/// byte budget until it has been written, so unread replies cannot pile up without bound.
 struct Reply {
     handle: u64,
     offset_bytes: u64,
     result: Result<Option<DmaBuf>, Failure>,
+    _budget: OwnedSemaphorePermit,
 }
 
 /// An NBD error for one request.
@@ -331,10 +329,15 @@ where
             if request.command == CMD_DISC {
                 return Ok(());
             }
-            let units = request
-                .len_bytes
-                .div_ceil(BUDGET_UNIT)
-                .clamp(1, IN_FLIGHT_BYTES_MAX / BUDGET_UNIT);
+            // Only reads and writes hold data; a large trim or zeroing costs one unit.
+            let units = if matches!(request.command, CMD_READ | CMD_WRITE) {
+                request
+                    .len_bytes
+                    .div_ceil(BUDGET_UNIT)
+                    .clamp(1, IN_FLIGHT_BYTES_MAX / BUDGET_UNIT)
+            } else {
+                1
+            };
             let permit = budget
                 .clone()
                 .acquire_many_owned(units)
@@ -351,6 +354,7 @@ where
                         handle: request.handle,
                         offset_bytes: request.offset_bytes,
                         result: Err(Failure::new(EINVAL, message)),
+                        _budget: permit,
                     });
                     continue;
                 }
@@ -369,8 +373,8 @@ where
                     handle: request.handle,
                     offset_bytes: request.offset_bytes,
                     result,
+                    _budget: permit,
                 });
-                drop(permit);
             });
         }
     }
@@ -411,6 +415,11 @@ async fn execute(
     }
     match request.command {
         CMD_READ => {
+            if request.len_bytes > PAYLOAD_SIZE_MAX {
+                let message =
+                    format!("read of {len} bytes exceeds the {PAYLOAD_SIZE_MAX}-byte maximum");
+                return Err(Failure::new(EINVAL, message));
+            }
             let extent = info.data_extent(offset, len).map_err(fail)?;
             bdev.read(extent).await.map(Some).map_err(fail)
         }
@@ -445,10 +454,11 @@ async fn execute(
 fn errno_for(command: u16, error: &BdevError) -> u32 {
     match error {
         BdevError::OutOfRange { .. } if matches!(command, CMD_WRITE | CMD_WRITE_ZEROES) => ENOSPC,
+        // NBD reserves ENOTSUP for fast zeroing, which we do not offer; a device that cannot
+        // do something is an I/O error to the client.
         _ => match error.errno() {
             22 => EINVAL,
             28 => ENOSPC,
-            95 => ENOTSUP,
             _ => EIO,
         },
     }
@@ -562,6 +572,14 @@ mod tests {
                 bdev: "b".into(),
                 source: io::Error::from_raw_os_error(28),
             },
+            4 => BdevError::Io {
+                bdev: "b".into(),
+                source: io::Error::from_raw_os_error(95),
+            },
+            5 => BdevError::Io {
+                bdev: "b".into(),
+                source: io::Error::from_raw_os_error(122),
+            },
             _ => BdevError::Io {
                 bdev: "b".into(),
                 source: io::Error::from_raw_os_error(5),
@@ -578,6 +596,12 @@ mod tests {
         assert_eq!(errno_for(CMD_READ, &bdev_error(1)), EINVAL);
         assert_eq!(errno_for(CMD_WRITE, &bdev_error(2)), ENOSPC);
         assert_eq!(errno_for(CMD_READ, &bdev_error(3)), EIO);
+        assert_eq!(
+            errno_for(CMD_WRITE_ZEROES, &bdev_error(4)),
+            EIO,
+            "EOPNOTSUPP"
+        );
+        assert_eq!(errno_for(CMD_WRITE, &bdev_error(5)), ENOSPC, "EDQUOT");
     }
 
     #[test]

@@ -14,7 +14,8 @@ use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-const SIZE_BYTES: u64 = 8 << 20;
+/// Larger than the 32 MiB request maximum, so oversized requests are in range (malloc is thin).
+const SIZE_BYTES: u64 = 64 << 20;
 
 fn malloc(name: &str) -> Arc<dyn Bdev> {
     let info = BdevInfo {
@@ -149,6 +150,11 @@ async fn read_only_export_refuses_changes() {
     let (_server, port) = server().await;
     let nbd = client(port, "ro").await;
     assert_ne!(nbd.transmission_flags() & TRANSMISSION_READ_ONLY, 0);
+    assert_eq!(
+        nbd.transmission_flags()
+            & (TRANSMISSION_SEND_TRIM | TRANSMISSION_SEND_WRITE_ZEROES | TRANSMISSION_SEND_FUA),
+        0
+    );
     let eperm = Some(EPERM as i32);
     assert_eq!(
         errno(nbd.request(CMD_WRITE, 0, 0, 512, &[1; 512]).await),
@@ -294,6 +300,68 @@ async fn removing_an_export_closes_its_connections() {
         .await
         .expect("answered or closed");
     assert!(after.is_err(), "the connection is closed");
+}
+
+/// A client that sends reads and never reads the replies must not make the server buffer
+/// more than its in-flight budget: the server stops reading requests instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_replies_stop_the_server_at_its_budget() {
+    let info = BdevInfo {
+        name: "m".into(),
+        uuid: String::new(),
+        product_name: "Malloc disk",
+        block_size: 512,
+        block_count: SIZE_BYTES / 512,
+        optimal_io_boundary_blocks: 0,
+    };
+    let counted: Arc<dyn Bdev> = Arc::new(basalt_bdev::io_stats::Counted::new(Box::new(
+        MallocBdev::new(info),
+    )));
+    let server = NbdServer::new();
+    server.exports().insert(Arc::new(Export::new(
+        "disk".into(),
+        "m".into(),
+        counted.clone(),
+        false,
+        None,
+    )));
+    let (client_side, server_side) = tokio::io::duplex(64 << 10);
+    let (reader, writer) = tokio::io::split(server_side);
+    let _serve = tokio::spawn(server.clone().serve(reader, writer));
+    let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
+    let mut session = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    session.extend(option(OPT_EXPORT_NAME, b"disk"));
+    let mut greeting = [0u8; 18 + 10];
+    let sender = tokio::spawn(async move {
+        client_writer.write_all(&session).await.expect("negotiate");
+        for handle in 0..1000u64 {
+            let request = Request {
+                flags: 0,
+                command: CMD_READ,
+                handle,
+                offset_bytes: 0,
+                len_bytes: 1 << 20,
+            };
+            if client_writer.write_all(&request.encode()).await.is_err() {
+                return;
+            }
+        }
+    });
+    client_reader
+        .read_exact(&mut greeting)
+        .await
+        .expect("greeting");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let reads = counted.io_stats().expect("counted").num_read_ops;
+    let budget_reads = u64::from(basalt_nbd::server::IN_FLIGHT_BYTES_MAX >> 20);
+    assert!(reads >= 1, "the server served some reads");
+    assert!(
+        reads <= budget_reads,
+        "{reads} reads of 1 MiB executed with replies unread; budget is {budget_reads}"
+    );
+    sender.abort();
 }
 
 fn runtime() -> tokio::runtime::Runtime {
