@@ -238,6 +238,9 @@ FIO_COMMON=(--bs=4k --numjobs=1 --time_based=1 --runtime="$RUNTIME" --ramp_time=
 FIO_PATTERN="fio --name=CASE --ioengine=nbd --uri=nbd://127.0.0.1:PORT/EXPORT --rw={randread,randwrite} --iodepth={1,32} ${FIO_COMMON[*]} --output-format=json --output=FILE"
 PREFILL_PATTERN="fio --name=prefill --ioengine=nbd --uri=nbd://127.0.0.1:PORT/EXPORT --rw=write --bs=1M --iodepth=8 --numjobs=1 --output-format=json --output=FILE"
 
+# Server CPU time (user + system, all threads) in clock ticks, from /proc/PID/stat.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
 # ---------------------------------------------------------------- run
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 START_DATE=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
@@ -264,9 +267,11 @@ for c in "${CASES[@]}"; do
     qd=${c##*:}
     name=$rw-4k-qd$qd
     for srv in basalt nbdkit; do
-        if [ "$srv" = basalt ]; then uri=$BASALT_URI; else uri=$NBDKIT_URI; fi
+        if [ "$srv" = basalt ]; then uri=$BASALT_URI; pid=$BASALT_PID; else uri=$NBDKIT_URI; pid=$NBDKIT_PID; fi
         log "$name on $srv (${RAMP}s ramp + ${RUNTIME}s)"
+        cpu_before=$(cpu_ticks "$pid")
         run_fio "$TMP/$name.$srv.json" "$uri" "$name" --rw="$rw" --iodepth="$qd" "${FIO_COMMON[@]}"
+        echo $(( $(cpu_ticks "$pid") - cpu_before )) >"$TMP/$name.$srv.cpu"
     done
 done
 
@@ -291,10 +296,15 @@ report() {
     echo "- prefill: \`$PREFILL_PATTERN\`"
     echo "- cases: \`$FIO_PATTERN\`"
     echo "- latency = fio total latency (lat_ns: submit to completion), p99 from lat percentiles"
+    echo "- server CPU us/IO = server process user+system time over the whole run (ramp included) / (IOPS x (ramp + runtime))"
     echo
-    python3 - "$TMP" "${CASES[@]}" <<'EOF'
+    python3 - "$TMP" "$(getconf CLK_TCK)" "$RUNTIME" "$RAMP" "${CASES[@]}" <<'EOF'
 import json, sys
-tmp, cases = sys.argv[1], sys.argv[2:]
+tmp, clk_tck, runtime, ramp, cases = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5:]
+
+def cpu_us_per_io(path, iops):
+    ticks = int(open(path).read())
+    return ticks / clk_tck * 1e6 / (iops * (runtime + ramp)) if iops else float("nan")
 
 def stats(path, rw):
     job = json.load(open(path))["jobs"][0]
@@ -306,16 +316,19 @@ def stats(path, rw):
     return d["iops"], lat["mean"] / 1000.0, pct.get("99.000000", float("nan")) / 1000.0
 
 print("| case | basalt IOPS | nbdkit IOPS | ratio IOPS basalt/nbdkit "
-      "| basalt mean lat us | nbdkit mean lat us | basalt p99 us | nbdkit p99 us |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|")
+      "| basalt mean lat us | nbdkit mean lat us | basalt p99 us | nbdkit p99 us "
+      "| basalt CPU us/IO | nbdkit CPU us/IO |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for c in cases:
     rw, qd = c.split(":")
     name = f"{rw}-4k-qd{qd}"
     b = stats(f"{tmp}/{name}.basalt.json", rw)
     n = stats(f"{tmp}/{name}.nbdkit.json", rw)
     ratio = b[0] / n[0] if n[0] else float("nan")
+    b_cpu = cpu_us_per_io(f"{tmp}/{name}.basalt.cpu", b[0])
+    n_cpu = cpu_us_per_io(f"{tmp}/{name}.nbdkit.cpu", n[0])
     print(f"| {rw} 4k QD{qd} | {b[0]:.0f} | {n[0]:.0f} | {ratio:.2f} "
-          f"| {b[1]:.1f} | {n[1]:.1f} | {b[2]:.1f} | {n[2]:.1f} |")
+          f"| {b[1]:.1f} | {n[1]:.1f} | {b[2]:.1f} | {n[2]:.1f} | {b_cpu:.1f} | {n_cpu:.1f} |")
 EOF
 }
 

@@ -27,7 +27,7 @@ pub struct DevArgs {
 }
 
 pub fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
-    crate::runtime(2, "reactor")?.block_on(serve(args))?;
+    crate::control_runtime()?.block_on(serve(args))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -35,7 +35,7 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating {}", args.data_dir.display()))?;
     let socket = args.data_dir.join("target.sock");
-    let target = Target::new();
+    let target = Target::new(crate::core_count()).context("starting the reactors")?;
     // 512-byte blocks: every client, however it aligns its requests, can use the volume.
     let block_size = 512u64;
     let calls = [

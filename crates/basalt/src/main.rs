@@ -72,6 +72,18 @@ fn runtime(threads: usize, name: &str) -> anyhow::Result<tokio::runtime::Runtime
         .build()?)
 }
 
+/// The single-threaded runtime of a daemon's control plane.
+fn control_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// One per core, the default number of reactors.
+fn core_count() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 /// Waits for Ctrl-C or SIGTERM.
 async fn shutdown_signal() -> anyhow::Result<()> {
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

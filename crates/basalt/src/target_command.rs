@@ -16,21 +16,21 @@ pub struct TargetArgs {
     /// Start from this configuration (the JSON `save_config` returns).
     #[arg(short = 'c', long)]
     pub config: Option<PathBuf>,
-    /// Reactor threads (default: one per core).
+    /// Reactor threads serving frontend connections (default: one per core).
     #[arg(short = 'm', long)]
     pub reactors: Option<usize>,
 }
 
 pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
-    let reactors = args
-        .reactors
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
-    crate::runtime(reactors, "reactor")?.block_on(serve(args))?;
+    // The control plane (JSON-RPC, accepting connections) runs on this thread; connections
+    // are served by the target's reactor threads.
+    crate::control_runtime()?.block_on(serve(args))?;
     Ok(ExitCode::SUCCESS)
 }
 
 async fn serve(args: TargetArgs) -> anyhow::Result<()> {
-    let target = Target::new();
+    let reactors = args.reactors.unwrap_or_else(crate::core_count);
+    let target = Target::new(reactors).context("starting the reactors")?;
     if let Some(path) = &args.config {
         config::load(&target, path)
             .await

@@ -5,6 +5,8 @@
 //!   with many requests in flight, or by blocking `pread`/`pwrite` where io_uring is
 //!   refused; both complete async callers.
 //! - [`device`]: facts about a path (block device or not, its size).
+//! - [`reactor`]: [`Reactors`], threads that each run a single-threaded runtime and own the
+//!   connections handed to them.
 //!
 //! Invariant: a buffer handed to the kernel stays owned by the engine until its completion
 //! arrives, so the kernel never writes into freed memory.
@@ -12,6 +14,8 @@
 pub mod device;
 pub mod dma_buf;
 pub mod file_engine;
+pub mod reactor;
 
 pub use dma_buf::DmaBuf;
 pub use file_engine::{AllocateMode, FileEngine, OpenError, OpenOptions};
+pub use reactor::Reactors;

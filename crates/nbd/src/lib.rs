@@ -3,8 +3,9 @@
 //!
 //! - [`protocol`]: the wire format (constants, request and reply codecs); pure, no I/O.
 //! - [`handshake`]: option haggling on the server side.
-//! - [`server`]: the listener, exports, and the transmission phase (pipelined requests
-//!   answered out of order).
+//! - [`server`]: the listener, exports, and each connection from negotiation to close.
+//! - [`transmission`]: the transmission phase: pipelined requests executed concurrently and
+//!   answered as they complete, in one task per connection.
 //! - [`client`]: an NBD client with many requests in flight, for `basalt bench --nbd` and tests.
 //! - [`rpc`]: `nbd_server_start`, `nbd_server_add_export`, `nbd_get_exports`, ...
 //!
@@ -16,6 +17,7 @@ pub mod handshake;
 pub mod protocol;
 pub mod rpc;
 pub mod server;
+pub mod transmission;
 
 pub use client::{NbdClient, NbdUri};
 pub use server::NbdServer;

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use basalt_bdev::BdevRegistry;
 use basalt_common::RpcError;
+use basalt_io::Reactors;
 use basalt_nbd::NbdServer;
 use serde_json::{Value, json};
 
@@ -23,21 +24,21 @@ pub struct Target {
     pub bdevs: BdevRegistry,
     /// The NBD frontend.
     pub nbd: Arc<NbdServer>,
-}
-
-impl Default for Target {
-    fn default() -> Self {
-        Self {
-            bdevs: BdevRegistry::new(),
-            nbd: NbdServer::new(),
-        }
-    }
+    /// The threads that serve frontend connections.
+    pub reactors: Arc<Reactors>,
 }
 
 impl Target {
-    /// A target with no bdevs and no frontend listening.
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+    /// A target with no bdevs and no frontend listening, serving connections on
+    /// `reactor_count` reactor threads.
+    pub fn new(reactor_count: usize) -> std::io::Result<Arc<Self>> {
+        let reactors = Arc::new(Reactors::start(reactor_count, "reactor")?);
+        let nbd = NbdServer::new(reactors.clone());
+        Ok(Arc::new(Self {
+            bdevs: BdevRegistry::new(),
+            nbd,
+            reactors,
+        }))
     }
 
     /// Every method name, sorted.
