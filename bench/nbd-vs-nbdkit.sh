@@ -17,6 +17,8 @@
 #   BASALT     basalt binary (default target/release/basalt, built with
 #              `cargo build --release -p basalt` if absent)
 #   REACTORS   optional: passed to `basalt target -m`
+#   PLACEMENT  optional: passed to `basalt target --reactor-placement`
+#              (incoming-cpu or round-robin)
 #   KEEP       1 to keep the temp dir (fio JSON, server logs) instead of
 #              removing it on exit
 #
@@ -162,6 +164,7 @@ brpc() { "$BASALT" rpc -s "$SOCK" "$@"; }
 start_basalt() {
     local args=(target -r "$SOCK") i port
     [ -z "${REACTORS:-}" ] || args+=(-m "$REACTORS")
+    [ -z "${PLACEMENT:-}" ] || args+=(--reactor-placement "$PLACEMENT")
     "$BASALT" "${args[@]}" >"$TMP/basalt.log" 2>&1 &
     BASALT_PID=$!
     for i in $(seq 1 100); do
@@ -290,7 +293,7 @@ report() {
     echo "- date: $START_DATE"
     echo "- nproc: $(nproc)"
     echo "- load average (1/5/15 min): start $LOAD_START, end $LOAD_END"
-    echo "- basalt: $BASALT${REACTORS:+ (-m $REACTORS)}, malloc bdev $NUM_BLOCKS x $BLOCK_SIZE B"
+    echo "- basalt: $BASALT${REACTORS:+ -m $REACTORS}${PLACEMENT:+ --reactor-placement $PLACEMENT}, malloc bdev $NUM_BLOCKS x $BLOCK_SIZE B"
     echo "- nbdkit: $(nbdkit --version | head -n1), \`nbdkit -f -i 127.0.0.1 -p PORT memory size=$SIZE_BYTES\`"
     echo "- $(fio --version), size $SIZE_BYTES bytes, runtime ${RUNTIME}s + ramp ${RAMP}s per run, basalt then nbdkit per case"
     echo "- prefill: \`$PREFILL_PATTERN\`"

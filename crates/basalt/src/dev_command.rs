@@ -35,7 +35,8 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating {}", args.data_dir.display()))?;
     let socket = args.data_dir.join("target.sock");
-    let target = Target::new(crate::core_count()).context("starting the reactors")?;
+    let target = Target::new(crate::core_count(), basalt_io::Placement::IncomingCpu)
+        .context("starting the reactors")?;
     // 512-byte blocks: every client, however it aligns its requests, can use the volume.
     let block_size = 512u64;
     let calls = [

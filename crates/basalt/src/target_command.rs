@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use basalt_io::Placement;
 use basalt_target::rpc_server::RpcServer;
 use basalt_target::{DEFAULT_RPC_SOCKET, Target, config};
 
@@ -19,6 +20,10 @@ pub struct TargetArgs {
     /// Reactor threads serving frontend connections (default: one per core).
     #[arg(short = 'm', long)]
     pub reactors: Option<usize>,
+    /// Where new connections go: incoming-cpu (the reactor on the CPU the connection's
+    /// packets arrive on) or round-robin.
+    #[arg(long, default_value = "incoming-cpu")]
+    pub reactor_placement: Placement,
 }
 
 pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
@@ -30,7 +35,7 @@ pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
 
 async fn serve(args: TargetArgs) -> anyhow::Result<()> {
     let reactors = args.reactors.unwrap_or_else(crate::core_count);
-    let target = Target::new(reactors).context("starting the reactors")?;
+    let target = Target::new(reactors, args.reactor_placement).context("starting the reactors")?;
     if let Some(path) = &args.config {
         config::load(&target, path)
             .await

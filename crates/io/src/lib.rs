@@ -18,4 +18,4 @@ pub mod reactor;
 
 pub use dma_buf::DmaBuf;
 pub use file_engine::{AllocateMode, FileEngine, OpenError, OpenOptions};
-pub use reactor::Reactors;
+pub use reactor::{Placement, Reactors};

@@ -251,7 +251,8 @@ impl NbdServer {
                         }
                     };
                     let server = self.clone();
-                    self.reactors.spawn(async move {
+                    let incoming_cpu = basalt_io::reactor::incoming_cpu(&stream);
+                    self.reactors.spawn_connection(incoming_cpu, async move {
                         let stream = match TcpStream::from_std(stream) {
                             Ok(stream) => stream,
                             Err(error) => {

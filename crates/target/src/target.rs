@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use basalt_bdev::BdevRegistry;
 use basalt_common::RpcError;
-use basalt_io::Reactors;
+use basalt_io::{Placement, Reactors};
 use basalt_nbd::NbdServer;
 use serde_json::{Value, json};
 
@@ -30,9 +30,9 @@ pub struct Target {
 
 impl Target {
     /// A target with no bdevs and no frontend listening, serving connections on
-    /// `reactor_count` reactor threads.
-    pub fn new(reactor_count: usize) -> std::io::Result<Arc<Self>> {
-        let reactors = Arc::new(Reactors::start(reactor_count, "reactor")?);
+    /// `reactor_count` reactor threads that new connections reach by `placement`.
+    pub fn new(reactor_count: usize, placement: Placement) -> std::io::Result<Arc<Self>> {
+        let reactors = Arc::new(Reactors::start_with(reactor_count, "reactor", placement)?);
         let nbd = NbdServer::new(reactors.clone());
         Ok(Arc::new(Self {
             bdevs: BdevRegistry::new(),
