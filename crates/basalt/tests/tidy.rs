@@ -41,7 +41,9 @@ fn sources() -> Vec<(String, PathBuf, String)> {
 }
 
 /// Layers from the top; a crate may depend only on crates after it.
-const LAYERS: &[&str] = &["basalt", "bench", "target", "nbd", "bdev", "io", "common"];
+const LAYERS: &[&str] = &[
+    "basalt", "bench", "target", "nbd", "bdev", "mon", "io", "common",
+];
 
 #[test]
 fn no_debug_leftovers_or_fixmes() {

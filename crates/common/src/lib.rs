@@ -1,6 +1,7 @@
 //! Types shared by every Basalt layer.
 //!
 //! - [`byte_size`]: sizes with units (`4MiB`, `100GiB`), as the CLI and configs take them.
+//! - [`ids`]: typed identifiers (`OsdId`, `PoolId`, `PgId`, `Epoch`).
 //! - [`config_call`]: one entry of the target's saved configuration.
 //! - [`rpc_error`]: the JSON-RPC error every target handler returns.
 //!
@@ -8,8 +9,10 @@
 
 pub mod byte_size;
 pub mod config_call;
+pub mod ids;
 pub mod rpc_error;
 
 pub use byte_size::ByteSize;
 pub use config_call::ConfigCall;
+pub use ids::{Epoch, OsdId, PgId, PoolId};
 pub use rpc_error::RpcError;
