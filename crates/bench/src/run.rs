@@ -81,7 +81,11 @@ impl Tally {
 }
 
 impl Shared {
+    /// Counts a failed request and stops the run, as fio does without `continue_on_error`:
+    /// a device that fails (or a connection that closed) would otherwise fail every request
+    /// the loops issue, as fast as they can issue them.
     fn record_error(&self, error: String) {
+        self.stop.store(true, Ordering::Relaxed);
         self.errors.fetch_add(1, Ordering::Relaxed);
         let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
         first.get_or_insert(error);
@@ -468,6 +472,80 @@ mod tests {
             "{:?}",
             report.first_mismatch
         );
+    }
+
+    /// A device whose requests fail after the first 100 must stop the run at once, with
+    /// the failures counted, rather than fail requests as fast as they can be issued.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failing_device_stops_the_run() {
+        let Device::Bdev(inner) = malloc(4096) else {
+            unreachable!()
+        };
+        let failing = Device::Bdev(Arc::new(FailingBdev {
+            inner,
+            remaining: std::sync::atomic::AtomicU64::new(100),
+        }));
+        let mut workload = workload(Pattern::RandWrite);
+        workload.io_count = None;
+        workload.runtime = Some(Duration::from_secs(30));
+        workload.verify = false;
+        let report = run(&failing, &workload, "failing".into(), None)
+            .await
+            .expect("runs");
+        assert!(
+            report.errors >= 1 && report.errors <= 8,
+            "{} errors (at most one per slot)",
+            report.errors
+        );
+        assert!(
+            report.elapsed_seconds < 10.0,
+            "stopped early, not after the runtime"
+        );
+        assert!(!report.is_clean());
+    }
+
+    /// Succeeds `remaining` times, then fails every request.
+    struct FailingBdev {
+        inner: Arc<dyn Bdev>,
+        remaining: std::sync::atomic::AtomicU64,
+    }
+
+    impl Bdev for FailingBdev {
+        fn info(&self) -> &BdevInfo {
+            self.inner.info()
+        }
+        fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, DmaBuf> {
+            self.inner.read(extent)
+        }
+        fn write(
+            &self,
+            extent: basalt_bdev::Extent,
+            data: DmaBuf,
+            fua: bool,
+        ) -> basalt_bdev::BdevFuture<'_, ()> {
+            if self
+                .remaining
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_err()
+            {
+                let error = std::io::Error::from_raw_os_error(5);
+                return Box::pin(std::future::ready(Err(self.info().io_error(error))));
+            }
+            self.inner.write(extent, data, fua)
+        }
+        fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.flush()
+        }
+        fn write_zeroes(
+            &self,
+            extent: basalt_bdev::Extent,
+            deallocate: bool,
+        ) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.write_zeroes(extent, deallocate)
+        }
+        fn discard(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, ()> {
+            self.inner.discard(extent)
+        }
     }
 
     /// Flips one byte of every read of offset 8192.
