@@ -126,14 +126,11 @@ async fn open_device(args: &BenchArgs) -> anyhow::Result<(Device, String)> {
         if size.0 < u64::from(block_size) {
             bail!("malloc size {size} is smaller than one {block_size}-byte block");
         }
-        Arc::new(MallocBdev::new(basalt_bdev::BdevInfo {
-            name: "bench".into(),
-            uuid: basalt_bdev::uuid::random(),
-            product_name: "Malloc disk",
+        Arc::new(MallocBdev::new_named(
+            "bench",
             block_size,
-            block_count: size.0 / u64::from(block_size),
-            optimal_io_boundary_blocks: 0,
-        }))
+            size.0 / u64::from(block_size),
+        ))
     } else if let Some(path) = spec.strip_prefix("file:") {
         let options = FileBdevOptions {
             block_size: 512,

@@ -14,6 +14,9 @@ use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent};
 /// the chunk table of a 64 GiB bdev stays a few MiB.
 pub const CHUNK_SIZE: u64 = 64 << 10;
 
+/// What `bdev_get_bdevs` calls this kind, as SPDK does.
+pub const PRODUCT_NAME: &str = "Malloc disk";
+
 /// A RAM-backed bdev.
 pub struct MallocBdev {
     info: BdevInfo,
@@ -26,6 +29,18 @@ impl MallocBdev {
         let chunk_count = info.size_bytes().div_ceil(CHUNK_SIZE);
         let chunks = (0..chunk_count).map(|_| RwLock::new(None)).collect();
         Self { info, chunks }
+    }
+
+    /// An all-zero bdev named `name` with a random UUID.
+    pub fn new_named(name: &str, block_size: u32, block_count: u64) -> Self {
+        Self::new(BdevInfo {
+            name: name.to_string(),
+            uuid: crate::uuid::random(),
+            product_name: PRODUCT_NAME,
+            block_size,
+            block_count,
+            optimal_io_boundary_blocks: 0,
+        })
     }
 
     /// Bytes of RAM holding data now.
@@ -129,14 +144,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn bdev(block_count: u64) -> MallocBdev {
-        MallocBdev::new(BdevInfo {
-            name: "m".into(),
-            uuid: String::new(),
-            product_name: "Malloc disk",
-            block_size: 512,
-            block_count,
-            optimal_io_boundary_blocks: 0,
-        })
+        MallocBdev::new_named("m", 512, block_count)
     }
 
     fn block_on<T>(future: BdevFuture<'_, T>) -> T {

@@ -110,7 +110,7 @@ fn malloc_create(
     let info = BdevInfo {
         name: name.clone(),
         uuid,
-        product_name: "Malloc disk",
+        product_name: crate::malloc::PRODUCT_NAME,
         block_size: params.block_size,
         block_count: params.num_blocks,
         optimal_io_boundary_blocks: params.optimal_io_boundary.unwrap_or(0),

@@ -395,15 +395,11 @@ mod tests {
     use basalt_bdev::{Bdev, BdevInfo};
 
     fn malloc(block_count: u64) -> Device {
-        let info = BdevInfo {
-            name: "m".into(),
-            uuid: String::new(),
-            product_name: "Malloc disk",
-            block_size: 512,
+        let bdev: Arc<dyn Bdev> = Arc::new(basalt_bdev::malloc::MallocBdev::new_named(
+            "m",
+            512,
             block_count,
-            optimal_io_boundary_blocks: 0,
-        };
-        let bdev: Arc<dyn Bdev> = Arc::new(basalt_bdev::malloc::MallocBdev::new(info));
+        ));
         Device::Bdev(bdev)
     }
 
@@ -459,7 +455,7 @@ mod tests {
         workload.working_set_bytes = 0;
         workload.iodepth = 1;
         workload.workers = 1;
-        let shared_device = Device::Bdev(Arc::new(CorruptingBdev { inner: bdev }));
+        let shared_device = Device::Bdev(Arc::new(FaultyBdev::new(bdev, Some(8192), u64::MAX)));
         let report = run(&shared_device, &workload, "corrupting".into(), None)
             .await
             .expect("runs");
@@ -481,10 +477,7 @@ mod tests {
         let Device::Bdev(inner) = malloc(4096) else {
             unreachable!()
         };
-        let failing = Device::Bdev(Arc::new(FailingBdev {
-            inner,
-            remaining: std::sync::atomic::AtomicU64::new(100),
-        }));
+        let failing = Device::Bdev(Arc::new(FaultyBdev::new(inner, None, 100)));
         let mut workload = workload(Pattern::RandWrite);
         workload.io_count = None;
         workload.runtime = Some(Duration::from_secs(30));
@@ -504,63 +497,32 @@ mod tests {
         assert!(!report.is_clean());
     }
 
-    /// Succeeds `remaining` times, then fails every request.
-    struct FailingBdev {
+    /// A bdev that misbehaves on purpose: it flips a byte of every read at
+    /// `corrupt_offset`, and fails every write after `writes_left` of them.
+    struct FaultyBdev {
         inner: Arc<dyn Bdev>,
-        remaining: std::sync::atomic::AtomicU64,
+        corrupt_offset: Option<u64>,
+        writes_left: std::sync::atomic::AtomicU64,
     }
 
-    impl Bdev for FailingBdev {
-        fn info(&self) -> &BdevInfo {
-            self.inner.info()
-        }
-        fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, DmaBuf> {
-            self.inner.read(extent)
-        }
-        fn write(
-            &self,
-            extent: basalt_bdev::Extent,
-            data: DmaBuf,
-            fua: bool,
-        ) -> basalt_bdev::BdevFuture<'_, ()> {
-            if self
-                .remaining
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                .is_err()
-            {
-                let error = std::io::Error::from_raw_os_error(5);
-                return Box::pin(std::future::ready(Err(self.info().io_error(error))));
+    impl FaultyBdev {
+        fn new(inner: Arc<dyn Bdev>, corrupt_offset: Option<u64>, writes_left: u64) -> Self {
+            Self {
+                inner,
+                corrupt_offset,
+                writes_left: std::sync::atomic::AtomicU64::new(writes_left),
             }
-            self.inner.write(extent, data, fua)
-        }
-        fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {
-            self.inner.flush()
-        }
-        fn write_zeroes(
-            &self,
-            extent: basalt_bdev::Extent,
-            deallocate: bool,
-        ) -> basalt_bdev::BdevFuture<'_, ()> {
-            self.inner.write_zeroes(extent, deallocate)
-        }
-        fn discard(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, ()> {
-            self.inner.discard(extent)
         }
     }
 
-    /// Flips one byte of every read of offset 8192.
-    struct CorruptingBdev {
-        inner: Arc<dyn Bdev>,
-    }
-
-    impl Bdev for CorruptingBdev {
+    impl Bdev for FaultyBdev {
         fn info(&self) -> &BdevInfo {
             self.inner.info()
         }
         fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, DmaBuf> {
             Box::pin(async move {
                 let mut data = self.inner.read(extent).await?;
-                if extent.offset_bytes() == 8192 {
+                if Some(extent.offset_bytes()) == self.corrupt_offset {
                     data[100] ^= 0xff;
                 }
                 Ok(data)
@@ -572,6 +534,14 @@ mod tests {
             data: DmaBuf,
             fua: bool,
         ) -> basalt_bdev::BdevFuture<'_, ()> {
+            if self
+                .writes_left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_err()
+            {
+                let error = std::io::Error::from_raw_os_error(5);
+                return Box::pin(std::future::ready(Err(self.info().io_error(error))));
+            }
             self.inner.write(extent, data, fua)
         }
         fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {

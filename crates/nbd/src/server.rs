@@ -298,20 +298,11 @@ impl NbdServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use basalt_bdev::BdevInfo;
 
     #[test]
     fn empty_name_is_the_only_export() {
         let exports = Exports::default();
-        let info = BdevInfo {
-            name: "m".into(),
-            uuid: String::new(),
-            product_name: "Malloc disk",
-            block_size: 512,
-            block_count: 8,
-            optimal_io_boundary_blocks: 0,
-        };
-        let bdev: Arc<dyn Bdev> = Arc::new(basalt_bdev::malloc::MallocBdev::new(info));
+        let bdev: Arc<dyn Bdev> = Arc::new(basalt_bdev::malloc::MallocBdev::new_named("m", 512, 8));
         assert!(exports.insert(Arc::new(Export::new(
             "a".into(),
             "m".into(),

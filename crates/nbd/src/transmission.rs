@@ -107,6 +107,10 @@ where
         reading: true,
     };
     loop {
+        // A removed export starts no new request, even one already in the input buffer.
+        if *closed.borrow() {
+            connection.reading = false;
+        }
         connection.parse_requests()?;
         if connection.is_finished() {
             break;

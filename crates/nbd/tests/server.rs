@@ -22,15 +22,7 @@ fn reactors() -> Arc<basalt_io::Reactors> {
 }
 
 fn malloc(name: &str) -> Arc<dyn Bdev> {
-    let info = BdevInfo {
-        name: name.into(),
-        uuid: String::new(),
-        product_name: "Malloc disk",
-        block_size: 512,
-        block_count: SIZE_BYTES / 512,
-        optimal_io_boundary_blocks: 0,
-    };
-    Arc::new(MallocBdev::new(info))
+    Arc::new(MallocBdev::new_named(name, 512, SIZE_BYTES / 512))
 }
 
 async fn server() -> (Arc<NbdServer>, u16) {
@@ -310,17 +302,8 @@ async fn removing_an_export_closes_its_connections() {
 /// more than its in-flight budget: the server stops reading requests instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unread_replies_stop_the_server_at_its_budget() {
-    let info = BdevInfo {
-        name: "m".into(),
-        uuid: String::new(),
-        product_name: "Malloc disk",
-        block_size: 512,
-        block_count: SIZE_BYTES / 512,
-        optimal_io_boundary_blocks: 0,
-    };
-    let counted: Arc<dyn Bdev> = Arc::new(basalt_bdev::io_stats::Counted::new(Box::new(
-        MallocBdev::new(info),
-    )));
+    let malloc = MallocBdev::new_named("m", 512, SIZE_BYTES / 512);
+    let counted: Arc<dyn Bdev> = Arc::new(basalt_bdev::io_stats::Counted::new(Box::new(malloc)));
     let server = NbdServer::new(reactors());
     server.exports().insert(Arc::new(Export::new(
         "disk".into(),
