@@ -5,8 +5,8 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+use basalt_bdev::Bdev;
 use basalt_bdev::malloc::MallocBdev;
-use basalt_bdev::{Bdev, BdevInfo};
 use basalt_nbd::protocol::*;
 use basalt_nbd::server::Export;
 use basalt_nbd::{NbdClient, NbdServer, NbdUri};
