@@ -27,6 +27,22 @@ pub struct PgId {
 )]
 pub struct Epoch(pub u64);
 
+/// A log sequence number: the position of a batch in an OSD's log, 1 for the first.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct Lsn(pub u64);
+
+impl Lsn {
+    /// The first batch of a new log.
+    pub const FIRST: Lsn = Lsn(1);
+
+    /// The LSN after this one.
+    pub fn next(self) -> Self {
+        Lsn(self.0 + 1)
+    }
+}
+
 impl Epoch {
     /// The epoch after this one.
     pub fn next(self) -> Self {

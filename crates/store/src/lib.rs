@@ -1,0 +1,15 @@
+//! The OSD storage engine (design: `docs/internals/store.md`).
+//!
+//! - [`batch`]: the on-disk format of a batch, what one device write carries: a 4 KiB
+//!   header block of entry descriptors, then each entry's data, block-aligned.
+//! - [`log`]: [`log::LogWriter`] lays batches out one after another; [`log::replay`] reads
+//!   them back and stops at the first torn, corrupt or stale batch.
+//!
+//! This crate does no I/O and reads no clock: it encodes bytes and says where they go, and
+//! it decodes bytes the caller read. The OSD writes them with io_uring; the simulator with a
+//! simulated disk that tears writes.
+//!
+//! Planned (issue #3): the in-memory index, checkpoints, segments and their cleaner.
+
+pub mod batch;
+pub mod log;
