@@ -2,6 +2,8 @@
 //!
 //! - [`batch`]: the on-disk format of a batch, what one device write carries: a 4 KiB
 //!   header block of entry descriptors, then each entry's data, block-aligned.
+//! - [`extent_map`]: where an object's bytes are in the log; unmapped ranges read as
+//!   zeroes (thin provisioning).
 //! - [`log`]: [`log::LogWriter`] lays batches out one after another; [`log::replay`] reads
 //!   them back and stops at the first torn, corrupt or stale batch.
 //!
@@ -9,7 +11,8 @@
 //! it decodes bytes the caller read. The OSD writes them with io_uring; the simulator with a
 //! simulated disk that tears writes.
 //!
-//! Planned (issue #3): the in-memory index, checkpoints, segments and their cleaner.
+//! Planned (issue #3): the index of every object, checkpoints, segments and their cleaner.
 
 pub mod batch;
+pub mod extent_map;
 pub mod log;

@@ -1,0 +1,281 @@
+//! Where an object's bytes are: non-overlapping extents, each pointing at the log.
+//!
+//! A write maps its range to where its data landed in the log, replacing whatever was
+//! mapped there; a discard unmaps its range. A range that nothing maps reads as zeroes:
+//! that is thin provisioning. Lookups split a range into mapped pieces and holes.
+
+use std::collections::BTreeMap;
+
+/// A mapped range: `len_bytes` of the object starting at the key, stored at
+/// `device_offset_bytes` in the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mapping {
+    len_bytes: u64,
+    device_offset_bytes: u64,
+}
+
+/// One piece of a lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece {
+    /// `len_bytes` at `device_offset_bytes` in the log.
+    Mapped {
+        /// Offset in the object.
+        offset_bytes: u64,
+        /// Length.
+        len_bytes: u64,
+        /// Where the bytes are on the device.
+        device_offset_bytes: u64,
+    },
+    /// `len_bytes` never written or discarded: zeroes.
+    Hole {
+        /// Offset in the object.
+        offset_bytes: u64,
+        /// Length.
+        len_bytes: u64,
+    },
+}
+
+/// The extents of one object.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExtentMap {
+    extents: BTreeMap<u64, Mapping>,
+}
+
+impl ExtentMap {
+    /// An object with nothing written.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether nothing is mapped (the object reads as zeroes and can be forgotten).
+    pub fn is_empty(&self) -> bool {
+        self.extents.is_empty()
+    }
+
+    /// Bytes mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.extents.values().map(|m| m.len_bytes).sum()
+    }
+
+    /// Maps `[offset, offset + len)` to `device_offset`, replacing what was there.
+    pub fn insert(&mut self, offset_bytes: u64, len_bytes: u64, device_offset_bytes: u64) {
+        if len_bytes == 0 {
+            return;
+        }
+        self.remove(offset_bytes, len_bytes);
+        self.extents.insert(
+            offset_bytes,
+            Mapping {
+                len_bytes,
+                device_offset_bytes,
+            },
+        );
+        debug_assert!(
+            self.check_invariants().is_ok(),
+            "{:?}",
+            self.check_invariants()
+        );
+    }
+
+    /// Unmaps `[offset, offset + len)`; it reads as zeroes afterwards.
+    pub fn remove(&mut self, offset_bytes: u64, len_bytes: u64) {
+        let end = offset_bytes + len_bytes;
+        // Extents that start before the range and reach into it keep their head.
+        if let Some((&start, &mapping)) = self.extents.range(..offset_bytes).next_back() {
+            let mapping_end = start + mapping.len_bytes;
+            if mapping_end > offset_bytes {
+                self.extents.insert(
+                    start,
+                    Mapping {
+                        len_bytes: offset_bytes - start,
+                        ..mapping
+                    },
+                );
+                if mapping_end > end {
+                    let tail = Mapping {
+                        len_bytes: mapping_end - end,
+                        device_offset_bytes: mapping.device_offset_bytes + (end - start),
+                    };
+                    self.extents.insert(end, tail);
+                }
+            }
+        }
+        // Extents that start inside the range lose what the range covers.
+        let inside: Vec<(u64, Mapping)> = self
+            .extents
+            .range(offset_bytes..end)
+            .map(|(k, v)| (*k, *v))
+            .collect();
+        for (start, mapping) in inside {
+            self.extents.remove(&start);
+            let mapping_end = start + mapping.len_bytes;
+            if mapping_end > end {
+                let tail = Mapping {
+                    len_bytes: mapping_end - end,
+                    device_offset_bytes: mapping.device_offset_bytes + (end - start),
+                };
+                self.extents.insert(end, tail);
+            }
+        }
+    }
+
+    /// Splits `[offset, offset + len)` into mapped pieces and holes, in order.
+    pub fn lookup(&self, offset_bytes: u64, len_bytes: u64) -> Vec<Piece> {
+        let end = offset_bytes + len_bytes;
+        let mut pieces = Vec::new();
+        let mut cursor = offset_bytes;
+        let before = self.extents.range(..offset_bytes).next_back();
+        let overlapping = before
+            .into_iter()
+            .chain(self.extents.range(offset_bytes..end));
+        for (&start, mapping) in overlapping {
+            let mapping_end = start + mapping.len_bytes;
+            if mapping_end <= cursor {
+                continue;
+            }
+            if start > cursor {
+                pieces.push(Piece::Hole {
+                    offset_bytes: cursor,
+                    len_bytes: start - cursor,
+                });
+                cursor = start;
+            }
+            let piece_end = mapping_end.min(end);
+            pieces.push(Piece::Mapped {
+                offset_bytes: cursor,
+                len_bytes: piece_end - cursor,
+                device_offset_bytes: mapping.device_offset_bytes + (cursor - start),
+            });
+            cursor = piece_end;
+        }
+        if cursor < end {
+            pieces.push(Piece::Hole {
+                offset_bytes: cursor,
+                len_bytes: end - cursor,
+            });
+        }
+        pieces
+    }
+
+    /// Extents are non-empty and do not overlap.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut previous_end = 0;
+        for (&start, mapping) in &self.extents {
+            if mapping.len_bytes == 0 {
+                return Err(format!("empty extent at {start}"));
+            }
+            if start < previous_end {
+                return Err(format!(
+                    "extent at {start} overlaps the previous one ending at {previous_end}"
+                ));
+            }
+            previous_end = start + mapping.len_bytes;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The model: for each byte of a small object, the device byte it maps to.
+    fn resolve(map: &ExtentMap, len: u64) -> Vec<Option<u64>> {
+        let mut bytes = Vec::new();
+        for piece in map.lookup(0, len) {
+            match piece {
+                Piece::Mapped {
+                    len_bytes,
+                    device_offset_bytes,
+                    ..
+                } => {
+                    bytes.extend((0..len_bytes).map(|i| Some(device_offset_bytes + i)));
+                }
+                Piece::Hole { len_bytes, .. } => bytes.extend((0..len_bytes).map(|_| None)),
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn overwrite_in_the_middle_splits_the_extent() {
+        let mut map = ExtentMap::new();
+        map.insert(0, 12288, 1_000_000);
+        map.insert(4096, 4096, 5_000_000);
+        assert_eq!(
+            map.lookup(0, 16384),
+            vec![
+                Piece::Mapped {
+                    offset_bytes: 0,
+                    len_bytes: 4096,
+                    device_offset_bytes: 1_000_000
+                },
+                Piece::Mapped {
+                    offset_bytes: 4096,
+                    len_bytes: 4096,
+                    device_offset_bytes: 5_000_000
+                },
+                Piece::Mapped {
+                    offset_bytes: 8192,
+                    len_bytes: 4096,
+                    device_offset_bytes: 1_008_192
+                },
+                Piece::Hole {
+                    offset_bytes: 12288,
+                    len_bytes: 4096
+                },
+            ]
+        );
+        map.remove(0, 16384);
+        assert!(map.is_empty());
+    }
+
+    proptest! {
+        /// Random writes and discards give the same byte-to-device mapping as a flat model.
+        #[test]
+        fn matches_a_flat_model(ops in proptest::collection::vec((any::<bool>(), 0u64..64, 1u64..24), 1..40)) {
+            const LEN: u64 = 96;
+            let mut map = ExtentMap::new();
+            let mut model: Vec<Option<u64>> = vec![None; LEN as usize];
+            let mut device = 1u64 << 20;
+            for (write, offset, len) in ops {
+                let len = len.min(LEN - offset);
+                if write {
+                    map.insert(offset, len, device);
+                    for i in 0..len {
+                        model[(offset + i) as usize] = Some(device + i);
+                    }
+                    device += 1000;
+                } else {
+                    map.remove(offset, len);
+                    for i in 0..len {
+                        model[(offset + i) as usize] = None;
+                    }
+                }
+                prop_assert_eq!(map.check_invariants(), Ok(()));
+            }
+            prop_assert_eq!(resolve(&map, LEN), model.clone());
+            prop_assert_eq!(map.mapped_bytes(), model.iter().filter(|b| b.is_some()).count() as u64);
+        }
+
+        /// Lookups of any sub-range agree with the whole-object lookup.
+        #[test]
+        fn sub_range_lookups_agree(ops in proptest::collection::vec((0u64..64, 1u64..24), 1..20), from in 0u64..96, len in 0u64..96) {
+            let mut map = ExtentMap::new();
+            for (n, (offset, size)) in ops.into_iter().enumerate() {
+                map.insert(offset, size, 10_000 * (n as u64 + 1));
+            }
+            let len = len.min(96 - from);
+            let whole = resolve(&map, 96);
+            let mut part = Vec::new();
+            for piece in map.lookup(from, len) {
+                match piece {
+                    Piece::Mapped { len_bytes, device_offset_bytes, .. } => part.extend((0..len_bytes).map(|i| Some(device_offset_bytes + i))),
+                    Piece::Hole { len_bytes, .. } => part.extend((0..len_bytes).map(|_| None)),
+                }
+            }
+            prop_assert_eq!(&part[..], &whole[from as usize..(from + len) as usize]);
+        }
+    }
+}
