@@ -1,0 +1,831 @@
+//! The cluster map and the commands that change it.
+//!
+//! The map is a deterministic state machine: [`ClusterMap::apply`] takes a [`Command`] and
+//! either changes the map (one new epoch per change) or refuses it with a [`MapError`]. The
+//! monitors replicate commands through Raft and apply them in order, so every monitor holds
+//! the same map; OSDs and clients receive it by epoch.
+//!
+//! PG membership follows [`crate::placement`] over the OSDs that are *in*. An OSD that is
+//! *down* stays a member (its PGs keep a majority with the others) until it is marked *out*,
+//! which moves its replicas elsewhere.
+
+use std::collections::BTreeMap;
+
+use basalt_common::{Epoch, ImageId, OsdId, PgId, PoolId};
+use serde::{Deserialize, Serialize};
+
+use crate::placement::{self, Candidate};
+
+/// The most replicas a pool may have.
+pub const POOL_SIZE_MAX: u32 = 5;
+/// The most PGs a pool may have.
+pub const PG_COUNT_MAX: u32 = 32768;
+/// The smallest and largest object sizes.
+pub const OBJECT_SIZE_MIN: u64 = 4096;
+/// The largest object size.
+pub const OBJECT_SIZE_MAX: u64 = 64 << 20;
+/// The object size of an image created without one.
+pub const OBJECT_SIZE_DEFAULT: u64 = 4 << 20;
+/// Names of pools and images: this long at most.
+pub const NAME_SIZE_MAX: usize = 128;
+
+/// An OSD as the map knows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OsdEntry {
+    /// Its id.
+    pub id: OsdId,
+    /// The uuid it registered with (stable across restarts).
+    pub uuid: String,
+    /// Its host: the failure domain.
+    pub host: String,
+    /// Where it listens.
+    pub address: String,
+    /// Share of PGs it takes.
+    pub weight: f64,
+    /// Alive by its heartbeats.
+    pub up: bool,
+    /// Holds data (placement uses it).
+    pub is_in: bool,
+}
+
+/// One PG's members and the epoch they were last changed in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PgEntry {
+    /// Member OSDs; the first is the preferred leader.
+    pub members: Vec<OsdId>,
+    /// When the members last changed.
+    pub epoch: Epoch,
+}
+
+/// A pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pool {
+    /// Its id.
+    pub id: PoolId,
+    /// Its name.
+    pub name: String,
+    /// Number of PGs.
+    pub pg_count: u32,
+    /// Replicas per PG.
+    pub size: u32,
+    /// Replicas needed to accept writes.
+    pub min_size: u32,
+    /// The PG table, by index.
+    pub pgs: Vec<PgEntry>,
+}
+
+/// An image.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Image {
+    /// Its id.
+    pub id: ImageId,
+    /// Its pool.
+    pub pool: PoolId,
+    /// Its name, unique in the pool.
+    pub name: String,
+    /// Size in bytes.
+    pub size_bytes: u64,
+    /// Bytes per object.
+    pub object_size_bytes: u64,
+}
+
+/// The cluster map.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterMap {
+    /// Version; every change makes a new one.
+    pub epoch: Epoch,
+    /// OSDs by id.
+    pub osds: BTreeMap<OsdId, OsdEntry>,
+    /// Pools by id.
+    pub pools: BTreeMap<PoolId, Pool>,
+    /// Images by id.
+    pub images: BTreeMap<ImageId, Image>,
+    next_pool: u32,
+    next_image: u64,
+}
+
+/// A change to the map.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// An OSD starts: gets an id for its uuid (the same id every time) and is marked up
+    /// and in.
+    OsdBoot {
+        /// Its uuid.
+        uuid: String,
+        /// Its host.
+        host: String,
+        /// Where it listens.
+        address: String,
+        /// Its weight.
+        weight: f64,
+    },
+    /// Heartbeats stopped: the OSD is down (still a member of its PGs).
+    OsdDown {
+        /// The OSD.
+        id: OsdId,
+    },
+    /// The OSD holds no data any more: its PGs move elsewhere.
+    OsdOut {
+        /// The OSD.
+        id: OsdId,
+    },
+    /// Create a pool.
+    PoolCreate {
+        /// Name.
+        name: String,
+        /// Number of PGs (a power of two).
+        pg_count: u32,
+        /// Replicas.
+        size: u32,
+        /// Replicas needed for writes (default: a majority of `size`).
+        min_size: Option<u32>,
+    },
+    /// Remove an empty pool.
+    PoolRemove {
+        /// Name.
+        name: String,
+    },
+    /// Create an image.
+    ImageCreate {
+        /// Pool name.
+        pool: String,
+        /// Image name.
+        name: String,
+        /// Size in bytes.
+        size_bytes: u64,
+        /// Bytes per object (default 4 MiB).
+        object_size_bytes: Option<u64>,
+    },
+    /// Change an image's size.
+    ImageResize {
+        /// Pool name.
+        pool: String,
+        /// Image name.
+        name: String,
+        /// New size.
+        size_bytes: u64,
+    },
+    /// Remove an image.
+    ImageRemove {
+        /// Pool name.
+        pool: String,
+        /// Image name.
+        name: String,
+    },
+}
+
+/// Why a command was refused. Messages name the object and the value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MapError {
+    /// No such pool.
+    #[error("pool {name:?} does not exist")]
+    UnknownPool {
+        /// The name given.
+        name: String,
+    },
+    /// No such image.
+    #[error("image {pool}/{name} does not exist")]
+    UnknownImage {
+        /// Pool name.
+        pool: String,
+        /// Image name.
+        name: String,
+    },
+    /// No such OSD.
+    #[error("{id} does not exist")]
+    UnknownOsd {
+        /// The id given.
+        id: OsdId,
+    },
+    /// The name is taken.
+    #[error("{kind} {name:?} already exists")]
+    Exists {
+        /// "pool" or "image".
+        kind: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// A parameter out of range.
+    #[error("{parameter} {value} is not allowed: {rule}")]
+    Invalid {
+        /// The parameter.
+        parameter: &'static str,
+        /// Its value.
+        value: String,
+        /// What is allowed.
+        rule: &'static str,
+    },
+    /// The pool still holds images.
+    #[error("pool {name:?} still holds {images} image(s)")]
+    PoolNotEmpty {
+        /// The pool.
+        name: String,
+        /// How many images.
+        images: usize,
+    },
+}
+
+impl ClusterMap {
+    /// An empty map at epoch 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The pool of that name.
+    pub fn pool_by_name(&self, name: &str) -> Option<&Pool> {
+        self.pools.values().find(|pool| pool.name == name)
+    }
+
+    /// The image of that name in that pool.
+    pub fn image_by_name(&self, pool: &str, name: &str) -> Option<&Image> {
+        let pool = self.pool_by_name(pool)?;
+        self.images
+            .values()
+            .find(|image| image.pool == pool.id && image.name == name)
+    }
+
+    /// The members of a PG.
+    pub fn pg(&self, pg: PgId) -> Option<&PgEntry> {
+        self.pools.get(&pg.pool)?.pgs.get(pg.index as usize)
+    }
+
+    /// Applies a command: `Ok(true)` if the map changed (and its epoch advanced).
+    pub fn apply(&mut self, command: &Command) -> Result<bool, MapError> {
+        let before = self.clone();
+        let next = self.epoch.next();
+        let changed = match command {
+            Command::OsdBoot {
+                uuid,
+                host,
+                address,
+                weight,
+            } => self.osd_boot(uuid, host, address, *weight)?,
+            Command::OsdDown { id } => self.osd_mut(*id)?.set_up(false),
+            Command::OsdOut { id } => self.osd_mut(*id)?.set_in(false),
+            Command::PoolCreate {
+                name,
+                pg_count,
+                size,
+                min_size,
+            } => {
+                self.pool_create(name, *pg_count, *size, *min_size)?;
+                true
+            }
+            Command::PoolRemove { name } => {
+                self.pool_remove(name)?;
+                true
+            }
+            Command::ImageCreate {
+                pool,
+                name,
+                size_bytes,
+                object_size_bytes,
+            } => {
+                self.image_create(
+                    pool,
+                    name,
+                    *size_bytes,
+                    object_size_bytes.unwrap_or(OBJECT_SIZE_DEFAULT),
+                )?;
+                true
+            }
+            Command::ImageResize {
+                pool,
+                name,
+                size_bytes,
+            } => self.image_resize(pool, name, *size_bytes)?,
+            Command::ImageRemove { pool, name } => {
+                let id = self
+                    .image_by_name(pool, name)
+                    .map(|image| image.id)
+                    .ok_or_else(|| unknown_image(pool, name))?;
+                self.images.remove(&id);
+                true
+            }
+        };
+        if !changed {
+            debug_assert_eq!(&before, self, "an unchanged map is untouched");
+            return Ok(false);
+        }
+        self.place_pgs(next);
+        self.epoch = next;
+        Ok(true)
+    }
+
+    fn osd_mut(&mut self, id: OsdId) -> Result<&mut OsdEntry, MapError> {
+        self.osds.get_mut(&id).ok_or(MapError::UnknownOsd { id })
+    }
+
+    fn osd_boot(
+        &mut self,
+        uuid: &str,
+        host: &str,
+        address: &str,
+        weight: f64,
+    ) -> Result<bool, MapError> {
+        if !(weight.is_finite() && weight >= 0.0) {
+            return Err(invalid("weight", weight, "a number of 0 or more"));
+        }
+        // The seed's `fakeapplyid`: the same uuid always gets the same id; a new uuid gets
+        // the lowest free one.
+        let id = match self.osds.values().find(|osd| osd.uuid == uuid) {
+            Some(osd) => osd.id,
+            None => (0..)
+                .map(OsdId)
+                .find(|id| !self.osds.contains_key(id))
+                .expect("a free id exists"),
+        };
+        let entry = OsdEntry {
+            id,
+            uuid: uuid.to_string(),
+            host: host.to_string(),
+            address: address.to_string(),
+            weight,
+            up: true,
+            is_in: true,
+        };
+        let changed = self.osds.get(&id) != Some(&entry);
+        self.osds.insert(id, entry);
+        Ok(changed)
+    }
+
+    fn pool_create(
+        &mut self,
+        name: &str,
+        pg_count: u32,
+        size: u32,
+        min_size: Option<u32>,
+    ) -> Result<(), MapError> {
+        check_name("pool name", name)?;
+        if self.pool_by_name(name).is_some() {
+            return Err(MapError::Exists {
+                kind: "pool",
+                name: name.to_string(),
+            });
+        }
+        if !pg_count.is_power_of_two() || pg_count > PG_COUNT_MAX {
+            return Err(invalid(
+                "pg_count",
+                pg_count,
+                "a power of two from 1 to 32768",
+            ));
+        }
+        if size == 0 || size > POOL_SIZE_MAX {
+            return Err(invalid("size", size, "1 to 5 replicas"));
+        }
+        let min_size = min_size.unwrap_or(size / 2 + 1);
+        if min_size == 0 || min_size > size {
+            return Err(invalid("min_size", min_size, "1 to the pool's size"));
+        }
+        let id = PoolId(self.next_pool);
+        self.next_pool += 1;
+        let pgs = vec![
+            PgEntry {
+                members: Vec::new(),
+                epoch: Epoch(0)
+            };
+            pg_count as usize
+        ];
+        self.pools.insert(
+            id,
+            Pool {
+                id,
+                name: name.to_string(),
+                pg_count,
+                size,
+                min_size,
+                pgs,
+            },
+        );
+        Ok(())
+    }
+
+    fn pool_remove(&mut self, name: &str) -> Result<(), MapError> {
+        let pool = self
+            .pool_by_name(name)
+            .ok_or_else(|| MapError::UnknownPool {
+                name: name.to_string(),
+            })?
+            .id;
+        let images = self
+            .images
+            .values()
+            .filter(|image| image.pool == pool)
+            .count();
+        if images > 0 {
+            return Err(MapError::PoolNotEmpty {
+                name: name.to_string(),
+                images,
+            });
+        }
+        self.pools.remove(&pool);
+        Ok(())
+    }
+
+    fn image_create(
+        &mut self,
+        pool: &str,
+        name: &str,
+        size_bytes: u64,
+        object_size_bytes: u64,
+    ) -> Result<(), MapError> {
+        let pool_id = self
+            .pool_by_name(pool)
+            .ok_or_else(|| MapError::UnknownPool {
+                name: pool.to_string(),
+            })?
+            .id;
+        check_name("image name", name)?;
+        if self.image_by_name(pool, name).is_some() {
+            return Err(MapError::Exists {
+                kind: "image",
+                name: format!("{pool}/{name}"),
+            });
+        }
+        check_size(size_bytes)?;
+        if !object_size_bytes.is_power_of_two()
+            || !(OBJECT_SIZE_MIN..=OBJECT_SIZE_MAX).contains(&object_size_bytes)
+        {
+            return Err(invalid(
+                "object size",
+                object_size_bytes,
+                "a power of two from 4KiB to 64MiB",
+            ));
+        }
+        let id = ImageId(self.next_image);
+        self.next_image += 1;
+        self.images.insert(
+            id,
+            Image {
+                id,
+                pool: pool_id,
+                name: name.to_string(),
+                size_bytes,
+                object_size_bytes,
+            },
+        );
+        Ok(())
+    }
+
+    fn image_resize(&mut self, pool: &str, name: &str, size_bytes: u64) -> Result<bool, MapError> {
+        check_size(size_bytes)?;
+        let id = self
+            .image_by_name(pool, name)
+            .map(|image| image.id)
+            .ok_or_else(|| unknown_image(pool, name))?;
+        let image = self.images.get_mut(&id).expect("found above");
+        let changed = image.size_bytes != size_bytes;
+        image.size_bytes = size_bytes;
+        Ok(changed)
+    }
+
+    /// Recomputes every PG's members from the OSDs that are in; PGs whose members change
+    /// get `epoch`.
+    fn place_pgs(&mut self, epoch: Epoch) {
+        let candidates: Vec<Candidate> = self
+            .osds
+            .values()
+            .filter(|osd| osd.is_in)
+            .map(|osd| Candidate {
+                osd: osd.id,
+                host: osd.host.clone(),
+                weight: osd.weight,
+            })
+            .collect();
+        for pool in self.pools.values_mut() {
+            for (index, entry) in pool.pgs.iter_mut().enumerate() {
+                let pg = PgId {
+                    pool: pool.id,
+                    index: index as u32,
+                };
+                let members = placement::place(pg, pool.size as usize, &candidates);
+                if members != entry.members {
+                    *entry = PgEntry { members, epoch };
+                }
+            }
+        }
+    }
+}
+
+impl OsdEntry {
+    fn set_up(&mut self, up: bool) -> bool {
+        std::mem::replace(&mut self.up, up) != up
+    }
+
+    fn set_in(&mut self, is_in: bool) -> bool {
+        std::mem::replace(&mut self.is_in, is_in) != is_in
+    }
+}
+
+fn check_name(parameter: &'static str, name: &str) -> Result<(), MapError> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > NAME_SIZE_MAX || !name.chars().all(allowed) {
+        return Err(invalid(parameter, name, "1 to 128 of A-Z a-z 0-9 - _ ."));
+    }
+    Ok(())
+}
+
+fn check_size(size_bytes: u64) -> Result<(), MapError> {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
+        return Err(invalid(
+            "size",
+            size_bytes,
+            "a positive multiple of 512 bytes",
+        ));
+    }
+    Ok(())
+}
+
+fn invalid(parameter: &'static str, value: impl std::fmt::Display, rule: &'static str) -> MapError {
+    MapError::Invalid {
+        parameter,
+        value: value.to_string(),
+        rule,
+    }
+}
+
+fn unknown_image(pool: &str, name: &str) -> MapError {
+    MapError::UnknownImage {
+        pool: pool.to_string(),
+        name: name.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn boot(map: &mut ClusterMap, uuid: &str, host: &str) -> OsdId {
+        let address = format!("127.0.0.1:7000/{uuid}");
+        let command = Command::OsdBoot {
+            uuid: uuid.into(),
+            host: host.into(),
+            address,
+            weight: 1.0,
+        };
+        map.apply(&command).expect("boot");
+        map.osds
+            .values()
+            .find(|osd| osd.uuid == uuid)
+            .expect("registered")
+            .id
+    }
+
+    fn three_hosts() -> ClusterMap {
+        let mut map = ClusterMap::new();
+        for n in 0..6 {
+            boot(&mut map, &format!("uuid-{n}"), &format!("host{}", n % 3));
+        }
+        map.apply(&Command::PoolCreate {
+            name: "rbd".into(),
+            pg_count: 64,
+            size: 3,
+            min_size: None,
+        })
+        .expect("pool");
+        map
+    }
+
+    #[test]
+    fn osd_ids_follow_their_uuid_across_restarts() {
+        let mut map = ClusterMap::new();
+        assert_eq!(boot(&mut map, "a", "h"), OsdId(0));
+        assert_eq!(boot(&mut map, "b", "h"), OsdId(1));
+        let epoch = map.epoch;
+        assert_eq!(boot(&mut map, "a", "h"), OsdId(0), "same uuid, same id");
+        assert_eq!(map.epoch, epoch, "an identical boot changes nothing");
+        map.apply(&Command::OsdDown { id: OsdId(0) }).expect("down");
+        assert!(!map.osds[&OsdId(0)].up);
+        assert_eq!(boot(&mut map, "a", "h"), OsdId(0));
+        assert!(map.osds[&OsdId(0)].up, "a reboot brings it up");
+        assert_eq!(
+            map.apply(&Command::OsdDown { id: OsdId(9) }),
+            Err(MapError::UnknownOsd { id: OsdId(9) })
+        );
+    }
+
+    #[test]
+    fn pools_get_pgs_on_distinct_hosts_and_majority_min_size() {
+        let map = three_hosts();
+        let pool = map.pool_by_name("rbd").expect("pool");
+        assert_eq!((pool.pg_count, pool.size, pool.min_size), (64, 3, 2));
+        for pg in &pool.pgs {
+            let hosts: BTreeSet<&str> = pg
+                .members
+                .iter()
+                .map(|id| map.osds[id].host.as_str())
+                .collect();
+            assert_eq!(hosts.len(), 3, "{pg:?}");
+            assert_eq!(pg.epoch, map.epoch);
+        }
+    }
+
+    #[test]
+    fn bad_pool_parameters_are_refused_by_name() {
+        let mut map = three_hosts();
+        let cases = [
+            (
+                Command::PoolCreate {
+                    name: "rbd".into(),
+                    pg_count: 64,
+                    size: 3,
+                    min_size: None,
+                },
+                "already exists",
+            ),
+            (
+                Command::PoolCreate {
+                    name: "p".into(),
+                    pg_count: 100,
+                    size: 3,
+                    min_size: None,
+                },
+                "pg_count 100",
+            ),
+            (
+                Command::PoolCreate {
+                    name: "p".into(),
+                    pg_count: 64,
+                    size: 0,
+                    min_size: None,
+                },
+                "size 0",
+            ),
+            (
+                Command::PoolCreate {
+                    name: "p".into(),
+                    pg_count: 64,
+                    size: 3,
+                    min_size: Some(4),
+                },
+                "min_size 4",
+            ),
+            (
+                Command::PoolCreate {
+                    name: "a b".into(),
+                    pg_count: 64,
+                    size: 3,
+                    min_size: None,
+                },
+                "pool name",
+            ),
+            (
+                Command::PoolRemove {
+                    name: "nope".into(),
+                },
+                "pool \"nope\" does not exist",
+            ),
+        ];
+        let epoch = map.epoch;
+        for (command, message) in cases {
+            let error = map.apply(&command).expect_err("refused").to_string();
+            assert!(error.contains(message), "{command:?}: {error}");
+        }
+        assert_eq!(map.epoch, epoch, "refused commands change nothing");
+    }
+
+    #[test]
+    fn images_are_created_resized_and_removed() {
+        let mut map = three_hosts();
+        map.apply(&Command::ImageCreate {
+            pool: "rbd".into(),
+            name: "vm1".into(),
+            size_bytes: 10 << 30,
+            object_size_bytes: None,
+        })
+        .expect("create");
+        let image = map.image_by_name("rbd", "vm1").expect("image").clone();
+        assert_eq!(
+            (image.size_bytes, image.object_size_bytes),
+            (10 << 30, 4 << 20)
+        );
+        let refusals = [
+            (
+                Command::ImageCreate {
+                    pool: "rbd".into(),
+                    name: "vm1".into(),
+                    size_bytes: 4096,
+                    object_size_bytes: None,
+                },
+                "already exists",
+            ),
+            (
+                Command::ImageCreate {
+                    pool: "nope".into(),
+                    name: "x".into(),
+                    size_bytes: 4096,
+                    object_size_bytes: None,
+                },
+                "pool \"nope\"",
+            ),
+            (
+                Command::ImageCreate {
+                    pool: "rbd".into(),
+                    name: "x".into(),
+                    size_bytes: 0,
+                    object_size_bytes: None,
+                },
+                "size 0",
+            ),
+            (
+                Command::ImageCreate {
+                    pool: "rbd".into(),
+                    name: "x".into(),
+                    size_bytes: 4096,
+                    object_size_bytes: Some(3000),
+                },
+                "object size",
+            ),
+            (
+                Command::ImageResize {
+                    pool: "rbd".into(),
+                    name: "vm2".into(),
+                    size_bytes: 4096,
+                },
+                "rbd/vm2 does not exist",
+            ),
+            (
+                Command::PoolRemove { name: "rbd".into() },
+                "still holds 1 image",
+            ),
+        ];
+        for (command, message) in refusals {
+            let error = map.apply(&command).expect_err("refused").to_string();
+            assert!(error.contains(message), "{command:?}: {error}");
+        }
+        assert_eq!(
+            map.apply(&Command::ImageResize {
+                pool: "rbd".into(),
+                name: "vm1".into(),
+                size_bytes: 20 << 30
+            }),
+            Ok(true)
+        );
+        assert_eq!(
+            map.image_by_name("rbd", "vm1").map(|i| i.size_bytes),
+            Some(20 << 30)
+        );
+        assert_eq!(
+            map.apply(&Command::ImageRemove {
+                pool: "rbd".into(),
+                name: "vm1".into()
+            }),
+            Ok(true)
+        );
+        assert_eq!(
+            map.apply(&Command::PoolRemove { name: "rbd".into() }),
+            Ok(true)
+        );
+        assert!(map.pools.is_empty());
+    }
+
+    #[test]
+    fn down_keeps_membership_and_out_moves_replicas() {
+        let mut map = three_hosts();
+        let victim = OsdId(0);
+        let holding: Vec<usize> = map.pools[&PoolId(0)]
+            .pgs
+            .iter()
+            .enumerate()
+            .filter(|(_, pg)| pg.members.contains(&victim))
+            .map(|(i, _)| i)
+            .collect();
+        assert!(!holding.is_empty());
+        let before = map.pools[&PoolId(0)].pgs.clone();
+        map.apply(&Command::OsdDown { id: victim }).expect("down");
+        assert_eq!(
+            map.pools[&PoolId(0)]
+                .pgs
+                .iter()
+                .map(|pg| &pg.members)
+                .collect::<Vec<_>>(),
+            before.iter().map(|pg| &pg.members).collect::<Vec<_>>(),
+            "down changes no membership"
+        );
+        map.apply(&Command::OsdOut { id: victim }).expect("out");
+        let after = &map.pools[&PoolId(0)].pgs;
+        for (index, pg) in after.iter().enumerate() {
+            assert!(!pg.members.contains(&victim));
+            if holding.contains(&index) {
+                assert_eq!(pg.epoch, map.epoch, "a changed PG carries the new epoch");
+            }
+            let hosts: BTreeSet<&str> = pg
+                .members
+                .iter()
+                .map(|id| map.osds[id].host.as_str())
+                .collect();
+            assert_eq!(hosts.len(), 3, "still three hosts: host0 has another OSD");
+        }
+        let untouched = after
+            .iter()
+            .zip(&before)
+            .filter(|(a, b)| a.members == b.members)
+            .count();
+        assert!(
+            untouched >= 64 - holding.len() - 16,
+            "few PGs that did not hold the OSD moved"
+        );
+    }
+}
