@@ -206,6 +206,22 @@ mod tests {
         }
     }
 
+    /// An entry of PG 1.0 at Raft `index`, with `len` bytes of `byte`.
+    fn entry(index: u64, byte: u8, len: usize) -> Entry {
+        let pg = basalt_common::PgId {
+            pool: basalt_common::PoolId(1),
+            index: 0,
+        };
+        Entry {
+            kind: 1,
+            pg,
+            term: 1,
+            index,
+            meta: [byte; 24],
+            data: vec![byte; len],
+        }
+    }
+
     fn entries_of(replayed: &Replayed) -> Vec<Vec<Entry>> {
         replayed
             .batches
@@ -220,17 +236,7 @@ mod tests {
         let mut writer = LogWriter::new(8192, Lsn::FIRST, 1 << 20);
         let mut placed = Vec::new();
         for n in 0..5u8 {
-            let entry = Entry {
-                kind: 1,
-                pg: basalt_common::PgId {
-                    pool: basalt_common::PoolId(1),
-                    index: 0,
-                },
-                term: 1,
-                index: u64::from(n) + 1,
-                meta: [n; 24],
-                data: vec![n; 4096 * usize::from(n)],
-            };
+            let entry = entry(u64::from(n) + 1, n, 4096 * usize::from(n));
             let batch = writer.append(&[entry]).expect("room");
             disk.write(&batch);
             placed.push(batch);
@@ -263,17 +269,7 @@ mod tests {
     fn a_full_log_refuses_the_batch() {
         let mut writer = LogWriter::new(0, Lsn::FIRST, 8192);
         writer.append(&[]).expect("one header fits");
-        let entry = Entry {
-            kind: 1,
-            pg: basalt_common::PgId {
-                pool: basalt_common::PoolId(1),
-                index: 0,
-            },
-            term: 1,
-            index: 1,
-            meta: [0; 24],
-            data: vec![1; 10],
-        };
+        let entry = entry(1, 1, 10);
         assert_eq!(
             writer.append(&[entry]),
             Err(LogError::Full {
