@@ -1,0 +1,167 @@
+//! The log device on a real file: group commit, replay after reopening, and refusals.
+
+use std::path::PathBuf;
+
+use basalt_common::{Lsn, PgId, PoolId};
+use basalt_osd::log_device::{LogDevice, LogDeviceError};
+use basalt_store::batch::{ENTRY_COUNT_MAX, Entry};
+
+fn device_file(name: &str, len: u64) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("osd-log-{name}-{}", std::process::id()));
+    std::fs::File::create(&path)
+        .expect("create")
+        .set_len(len)
+        .expect("set_len");
+    path
+}
+
+fn entry(pg: u32, index: u64, byte: u8) -> Entry {
+    Entry {
+        kind: 1,
+        pg: PgId {
+            pool: PoolId(1),
+            index: pg,
+        },
+        term: 1,
+        index,
+        meta: [byte; 24],
+        data: vec![byte; 4096],
+    }
+}
+
+/// In a single-threaded runtime, appends submitted without yielding are all queued when the
+/// writer first runs: 64 one-entry appends take exactly two batches (63 entries fit in one).
+#[tokio::test(flavor = "current_thread")]
+async fn queued_appends_share_batches_and_replay_in_order() {
+    let path = device_file("group", 64 << 20);
+    LogDevice::format(&path, [1; 16]).await.expect("format");
+    let opened = LogDevice::open(&path).await.expect("open");
+    assert!(opened.replayed.batches.is_empty(), "a fresh log is empty");
+    let device = opened.device;
+    let pending: Vec<_> = (0..64u64)
+        .map(|n| device.submit(vec![entry((n % 8) as u32, n + 1, n as u8)]))
+        .collect();
+    let mut lsns = Vec::new();
+    for append in pending {
+        lsns.push(append.await.expect("durable").lsn);
+    }
+    assert_eq!(
+        lsns.iter().filter(|lsn| **lsn == Lsn(1)).count(),
+        ENTRY_COUNT_MAX
+    );
+    assert_eq!(
+        lsns.iter().filter(|lsn| **lsn == Lsn(2)).count(),
+        64 - ENTRY_COUNT_MAX
+    );
+    let stats = device.stats();
+    assert_eq!((stats.batches, stats.appends, stats.entries), (2, 64, 64));
+    assert_eq!(stats.data_bytes, 64 * 4096);
+    assert_eq!(
+        stats.device_bytes,
+        (1 + 63 + 1 + 1) * 4096,
+        "two headers and 64 data blocks"
+    );
+    assert!((stats.write_amplification() - 66.0 / 64.0).abs() < 1e-9);
+
+    // One append at a time: nothing to group with, one batch each.
+    for n in 64..74u64 {
+        device
+            .submit(vec![entry(0, n + 1, n as u8)])
+            .await
+            .expect("durable");
+    }
+    assert_eq!(device.stats().batches, 12);
+    drop(device);
+
+    let reopened = LogDevice::open(&path).await.expect("reopen");
+    let entries: Vec<&Entry> = reopened
+        .replayed
+        .batches
+        .iter()
+        .flat_map(|b| b.entries.iter().map(|(e, _)| e))
+        .collect();
+    assert_eq!(entries.len(), 74);
+    for (n, found) in entries.iter().enumerate() {
+        assert_eq!(
+            **found,
+            entry(
+                if n < 64 { (n % 8) as u32 } else { 0 },
+                n as u64 + 1,
+                n as u8
+            ),
+            "entry {n}"
+        );
+    }
+    let next = reopened
+        .device
+        .submit(vec![entry(0, 75, 75)])
+        .await
+        .expect("append after replay");
+    assert_eq!(
+        next.lsn,
+        Lsn(13),
+        "the log goes on after the replayed batches"
+    );
+    std::fs::remove_file(path).expect("remove");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn data_offsets_point_at_the_data() {
+    use std::os::unix::fs::FileExt;
+    let path = device_file("offsets", 16 << 20);
+    LogDevice::format(&path, [2; 16]).await.expect("format");
+    let device = LogDevice::open(&path).await.expect("open").device;
+    let appended = device
+        .submit(vec![entry(3, 1, 0xab), entry(4, 1, 0xcd)])
+        .await
+        .expect("durable");
+    let file = std::fs::File::open(&path).expect("open");
+    for (offset, byte) in appended.data_offsets_bytes.iter().zip([0xab, 0xcd]) {
+        let mut data = vec![0u8; 4096];
+        file.read_exact_at(&mut data, *offset).expect("read");
+        assert!(data.iter().all(|b| *b == byte), "data at {offset}");
+    }
+    std::fs::remove_file(path).expect("remove");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn refusals_are_clear() {
+    let unformatted = device_file("unformatted", 16 << 20);
+    let error = LogDevice::open(&unformatted)
+        .await
+        .err()
+        .expect("not formatted");
+    assert!(
+        error.to_string().contains("not a basalt osd device"),
+        "{error}"
+    );
+
+    let tiny = device_file("tiny", 1 << 20);
+    let error = LogDevice::format(&tiny, [0; 16])
+        .await
+        .expect_err("too small");
+    assert!(matches!(error, LogDeviceError::TooSmall { .. }), "{error}");
+
+    let small = device_file("small", (8 << 20) + 8192);
+    LogDevice::format(&small, [3; 16]).await.expect("format");
+    let device = LogDevice::open(&small).await.expect("open").device;
+    let too_many: Vec<Entry> = (0..ENTRY_COUNT_MAX as u64 + 1)
+        .map(|n| entry(0, n, 1))
+        .collect();
+    assert!(matches!(
+        device.submit(too_many).await,
+        Err(LogDeviceError::TooLarge { .. })
+    ));
+    let mut full = None;
+    for n in 0..10_000u64 {
+        if let Err(error) = device.submit(vec![entry(0, n, 1)]).await {
+            full = Some(error);
+            break;
+        }
+    }
+    assert!(matches!(full, Some(LogDeviceError::Full)), "{full:?}");
+    for path in [unformatted, tiny, small] {
+        std::fs::remove_file(path).expect("remove");
+    }
+}
