@@ -13,16 +13,21 @@ use basalt_bdev::malloc::MallocBdev;
 use basalt_bench::{Device, Pattern, Progress, ProgressFn, Workload};
 use basalt_common::ByteSize;
 use basalt_nbd::NbdUri;
+use basalt_osd::log_device::LogDevice;
 
 /// Options of `basalt bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// An in-process bdev: `malloc:SIZE` (e.g. malloc:1GiB) or `file:PATH`.
-    #[arg(long, conflicts_with = "nbd", required_unless_present = "nbd")]
+    #[arg(long, conflicts_with = "nbd", required_unless_present_any = ["nbd", "osd_log"])]
     pub bdev: Option<String>,
     /// An NBD export: nbd://HOST[:PORT]/EXPORT (one connection per worker).
     #[arg(long)]
     pub nbd: Option<NbdUri>,
+    /// An OSD log device on this file or block device, FORMATTED FIRST (its contents are
+    /// lost); each write is one durable 4 KiB-aligned append. Writes only.
+    #[arg(long, conflicts_with_all = ["bdev", "nbd"])]
+    pub osd_log: Option<PathBuf>,
     /// Worker threads (and NBD connections).
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
@@ -96,6 +101,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", report.to_text());
+        if let Some(stats) = &report.log {
+            println!(
+                "osd log: {} appends in {} batches ({:.1} per batch), write amplification {:.3}",
+                stats.appends,
+                stats.batches,
+                stats.appends as f64 / stats.batches.max(1) as f64,
+                stats.write_amplification
+            );
+        }
     }
     Ok(if report.is_clean() {
         ExitCode::SUCCESS
@@ -105,6 +119,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn open_device(args: &BenchArgs) -> anyhow::Result<(Device, String)> {
+    if let Some(path) = &args.osd_log {
+        if !matches!(args.rw, Pattern::Write | Pattern::RandWrite) {
+            bail!("--osd-log takes writes only (--rw write or randwrite)");
+        }
+        LogDevice::format(path, [0; 16])
+            .await
+            .with_context(|| format!("formatting {}", path.display()))?;
+        let opened = LogDevice::open(path)
+            .await
+            .with_context(|| format!("opening {}", path.display()))?;
+        return Ok((
+            Device::Log(Arc::new(opened.device)),
+            format!("osd log {}", path.display()),
+        ));
+    }
     if let Some(uri) = &args.nbd {
         let device = Device::connect_nbd(uri, args.workers)
             .await

@@ -1,12 +1,16 @@
-//! What a benchmark measures: an in-process bdev, or an NBD export through one connection
-//! per worker (so the server sees `workers` connections, as fio's nbd engine makes).
+//! What a benchmark measures: an in-process bdev, an NBD export through one connection
+//! per worker (so the server sees `workers` connections, as fio's nbd engine makes), or an
+//! OSD log device (each write is one durable append; it shows what group commit buys).
 
 use std::io;
 use std::sync::Arc;
 
 use basalt_bdev::Bdev;
+use basalt_common::{PgId, PoolId};
 use basalt_io::DmaBuf;
 use basalt_nbd::{NbdClient, NbdUri};
+use basalt_osd::log_device::LogDevice;
+use basalt_store::batch::{BLOCK_SIZE, Entry, META_SIZE};
 
 /// A device under test.
 pub enum Device {
@@ -14,7 +18,13 @@ pub enum Device {
     Bdev(Arc<dyn Bdev>),
     /// NBD connections, one per worker.
     Nbd(Vec<Arc<NbdClient>>),
+    /// An OSD log device: writes only.
+    Log(Arc<LogDevice>),
 }
+
+/// The span of offsets a log device is driven over (appends have no address; the offset
+/// only names the PG and object an entry would belong to).
+pub const LOG_SPAN_BYTES: u64 = 1 << 30;
 
 impl Device {
     /// Opens `workers` connections to an NBD export.
@@ -31,6 +41,7 @@ impl Device {
         match self {
             Device::Bdev(bdev) => bdev.info().size_bytes(),
             Device::Nbd(clients) => clients[0].size_bytes(),
+            Device::Log(_) => LOG_SPAN_BYTES,
         }
     }
 
@@ -39,6 +50,7 @@ impl Device {
         match self {
             Device::Bdev(bdev) => u64::from(bdev.info().block_size),
             Device::Nbd(clients) => u64::from(clients[0].block_size_min()),
+            Device::Log(_) => BLOCK_SIZE as u64,
         }
     }
 
@@ -47,6 +59,7 @@ impl Device {
         match self {
             Device::Bdev(bdev) => WorkerDevice::Bdev(bdev.clone()),
             Device::Nbd(clients) => WorkerDevice::Nbd(clients[worker % clients.len()].clone()),
+            Device::Log(log) => WorkerDevice::Log(log.clone()),
         }
     }
 }
@@ -58,6 +71,8 @@ pub enum WorkerDevice {
     Bdev(Arc<dyn Bdev>),
     /// One NBD connection.
     Nbd(Arc<NbdClient>),
+    /// An OSD log device.
+    Log(Arc<LogDevice>),
 }
 
 /// Bytes read, in whichever buffer the device returned.
@@ -96,6 +111,13 @@ impl WorkerDevice {
                 let len = u32::try_from(len_bytes).map_err(io::Error::other)?;
                 client.read(offset_bytes, len).await.map(ReadData::Vec)
             }
+            WorkerDevice::Log(_) => {
+                let _ = (offset_bytes, len_bytes);
+                Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "an osd log device is only written",
+                ))
+            }
         }
     }
 
@@ -112,6 +134,26 @@ impl WorkerDevice {
                     .map_err(io::Error::other)
             }
             WorkerDevice::Nbd(client) => client.write(offset_bytes, &data, false).await,
+            WorkerDevice::Log(log) => {
+                let block = offset_bytes / BLOCK_SIZE as u64;
+                let mut meta = [0u8; META_SIZE];
+                meta[..8].copy_from_slice(&offset_bytes.to_le_bytes());
+                let entry = Entry {
+                    kind: 1,
+                    pg: PgId {
+                        pool: PoolId(0),
+                        index: (block % 128) as u32,
+                    },
+                    term: 1,
+                    index: block,
+                    meta,
+                    data: data.to_vec(),
+                };
+                log.submit(vec![entry])
+                    .await
+                    .map(drop)
+                    .map_err(io::Error::other)
+            }
         }
     }
 }

@@ -102,6 +102,19 @@ pub struct Report {
     pub verify_mismatches: u64,
     /// The first mismatch, if any.
     pub first_mismatch: Option<String>,
+    /// What an OSD log device wrote, when one was measured.
+    pub log: Option<LogReport>,
+}
+
+/// Group commit as the OSD log device saw it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LogReport {
+    /// Appends answered.
+    pub appends: u64,
+    /// Batches (durable device writes) they took.
+    pub batches: u64,
+    /// Device bytes per data byte.
+    pub write_amplification: f64,
 }
 
 impl DirectionReport {

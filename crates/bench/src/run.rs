@@ -15,7 +15,7 @@ use hdrhistogram::Histogram;
 
 use crate::device::{Device, WorkerDevice};
 use crate::pattern::{self, splitmix64};
-use crate::report::{DirectionReport, Report};
+use crate::report::{DirectionReport, LogReport, Report};
 use crate::workload::{Pattern, Workload, WorkloadError};
 
 const BUSY: u32 = 1 << 31;
@@ -386,6 +386,17 @@ pub async fn run(
         verified_blocks: shared.verified.load(Ordering::Relaxed),
         verify_mismatches: shared.mismatches.load(Ordering::Relaxed),
         first_mismatch: take(&shared.first_mismatch),
+        log: match device {
+            Device::Log(log) => {
+                let stats = log.stats();
+                Some(LogReport {
+                    appends: stats.appends,
+                    batches: stats.batches,
+                    write_amplification: stats.write_amplification(),
+                })
+            }
+            _ => None,
+        },
     })
 }
 
@@ -495,6 +506,58 @@ mod tests {
             "stopped early, not after the runtime"
         );
         assert!(!report.is_clean());
+    }
+
+    /// Writes to an OSD log device are durable appends; every one is counted by the log, and
+    /// reads are refused (the run stops at the first).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn log_device_appends_are_counted_and_reads_refused() {
+        use basalt_osd::log_device::LogDevice;
+        let path = std::env::temp_dir().join(format!("basalt-bench-log-{}", std::process::id()));
+        std::fs::File::create(&path)
+            .expect("create")
+            .set_len(64 << 20)
+            .expect("set_len");
+        LogDevice::format(&path, [9; 16]).await.expect("format");
+        let device = Device::Log(Arc::new(LogDevice::open(&path).await.expect("open").device));
+        let mut workload = workload(Pattern::RandWrite);
+        workload.verify = false;
+        workload.io_count = Some(200);
+        let report = run(&device, &workload, "log".into(), None)
+            .await
+            .expect("runs");
+        assert!(report.is_clean(), "{}", report.to_text());
+        let log = report.log.as_ref().expect("log stats");
+        assert_eq!(
+            (report.write.as_ref().map(|w| w.ios), log.appends),
+            (Some(200), 200)
+        );
+        assert!(log.batches >= 1 && log.batches <= 200, "{log:?}");
+        let reads = run(
+            &device,
+            &workload_with(Pattern::RandRead),
+            "log".into(),
+            None,
+        )
+        .await
+        .expect("runs");
+        assert!(
+            reads.errors >= 1
+                && reads
+                    .first_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("only written")),
+            "{:?}",
+            reads.first_error
+        );
+        std::fs::remove_file(path).expect("remove");
+    }
+
+    fn workload_with(pattern: Pattern) -> Workload {
+        Workload {
+            verify: false,
+            ..workload(pattern)
+        }
     }
 
     /// A bdev that misbehaves on purpose: it flips a byte of every read at
