@@ -42,7 +42,18 @@ fn sources() -> Vec<(String, PathBuf, String)> {
 
 /// Layers from the top; a crate may depend only on crates after it.
 const LAYERS: &[&str] = &[
-    "basalt", "bench", "target", "nbd", "bdev", "mon", "osd", "store", "io", "common",
+    "sim",
+    "basalt",
+    "bench",
+    "target",
+    "nbd",
+    "bdev",
+    "mon",
+    "osd",
+    "replication",
+    "store",
+    "io",
+    "common",
 ];
 
 #[test]

@@ -1,0 +1,376 @@
+//! Every PG replica of one OSD, each a raft-rs `RawNode`, behind one sans-IO interface.
+//!
+//! Raft ids are OSD ids plus one (raft reserves 0). Each group keeps its log in a raft-rs
+//! `MemStorage` mirror: entries go there as soon as raft hands them out (raft must be able to
+//! read them back), and are reported durable later with [`MultiRaft::on_persisted`], which is
+//! when the group's acknowledgements may leave (`advance_append_async` and
+//! `on_persist_ready`). Many groups' persists can thus share one device write.
+
+use std::collections::BTreeMap;
+
+use basalt_common::{OsdId, PgId};
+use raft::eraftpb::{ConfState, Entry, HardState, Message};
+use raft::storage::MemStorage;
+use raft::{Config, RawNode, StateRole};
+
+/// Ticks without a leader's message before a follower campaigns.
+pub const ELECTION_TICKS: usize = 10;
+/// Ticks between a leader's heartbeats.
+pub const HEARTBEAT_TICKS: usize = 2;
+
+/// What the caller must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Send a message to another OSD now.
+    Send {
+        /// The OSD.
+        to: OsdId,
+        /// The PG.
+        pg: PgId,
+        /// The message.
+        message: Message,
+    },
+    /// Make entries and the hard state durable, then call [`MultiRaft::on_persisted`] with
+    /// `number`, then send `then_send`. Entries may overwrite (truncate) earlier ones with
+    /// the same or later index.
+    Persist {
+        /// The PG.
+        pg: PgId,
+        /// Entries to append.
+        entries: Vec<Entry>,
+        /// The new hard state, if it changed.
+        hard_state: Option<HardState>,
+        /// Identifies this persist for `on_persisted`.
+        number: u64,
+        /// Messages that may leave only once this is durable (acknowledgements, votes).
+        then_send: Vec<(OsdId, Message)>,
+    },
+    /// Apply committed entries to the PG's state, in order.
+    Apply {
+        /// The PG.
+        pg: PgId,
+        /// The entries.
+        entries: Vec<Entry>,
+    },
+}
+
+/// A group's durable state, read back after a restart.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Restored {
+    /// The last hard state persisted.
+    pub hard_state: HardState,
+    /// Every persisted entry, in log order (later ones overwrite earlier ones at the same
+    /// index, as they did when written).
+    pub entries: Vec<Entry>,
+}
+
+impl Restored {
+    /// Adds a persisted record, as replay finds them in log order: entries overwrite any
+    /// with the same or a later index (a follower's log truncated by a new leader).
+    pub fn add(&mut self, entries: &[Entry], hard_state: Option<&HardState>) {
+        if let Some(first) = entries.first() {
+            let keep = self
+                .entries
+                .iter()
+                .take_while(|entry| entry.index < first.index)
+                .count();
+            self.entries.truncate(keep);
+            self.entries.extend_from_slice(entries);
+        }
+        if let Some(hard_state) = hard_state {
+            self.hard_state = hard_state.clone();
+        }
+    }
+}
+
+/// Why a proposal was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProposeError {
+    /// This OSD does not host the PG.
+    #[error("pg {pg} is not hosted by this osd")]
+    UnknownPg {
+        /// The PG.
+        pg: PgId,
+    },
+    /// This replica is not the leader; `leader` is the one it knows of, if any.
+    #[error("pg {pg} is led by {leader:?}, not by this osd")]
+    NotLeader {
+        /// The PG.
+        pg: PgId,
+        /// The leader this replica knows of.
+        leader: Option<OsdId>,
+    },
+    /// raft refused it (e.g. a leadership transfer in progress).
+    #[error("pg {pg}: proposal dropped by raft: {reason}")]
+    Dropped {
+        /// The PG.
+        pg: PgId,
+        /// raft's reason.
+        reason: String,
+    },
+}
+
+struct Group {
+    node: RawNode<MemStorage>,
+}
+
+/// Every PG replica of one OSD.
+pub struct MultiRaft {
+    osd: OsdId,
+    groups: BTreeMap<PgId, Group>,
+    logger: slog::Logger,
+}
+
+fn raft_id(osd: OsdId) -> u64 {
+    u64::from(osd.0) + 1
+}
+
+fn osd_of(raft_id: u64) -> OsdId {
+    OsdId(u32::try_from(raft_id - 1).expect("raft ids come from osd ids"))
+}
+
+impl MultiRaft {
+    /// No groups yet.
+    pub fn new(osd: OsdId) -> Self {
+        // raft-rs logs through slog; nothing of it is needed yet (TODO(#3): bridge to tracing).
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        Self {
+            osd,
+            groups: BTreeMap::new(),
+            logger,
+        }
+    }
+
+    /// This OSD.
+    pub fn osd(&self) -> OsdId {
+        self.osd
+    }
+
+    /// Hosts a replica of `pg` with these members, from its durable state after a restart
+    /// (or empty for a new replica).
+    pub fn create_group(
+        &mut self,
+        pg: PgId,
+        members: &[OsdId],
+        restored: Restored,
+    ) -> Result<(), raft::Error> {
+        let voters: Vec<u64> = members.iter().map(|osd| raft_id(*osd)).collect();
+        let storage = MemStorage::new_with_conf_state(ConfState::from((voters, vec![])));
+        {
+            let mut core = storage.wl();
+            if !restored.entries.is_empty() {
+                core.append(&restored.entries)?;
+            }
+            core.set_hardstate(restored.hard_state);
+        }
+        let config = Config {
+            id: raft_id(self.osd),
+            election_tick: ELECTION_TICKS,
+            heartbeat_tick: HEARTBEAT_TICKS,
+            pre_vote: true,
+            check_quorum: true,
+            max_size_per_msg: 1 << 20,
+            max_inflight_msgs: 256,
+            ..Config::default()
+        };
+        let node = RawNode::new(&config, storage, &self.logger)?;
+        self.groups.insert(pg, Group { node });
+        Ok(())
+    }
+
+    /// PGs hosted here.
+    pub fn pgs(&self) -> impl Iterator<Item = PgId> + '_ {
+        self.groups.keys().copied()
+    }
+
+    /// The leader this replica knows of.
+    pub fn leader(&self, pg: PgId) -> Option<OsdId> {
+        let group = self.groups.get(&pg)?;
+        let leader = group.node.raft.leader_id;
+        (leader != raft::INVALID_ID).then(|| osd_of(leader))
+    }
+
+    /// Whether this replica leads `pg`.
+    pub fn is_leader(&self, pg: PgId) -> bool {
+        self.groups
+            .get(&pg)
+            .is_some_and(|group| group.node.raft.state == StateRole::Leader)
+    }
+
+    /// The commit index of this replica of `pg`.
+    pub fn committed(&self, pg: PgId) -> Option<u64> {
+        self.groups
+            .get(&pg)
+            .map(|group| group.node.raft.raft_log.committed)
+    }
+
+    /// Advances every group's logical clock by one tick.
+    pub fn tick(&mut self) {
+        for group in self.groups.values_mut() {
+            group.node.tick();
+        }
+    }
+
+    /// Delivers a message from another OSD. Messages for unknown PGs are dropped (the PG
+    /// moved, or the map is newer than ours); raft errors on a message mean it was stale.
+    pub fn step(&mut self, pg: PgId, message: Message) {
+        if let Some(group) = self.groups.get_mut(&pg)
+            && let Err(error) = group.node.step(message)
+        {
+            tracing::debug!(%pg, %error, "raft message dropped");
+        }
+    }
+
+    /// Proposes `data` as the next entry of `pg`; it must be led here.
+    pub fn propose(&mut self, pg: PgId, data: Vec<u8>) -> Result<(), ProposeError> {
+        let leader = self.leader(pg);
+        let group = self
+            .groups
+            .get_mut(&pg)
+            .ok_or(ProposeError::UnknownPg { pg })?;
+        if group.node.raft.state != StateRole::Leader {
+            return Err(ProposeError::NotLeader { pg, leader });
+        }
+        group
+            .node
+            .propose(Vec::new(), data)
+            .map_err(|error| ProposeError::Dropped {
+                pg,
+                reason: error.to_string(),
+            })
+    }
+
+    /// Collects what every group wants done.
+    pub fn collect(&mut self, actions: &mut Vec<Action>) {
+        for (&pg, group) in &mut self.groups {
+            if !group.node.has_ready() {
+                continue;
+            }
+            let mut ready = group.node.ready();
+            for message in ready.take_messages() {
+                actions.push(Action::Send {
+                    to: osd_of(message.to),
+                    pg,
+                    message,
+                });
+            }
+            let committed = ready.take_committed_entries();
+            if !committed.is_empty() {
+                actions.push(Action::Apply {
+                    pg,
+                    entries: committed,
+                });
+            }
+            let entries = ready.entries().clone();
+            let hard_state = ready.hs().cloned();
+            let then_send: Vec<(OsdId, Message)> = ready
+                .take_persisted_messages()
+                .into_iter()
+                .map(|message| (osd_of(message.to), message))
+                .collect();
+            if !entries.is_empty() || hard_state.is_some() || !then_send.is_empty() {
+                let mut core = group.node.store().wl();
+                if !entries.is_empty() {
+                    core.append(&entries)
+                        .expect("raft hands out entries that follow the log");
+                }
+                if let Some(hard_state) = &hard_state {
+                    core.set_hardstate(hard_state.clone());
+                }
+                drop(core);
+                actions.push(Action::Persist {
+                    pg,
+                    entries,
+                    hard_state,
+                    number: ready.number(),
+                    then_send,
+                });
+            }
+            group.node.advance_append_async(ready);
+            // Applying is the caller's next step and cannot fail; raft may count it done.
+            group.node.advance_apply();
+        }
+    }
+
+    /// Reports a [`Action::Persist`] durable.
+    pub fn on_persisted(&mut self, pg: PgId, number: u64) {
+        if let Some(group) = self.groups.get_mut(&pg) {
+            group.node.on_persist_ready(number);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(index: u64, term: u64) -> Entry {
+        Entry {
+            index,
+            term,
+            ..Entry::default()
+        }
+    }
+
+    #[test]
+    fn restored_entries_overwrite_from_the_first_new_index() {
+        let mut restored = Restored::default();
+        restored.add(&[entry(1, 1), entry(2, 1), entry(3, 1)], None);
+        restored.add(
+            &[entry(2, 2)],
+            Some(&HardState {
+                term: 2,
+                vote: 1,
+                commit: 1,
+                ..HardState::default()
+            }),
+        );
+        restored.add(&[entry(3, 2), entry(4, 2)], None);
+        let indexes: Vec<(u64, u64)> = restored.entries.iter().map(|e| (e.index, e.term)).collect();
+        assert_eq!(indexes, [(1, 1), (2, 2), (3, 2), (4, 2)]);
+        assert_eq!(restored.hard_state.term, 2);
+    }
+
+    #[test]
+    fn a_single_replica_group_elects_itself_and_commits() {
+        let pg = PgId {
+            pool: basalt_common::PoolId(0),
+            index: 0,
+        };
+        let mut raft = MultiRaft::new(OsdId(0));
+        raft.create_group(pg, &[OsdId(0)], Restored::default())
+            .expect("group");
+        let mut actions = Vec::new();
+        for _ in 0..3 * ELECTION_TICKS {
+            raft.tick();
+            raft.collect(&mut actions);
+            for action in actions.drain(..) {
+                if let Action::Persist { pg, number, .. } = action {
+                    raft.on_persisted(pg, number);
+                }
+            }
+        }
+        assert!(raft.is_leader(pg));
+        raft.propose(pg, b"hello".to_vec()).expect("leader accepts");
+        let mut applied = Vec::new();
+        for _ in 0..4 {
+            raft.collect(&mut actions);
+            for action in actions.drain(..) {
+                match action {
+                    Action::Persist { pg, number, .. } => raft.on_persisted(pg, number),
+                    Action::Apply { entries, .. } => {
+                        applied.extend(entries.into_iter().map(|e| e.data))
+                    }
+                    Action::Send { .. } => panic!("a single replica sends nothing"),
+                }
+            }
+        }
+        assert!(
+            applied.iter().any(|data| &data[..] == b"hello"),
+            "{applied:?}"
+        );
+        let follower = MultiRaft::new(OsdId(1));
+        assert_eq!(follower.committed(pg), None, "unknown pg");
+    }
+}

@@ -1,0 +1,23 @@
+//! Many seeded runs of the replication simulation; a failure names its seed, which
+//! `cargo run -p basalt-sim -- --seed N` replays.
+
+#[test]
+fn acknowledged_writes_survive_and_replicas_agree() {
+    let seeds: u64 = std::env::var("BASALT_SIM_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    let mut acknowledged = 0;
+    let mut crashes = 0;
+    for seed in 0..seeds {
+        let outcome = basalt_sim::run(&basalt_sim::SimConfig::new(seed))
+            .unwrap_or_else(|failure| panic!("{failure}"));
+        acknowledged += outcome.acknowledged;
+        crashes += outcome.crashes;
+    }
+    assert!(
+        acknowledged > seeds * 100,
+        "the runs must do real work: {acknowledged} acknowledged writes"
+    );
+    assert!(crashes > 0, "the runs must crash osds");
+}
