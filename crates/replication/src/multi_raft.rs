@@ -120,6 +120,8 @@ pub struct MultiRaft {
     osd: OsdId,
     groups: BTreeMap<PgId, Group>,
     logger: slog::Logger,
+    /// Draws election timeouts (see [`MultiRaft::draw_election_timeouts`]).
+    rng: u64,
 }
 
 fn raft_id(osd: OsdId) -> u64 {
@@ -131,15 +133,34 @@ fn osd_of(raft_id: u64) -> OsdId {
 }
 
 impl MultiRaft {
-    /// No groups yet.
-    pub fn new(osd: OsdId) -> Self {
+    /// No groups yet. `seed` drives the randomized election timeouts: a random seed in
+    /// production, a fixed one in the simulator, so that a run can be replayed.
+    pub fn new(osd: OsdId, seed: u64) -> Self {
         // raft-rs logs through slog; nothing of it is needed yet (TODO(#3): bridge to tracing).
         let logger = slog::Logger::root(slog::Discard, slog::o!());
         Self {
             osd,
             groups: BTreeMap::new(),
             logger,
+            rng: seed,
         }
+    }
+
+    /// raft-rs draws each election timeout from the thread's random generator, which would
+    /// make a simulation unrepeatable. Whenever a group has just reset its election clock,
+    /// this draws the timeout again, from the same range, from our seeded generator.
+    fn draw_election_timeout(rng: &mut u64, group: &mut Group) {
+        let raft = &mut group.node.raft;
+        if raft.election_elapsed != 0 {
+            return;
+        }
+        *rng = rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let (low, high) = (ELECTION_TICKS, 2 * ELECTION_TICKS);
+        raft.set_randomized_election_timeout(low + (z % (high - low) as u64) as usize);
     }
 
     /// This OSD.
@@ -175,7 +196,9 @@ impl MultiRaft {
             ..Config::default()
         };
         let node = RawNode::new(&config, storage, &self.logger)?;
-        self.groups.insert(pg, Group { node });
+        let mut group = Group { node };
+        Self::draw_election_timeout(&mut self.rng, &mut group);
+        self.groups.insert(pg, group);
         Ok(())
     }
 
@@ -205,20 +228,29 @@ impl MultiRaft {
             .map(|group| group.node.raft.raft_log.committed)
     }
 
+    /// The index of the last entry in this replica's log of `pg`.
+    pub fn last_index(&self, pg: PgId) -> Option<u64> {
+        self.groups
+            .get(&pg)
+            .map(|group| group.node.raft.raft_log.last_index())
+    }
+
     /// Advances every group's logical clock by one tick.
     pub fn tick(&mut self) {
         for group in self.groups.values_mut() {
             group.node.tick();
+            Self::draw_election_timeout(&mut self.rng, group);
         }
     }
 
     /// Delivers a message from another OSD. Messages for unknown PGs are dropped (the PG
     /// moved, or the map is newer than ours); raft errors on a message mean it was stale.
     pub fn step(&mut self, pg: PgId, message: Message) {
-        if let Some(group) = self.groups.get_mut(&pg)
-            && let Err(error) = group.node.step(message)
-        {
-            tracing::debug!(%pg, %error, "raft message dropped");
+        if let Some(group) = self.groups.get_mut(&pg) {
+            if let Err(error) = group.node.step(message) {
+                tracing::debug!(%pg, %error, "raft message dropped");
+            }
+            Self::draw_election_timeout(&mut self.rng, group);
         }
     }
 
@@ -338,7 +370,7 @@ mod tests {
             pool: basalt_common::PoolId(0),
             index: 0,
         };
-        let mut raft = MultiRaft::new(OsdId(0));
+        let mut raft = MultiRaft::new(OsdId(0), 1);
         raft.create_group(pg, &[OsdId(0)], Restored::default())
             .expect("group");
         let mut actions = Vec::new();
@@ -370,7 +402,7 @@ mod tests {
             applied.iter().any(|data| &data[..] == b"hello"),
             "{applied:?}"
         );
-        let follower = MultiRaft::new(OsdId(1));
+        let follower = MultiRaft::new(OsdId(1), 2);
         assert_eq!(follower.committed(pg), None, "unknown pg");
     }
 }

@@ -122,6 +122,8 @@ struct SimOsd {
     durable: Vec<Record>,
     in_flight: VecDeque<(u64, Record)>,
     applied: BTreeMap<PgId, Vec<(u64, Vec<u8>)>>,
+    /// The index of the last entry applied (data or not), per PG.
+    applied_index: BTreeMap<PgId, u64>,
     restart_at: Option<u64>,
 }
 
@@ -174,6 +176,7 @@ impl Cluster {
                 durable: Vec::new(),
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
+                applied_index: BTreeMap::new(),
                 restart_at: None,
             });
         }
@@ -191,8 +194,9 @@ impl Cluster {
     /// (Re)starts an OSD from its durable records, as the OSD replays its log.
     fn start(&mut self, index: usize) {
         let members = self.members();
+        let seed = self.rng.next();
         let osd = &mut self.osds[index];
-        let mut raft = MultiRaft::new(osd.id);
+        let mut raft = MultiRaft::new(osd.id, seed);
         for &pg in &self.pgs {
             let mut restored = Restored::default();
             for record in osd.durable.iter().filter(|record| record.pg == pg) {
@@ -203,6 +207,7 @@ impl Cluster {
         }
         osd.raft = Some(raft);
         osd.applied.clear();
+        osd.applied_index.clear();
         osd.restart_at = None;
     }
 
@@ -354,6 +359,7 @@ impl Cluster {
                     }
                     Action::Apply { pg, entries } => {
                         for entry in entries {
+                            self.osds[index].applied_index.insert(pg, entry.index);
                             if entry.data.is_empty() {
                                 continue;
                             }
@@ -404,20 +410,28 @@ impl Cluster {
         self.run_actions();
     }
 
-    /// Whether every PG has a leader and all its replicas applied the same entries.
+    /// Whether every PG has one leader that has committed its whole log, and every replica
+    /// has applied exactly that log. (Equal applied logs alone are not enough: a new leader
+    /// commits older entries only once an entry of its own term is replicated.)
     fn agrees(&self) -> bool {
         self.pgs.iter().all(|pg| {
-            let leads = self
+            let leaders: Vec<&MultiRaft> = self
                 .osds
                 .iter()
-                .filter(|osd| osd.raft.as_ref().is_some_and(|raft| raft.is_leader(*pg)))
-                .count();
-            let logs: Vec<&[(u64, Vec<u8>)]> = self
-                .osds
-                .iter()
-                .map(|osd| osd.applied.get(pg).map_or(&[][..], Vec::as_slice))
+                .filter_map(|osd| osd.raft.as_ref())
+                .filter(|raft| raft.is_leader(*pg))
                 .collect();
-            leads == 1 && logs.windows(2).all(|pair| pair[0] == pair[1])
+            let [leader] = leaders.as_slice() else {
+                return false;
+            };
+            let last = leader.last_index(*pg);
+            self.osds.iter().all(|osd| {
+                osd.raft
+                    .as_ref()
+                    .is_some_and(|raft| raft.committed(*pg) == last)
+                    && osd.applied_index.get(pg).copied() == last
+                    && osd.applied.get(pg) == self.osds[0].applied.get(pg)
+            })
         })
     }
 

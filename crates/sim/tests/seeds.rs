@@ -6,7 +6,7 @@ fn acknowledged_writes_survive_and_replicas_agree() {
     let seeds: u64 = std::env::var("BASALT_SIM_SEEDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(24);
+        .unwrap_or(32);
     let mut acknowledged = 0;
     let mut crashes = 0;
     for seed in 0..seeds {
