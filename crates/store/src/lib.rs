@@ -4,6 +4,8 @@
 //!   header block of entry descriptors, then each entry's data, block-aligned.
 //! - [`extent_map`]: where an object's bytes are in the log; unmapped ranges read as
 //!   zeroes (thin provisioning).
+//! - [`object_op`]: object writes and discards as PG log entries (the payload is the
+//!   entry's data, so it is written once) and the PG's object index they update.
 //! - [`log`]: [`log::LogWriter`] lays batches out one after another; [`log::replay`] reads
 //!   them back and stops at the first torn, corrupt or stale batch.
 //!
@@ -16,3 +18,4 @@
 pub mod batch;
 pub mod extent_map;
 pub mod log;
+pub mod object_op;

@@ -1,0 +1,351 @@
+//! What a PG's log entries do to its objects, and the PG's object index.
+//!
+//! A client write becomes one raft entry whose data is `[kind][meta (24 bytes)][payload]`;
+//! in the OSD's log the same entry is stored as a batch entry with that kind and meta and
+//! the payload as its (block-aligned) data. Applying the committed entry points the object's
+//! extent map at that payload, where it already lies: the data is written once.
+//!
+//! Meta layout (little-endian): image id u64, object number u64, offset in object u32,
+//! length u32.
+
+use std::collections::HashMap;
+
+use basalt_common::ImageId;
+
+use crate::batch::META_SIZE;
+use crate::extent_map::{ExtentMap, Piece};
+
+/// Entry kinds in the log; values are part of the on-disk format.
+pub mod kind {
+    /// A raft entry with no object operation (an election's no-op, a configuration change).
+    pub const RAFT_OTHER: u8 = 1;
+    /// Write the payload at an object's offset.
+    pub const WRITE: u8 = 2;
+    /// Make a range of an object read as zeroes, freeing its space.
+    pub const DISCARD: u8 = 3;
+}
+
+/// Which object: an image and the object's number in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    /// The image.
+    pub image: ImageId,
+    /// The object's number (offset in the image / object size).
+    pub number: u64,
+}
+
+/// An operation on an object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ObjectOp {
+    /// Write `data` at `offset_bytes`.
+    Write {
+        /// The object.
+        object: ObjectKey,
+        /// Offset in the object.
+        offset_bytes: u32,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Zero (and free) `len_bytes` at `offset_bytes`.
+    Discard {
+        /// The object.
+        object: ObjectKey,
+        /// Offset in the object.
+        offset_bytes: u32,
+        /// Length.
+        len_bytes: u32,
+    },
+}
+
+/// Why entry data is not an object operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ObjectOpError {
+    /// Shorter than kind and meta.
+    #[error("object operation of {len} bytes is shorter than its header")]
+    Short {
+        /// Bytes given.
+        len: usize,
+    },
+    /// A kind that is not an object operation.
+    #[error("entry kind {kind} is not an object operation")]
+    Kind {
+        /// The kind.
+        kind: u8,
+    },
+    /// The length field disagrees with the payload.
+    #[error("write says {stated} bytes, carries {carried}")]
+    Length {
+        /// The length in the meta.
+        stated: u32,
+        /// The payload's length.
+        carried: usize,
+    },
+}
+
+impl ObjectOp {
+    /// The entry kind.
+    pub fn kind(&self) -> u8 {
+        match self {
+            ObjectOp::Write { .. } => kind::WRITE,
+            ObjectOp::Discard { .. } => kind::DISCARD,
+        }
+    }
+
+    /// The meta bytes of the log entry.
+    pub fn meta(&self) -> [u8; META_SIZE] {
+        let (object, offset, len) = match self {
+            ObjectOp::Write {
+                object,
+                offset_bytes,
+                data,
+            } => (
+                object,
+                *offset_bytes,
+                u32::try_from(data.len()).expect("writes are at most 4 MiB"),
+            ),
+            ObjectOp::Discard {
+                object,
+                offset_bytes,
+                len_bytes,
+            } => (object, *offset_bytes, *len_bytes),
+        };
+        let mut meta = [0u8; META_SIZE];
+        meta[0..8].copy_from_slice(&object.image.0.to_le_bytes());
+        meta[8..16].copy_from_slice(&object.number.to_le_bytes());
+        meta[16..20].copy_from_slice(&offset.to_le_bytes());
+        meta[20..24].copy_from_slice(&len.to_le_bytes());
+        meta
+    }
+
+    /// The payload stored as the log entry's data.
+    pub fn payload(&self) -> &[u8] {
+        match self {
+            ObjectOp::Write { data, .. } => data,
+            ObjectOp::Discard { .. } => &[],
+        }
+    }
+
+    /// The raft entry data: kind, meta, payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(1 + META_SIZE + self.payload().len());
+        bytes.push(self.kind());
+        bytes.extend_from_slice(&self.meta());
+        bytes.extend_from_slice(self.payload());
+        bytes
+    }
+
+    /// Decodes raft entry data.
+    pub fn decode(bytes: &[u8]) -> Result<Self, ObjectOpError> {
+        let (&kind, rest) = bytes.split_first().ok_or(ObjectOpError::Short { len: 0 })?;
+        let (meta, payload) = rest
+            .split_at_checked(META_SIZE)
+            .ok_or(ObjectOpError::Short { len: bytes.len() })?;
+        let meta: &[u8; META_SIZE] = meta.try_into().expect("split at META_SIZE");
+        Self::from_parts(kind, meta, payload)
+    }
+
+    /// Rebuilds an operation from a log entry's kind, meta and data (replay).
+    pub fn from_parts(
+        kind: u8,
+        meta: &[u8; META_SIZE],
+        payload: &[u8],
+    ) -> Result<Self, ObjectOpError> {
+        let u64_at = |at: usize| u64::from_le_bytes(meta[at..at + 8].try_into().expect("8 bytes"));
+        let u32_at = |at: usize| u32::from_le_bytes(meta[at..at + 4].try_into().expect("4 bytes"));
+        let object = ObjectKey {
+            image: ImageId(u64_at(0)),
+            number: u64_at(8),
+        };
+        let (offset_bytes, len_bytes) = (u32_at(16), u32_at(20));
+        match kind {
+            kind::WRITE if len_bytes as usize == payload.len() => Ok(ObjectOp::Write {
+                object,
+                offset_bytes,
+                data: payload.to_vec(),
+            }),
+            kind::WRITE => Err(ObjectOpError::Length {
+                stated: len_bytes,
+                carried: payload.len(),
+            }),
+            kind::DISCARD => Ok(ObjectOp::Discard {
+                object,
+                offset_bytes,
+                len_bytes,
+            }),
+            kind => Err(ObjectOpError::Kind { kind }),
+        }
+    }
+}
+
+/// The objects of one PG replica: where each object's bytes are in the log.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PgObjects {
+    objects: HashMap<ObjectKey, ExtentMap>,
+}
+
+impl PgObjects {
+    /// No object written.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies a committed operation; for a write, `payload_offset_bytes` is where its
+    /// payload lies on the device (from the log).
+    pub fn apply(&mut self, op: &ObjectOp, payload_offset_bytes: u64) {
+        match op {
+            ObjectOp::Write {
+                object,
+                offset_bytes,
+                data,
+            } => {
+                let map = self.objects.entry(*object).or_default();
+                map.insert(
+                    u64::from(*offset_bytes),
+                    data.len() as u64,
+                    payload_offset_bytes,
+                );
+            }
+            ObjectOp::Discard {
+                object,
+                offset_bytes,
+                len_bytes,
+            } => {
+                if let Some(map) = self.objects.get_mut(object) {
+                    map.remove(u64::from(*offset_bytes), u64::from(*len_bytes));
+                    if map.is_empty() {
+                        self.objects.remove(object);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Where the bytes of a range of an object are: pieces in the log, and holes (zeroes).
+    pub fn plan_read(&self, object: ObjectKey, offset_bytes: u64, len_bytes: u64) -> Vec<Piece> {
+        match self.objects.get(&object) {
+            Some(map) => map.lookup(offset_bytes, len_bytes),
+            None if len_bytes == 0 => Vec::new(),
+            None => vec![Piece::Hole {
+                offset_bytes,
+                len_bytes,
+            }],
+        }
+    }
+
+    /// Objects with any byte mapped.
+    pub fn object_count(&self) -> usize {
+        self.objects.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(number: u64) -> ObjectKey {
+        ObjectKey {
+            image: ImageId(7),
+            number,
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn ops_round_trip(image: u64, number: u64, offset: u32, data in proptest::collection::vec(any::<u8>(), 0..300), len: u32, write: bool) {
+            let object = ObjectKey { image: ImageId(image), number };
+            let op = if write {
+                ObjectOp::Write { object, offset_bytes: offset, data }
+            } else {
+                ObjectOp::Discard { object, offset_bytes: offset, len_bytes: len }
+            };
+            prop_assert_eq!(ObjectOp::decode(&op.encode()), Ok(op.clone()));
+            prop_assert_eq!(ObjectOp::from_parts(op.kind(), &op.meta(), op.payload()), Ok(op));
+        }
+
+        #[test]
+        fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = ObjectOp::decode(&bytes);
+        }
+
+        /// Applying writes and discards, then reading, matches a model of each object's
+        /// bytes (a write's payload lies at its device offset; we model the device too).
+        #[test]
+        fn reads_see_the_last_write_or_zeroes(ops in proptest::collection::vec((0u64..3, 0u32..64, 1u32..32, any::<bool>()), 1..40)) {
+            let mut objects = PgObjects::new();
+            let mut device: Vec<u8> = Vec::new();
+            let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+            for (n, (number, offset, len, write)) in ops.into_iter().enumerate() {
+                let bytes = model.entry(number).or_insert_with(|| vec![0; 96]);
+                let range = offset as usize..(offset + len) as usize;
+                if write {
+                    let data = vec![(n % 250) as u8 + 1; len as usize];
+                    let at = device.len() as u64;
+                    device.extend_from_slice(&data);
+                    bytes[range].copy_from_slice(&data);
+                    objects.apply(&ObjectOp::Write { object: key(number), offset_bytes: offset, data }, at);
+                } else {
+                    bytes[range].fill(0);
+                    objects.apply(&ObjectOp::Discard { object: key(number), offset_bytes: offset, len_bytes: len }, 0);
+                }
+            }
+            for (number, expected) in &model {
+                let mut read = Vec::new();
+                for piece in objects.plan_read(key(*number), 0, 96) {
+                    match piece {
+                        Piece::Mapped { len_bytes, device_offset_bytes, .. } => {
+                            let at = device_offset_bytes as usize;
+                            read.extend_from_slice(&device[at..at + len_bytes as usize]);
+                        }
+                        Piece::Hole { len_bytes, .. } => read.extend(std::iter::repeat_n(0, len_bytes as usize)),
+                    }
+                }
+                prop_assert_eq!(&read, expected);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_entries_are_refused() {
+        assert_eq!(ObjectOp::decode(&[]), Err(ObjectOpError::Short { len: 0 }));
+        assert_eq!(
+            ObjectOp::decode(&[kind::WRITE, 1, 2]),
+            Err(ObjectOpError::Short { len: 3 })
+        );
+        let mut bytes = ObjectOp::Write {
+            object: key(1),
+            offset_bytes: 0,
+            data: vec![1; 10],
+        }
+        .encode();
+        bytes.pop();
+        assert_eq!(
+            ObjectOp::decode(&bytes),
+            Err(ObjectOpError::Length {
+                stated: 10,
+                carried: 9
+            })
+        );
+        bytes[0] = kind::RAFT_OTHER;
+        assert_eq!(
+            ObjectOp::decode(&bytes),
+            Err(ObjectOpError::Kind {
+                kind: kind::RAFT_OTHER
+            })
+        );
+    }
+
+    #[test]
+    fn an_untouched_object_reads_as_one_hole() {
+        let objects = PgObjects::new();
+        assert_eq!(
+            objects.plan_read(key(1), 4096, 8192),
+            vec![Piece::Hole {
+                offset_bytes: 4096,
+                len_bytes: 8192
+            }]
+        );
+        assert_eq!(objects.object_count(), 0);
+    }
+}
