@@ -16,6 +16,15 @@ pub struct PoolId(pub u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ImageId(pub u64);
 
+/// An object: an image and the object's number in it (offset in the image / object size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ObjectKey {
+    /// The image.
+    pub image: ImageId,
+    /// The object's number.
+    pub number: u64,
+}
+
 /// A placement group: a pool and an index below the pool's `pg_count`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct PgId {

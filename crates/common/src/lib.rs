@@ -1,7 +1,7 @@
 //! Types shared by every Basalt layer.
 //!
 //! - [`byte_size`]: sizes with units (`4MiB`, `100GiB`), as the CLI and configs take them.
-//! - [`ids`]: typed identifiers (`OsdId`, `PoolId`, `PgId`, `ImageId`, `Epoch`, `Lsn`).
+//! - [`ids`]: typed identifiers (`OsdId`, `PoolId`, `PgId`, `ImageId`, `ObjectKey`, `Epoch`, `Lsn`).
 //! - [`config_call`]: one entry of the target's saved configuration.
 //! - [`rpc_error`]: the JSON-RPC error every target handler returns.
 //!
@@ -14,5 +14,5 @@ pub mod rpc_error;
 
 pub use byte_size::ByteSize;
 pub use config_call::ConfigCall;
-pub use ids::{Epoch, ImageId, Lsn, OsdId, PgId, PoolId};
+pub use ids::{Epoch, ImageId, Lsn, ObjectKey, OsdId, PgId, PoolId};
 pub use rpc_error::RpcError;

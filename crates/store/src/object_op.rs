@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use basalt_common::ImageId;
+use basalt_common::{ImageId, ObjectKey};
 
 use crate::batch::META_SIZE;
 use crate::extent_map::{ExtentMap, Piece};
@@ -23,15 +23,6 @@ pub mod kind {
     pub const WRITE: u8 = 2;
     /// Make a range of an object read as zeroes, freeing its space.
     pub const DISCARD: u8 = 3;
-}
-
-/// Which object: an image and the object's number in it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ObjectKey {
-    /// The image.
-    pub image: ImageId,
-    /// The object's number (offset in the image / object size).
-    pub number: u64,
 }
 
 /// An operation on an object.

@@ -1,0 +1,15 @@
+//! Basalt's wire format (no I/O: bytes in, bytes out).
+//!
+//! - [`frame`]: a 24-byte header (magic, kind, body length, request id, body CRC32C,
+//!   header CRC32C) then the body. The header's own checksum lets a receiver refuse garbage
+//!   before waiting for a body length that garbage claims.
+//! - [`message`]: what frames carry: client writes, reads and discards with their replies
+//!   (`NotLeader`, `StaleEpoch`, ...), and raft messages between OSDs.
+//!
+//! All integers are little-endian. Every decoder takes untrusted bytes and never panics.
+
+pub mod frame;
+pub mod message;
+
+pub use frame::{Frame, FrameError};
+pub use message::{Message, MessageError, Status};

@@ -1,0 +1,472 @@
+//! The messages frames carry.
+//!
+//! Client to OSD: [`Message::Write`], [`Message::Read`], [`Message::Discard`], each for one
+//! object of one PG at the client's map epoch; the OSD answers with [`Message::Reply`]
+//! under the same request id. OSD to OSD: [`Message::Raft`], a raft-rs message for a PG,
+//! carried as the bytes raft-rs encodes.
+
+use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
+
+use crate::frame::{self, Frame};
+
+/// Message kinds (the frame's `kind`); part of the wire format.
+pub mod kind {
+    /// A write of one object range.
+    pub const WRITE: u16 = 1;
+    /// A read of one object range.
+    pub const READ: u16 = 2;
+    /// A discard of one object range.
+    pub const DISCARD: u16 = 3;
+    /// The answer to a request.
+    pub const REPLY: u16 = 4;
+    /// A raft message for a PG.
+    pub const RAFT: u16 = 5;
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    /// Done.
+    Ok,
+    /// This OSD does not lead the PG; `leader` is the one it knows of. Retry there.
+    NotLeader {
+        /// The leader, if known.
+        leader: Option<OsdId>,
+    },
+    /// The client's map is older than this OSD's; fetch `current` and retry.
+    StaleEpoch {
+        /// The OSD's epoch.
+        current: Epoch,
+    },
+    /// The request is malformed or out of range.
+    Invalid {
+        /// Why.
+        message: String,
+    },
+    /// The OSD failed.
+    Io {
+        /// Why.
+        message: String,
+    },
+}
+
+/// A message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// Write `data` at `offset_bytes` of `object`.
+    Write {
+        /// The PG.
+        pg: PgId,
+        /// The client's map epoch.
+        epoch: Epoch,
+        /// The object.
+        object: ObjectKey,
+        /// Offset in the object.
+        offset_bytes: u32,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Read `len_bytes` at `offset_bytes` of `object`.
+    Read {
+        /// The PG.
+        pg: PgId,
+        /// The client's map epoch.
+        epoch: Epoch,
+        /// The object.
+        object: ObjectKey,
+        /// Offset in the object.
+        offset_bytes: u32,
+        /// Length.
+        len_bytes: u32,
+    },
+    /// Zero and free `len_bytes` at `offset_bytes` of `object`.
+    Discard {
+        /// The PG.
+        pg: PgId,
+        /// The client's map epoch.
+        epoch: Epoch,
+        /// The object.
+        object: ObjectKey,
+        /// Offset in the object.
+        offset_bytes: u32,
+        /// Length.
+        len_bytes: u32,
+    },
+    /// The answer to a request: a status, and the data of a read.
+    Reply {
+        /// How it ended.
+        status: Status,
+        /// Read data (empty otherwise).
+        data: Vec<u8>,
+    },
+    /// A raft message for a PG, as raft-rs encodes it.
+    Raft {
+        /// The PG.
+        pg: PgId,
+        /// The raft-rs message bytes.
+        message: Vec<u8>,
+    },
+}
+
+/// Why a frame's body is not the message its kind says.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MessageError {
+    /// A kind we do not know.
+    #[error("unknown message kind {kind}")]
+    Kind {
+        /// The kind.
+        kind: u16,
+    },
+    /// The body is cut short or has bytes left over.
+    #[error("message kind {kind} has a malformed body of {len} bytes")]
+    Body {
+        /// The kind.
+        kind: u16,
+        /// The body's length.
+        len: usize,
+    },
+}
+
+/// Reads fields off a body; `None` when the body is too short.
+struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, len: usize) -> Option<&'a [u8]> {
+        let (head, rest) = self.bytes.split_at_checked(len)?;
+        self.bytes = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+    fn pg(&mut self) -> Option<PgId> {
+        Some(PgId {
+            pool: PoolId(self.u32()?),
+            index: self.u32()?,
+        })
+    }
+    fn object(&mut self) -> Option<ObjectKey> {
+        Some(ObjectKey {
+            image: ImageId(self.u64()?),
+            number: self.u64()?,
+        })
+    }
+    fn bytes(&mut self) -> Option<Vec<u8>> {
+        let len = self.u32()? as usize;
+        self.take(len).map(<[u8]>::to_vec)
+    }
+    fn string(&mut self) -> Option<String> {
+        self.bytes()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    }
+    fn finished(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+fn put_pg(out: &mut Vec<u8>, pg: PgId) {
+    out.extend_from_slice(&pg.pool.0.to_le_bytes());
+    out.extend_from_slice(&pg.index.to_le_bytes());
+}
+
+fn put_object(out: &mut Vec<u8>, object: ObjectKey) {
+    out.extend_from_slice(&object.image.0.to_le_bytes());
+    out.extend_from_slice(&object.number.to_le_bytes());
+}
+
+fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(
+        &u32::try_from(bytes.len())
+            .expect("frame bodies are small")
+            .to_le_bytes(),
+    );
+    out.extend_from_slice(bytes);
+}
+
+impl Message {
+    /// The frame kind.
+    pub fn kind(&self) -> u16 {
+        match self {
+            Message::Write { .. } => kind::WRITE,
+            Message::Read { .. } => kind::READ,
+            Message::Discard { .. } => kind::DISCARD,
+            Message::Reply { .. } => kind::REPLY,
+            Message::Raft { .. } => kind::RAFT,
+        }
+    }
+
+    /// The whole frame for this message.
+    pub fn encode(&self, request_id: u64) -> Vec<u8> {
+        let mut body = Vec::new();
+        match self {
+            Message::Write {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                data,
+            } => {
+                put_pg(&mut body, *pg);
+                body.extend_from_slice(&epoch.0.to_le_bytes());
+                put_object(&mut body, *object);
+                body.extend_from_slice(&offset_bytes.to_le_bytes());
+                put_bytes(&mut body, data);
+            }
+            Message::Read {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                len_bytes,
+            }
+            | Message::Discard {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                len_bytes,
+            } => {
+                put_pg(&mut body, *pg);
+                body.extend_from_slice(&epoch.0.to_le_bytes());
+                put_object(&mut body, *object);
+                body.extend_from_slice(&offset_bytes.to_le_bytes());
+                body.extend_from_slice(&len_bytes.to_le_bytes());
+            }
+            Message::Reply { status, data } => {
+                match status {
+                    Status::Ok => body.push(0),
+                    Status::NotLeader { leader } => {
+                        body.push(1);
+                        body.extend_from_slice(
+                            &leader
+                                .map_or(u64::MAX, |osd| u64::from(osd.0))
+                                .to_le_bytes(),
+                        );
+                    }
+                    Status::StaleEpoch { current } => {
+                        body.push(2);
+                        body.extend_from_slice(&current.0.to_le_bytes());
+                    }
+                    Status::Invalid { message } => {
+                        body.push(3);
+                        put_bytes(&mut body, message.as_bytes());
+                    }
+                    Status::Io { message } => {
+                        body.push(4);
+                        put_bytes(&mut body, message.as_bytes());
+                    }
+                }
+                put_bytes(&mut body, data);
+            }
+            Message::Raft { pg, message } => {
+                put_pg(&mut body, *pg);
+                put_bytes(&mut body, message);
+            }
+        }
+        frame::encode(self.kind(), request_id, &body)
+    }
+
+    /// Decodes a frame's body as the message its kind says.
+    pub fn decode(frame: &Frame<'_>) -> Result<Self, MessageError> {
+        let malformed = MessageError::Body {
+            kind: frame.kind,
+            len: frame.body.len(),
+        };
+        let mut r = Reader { bytes: frame.body };
+        let message = match frame.kind {
+            kind::WRITE => (|| {
+                Some(Message::Write {
+                    pg: r.pg()?,
+                    epoch: Epoch(r.u64()?),
+                    object: r.object()?,
+                    offset_bytes: r.u32()?,
+                    data: r.bytes()?,
+                })
+            })(),
+            kind::READ | kind::DISCARD => (|| {
+                let (pg, epoch, object, offset_bytes, len_bytes) =
+                    (r.pg()?, Epoch(r.u64()?), r.object()?, r.u32()?, r.u32()?);
+                Some(if frame.kind == kind::READ {
+                    Message::Read {
+                        pg,
+                        epoch,
+                        object,
+                        offset_bytes,
+                        len_bytes,
+                    }
+                } else {
+                    Message::Discard {
+                        pg,
+                        epoch,
+                        object,
+                        offset_bytes,
+                        len_bytes,
+                    }
+                })
+            })(),
+            kind::REPLY => (|| {
+                let status = match r.u8()? {
+                    0 => Status::Ok,
+                    1 => {
+                        let leader = r.u64()?;
+                        let leader = (leader != u64::MAX)
+                            .then(|| u32::try_from(leader).ok().map(OsdId))
+                            .flatten();
+                        Status::NotLeader { leader }
+                    }
+                    2 => Status::StaleEpoch {
+                        current: Epoch(r.u64()?),
+                    },
+                    3 => Status::Invalid {
+                        message: r.string()?,
+                    },
+                    4 => Status::Io {
+                        message: r.string()?,
+                    },
+                    _ => return None,
+                };
+                Some(Message::Reply {
+                    status,
+                    data: r.bytes()?,
+                })
+            })(),
+            kind::RAFT => (|| {
+                Some(Message::Raft {
+                    pg: r.pg()?,
+                    message: r.bytes()?,
+                })
+            })(),
+            kind => return Err(MessageError::Kind { kind }),
+        };
+        match message {
+            Some(message) if r.finished() => Ok(message),
+            _ => Err(malformed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arbitrary_message() -> impl Strategy<Value = Message> {
+        let pg = (any::<u32>(), any::<u32>()).prop_map(|(pool, index)| PgId {
+            pool: PoolId(pool),
+            index,
+        });
+        let object = (any::<u64>(), any::<u64>()).prop_map(|(image, number)| ObjectKey {
+            image: ImageId(image),
+            number,
+        });
+        let data = proptest::collection::vec(any::<u8>(), 0..600);
+        let status = prop_oneof![
+            Just(Status::Ok),
+            proptest::option::of(any::<u32>()).prop_map(|leader| Status::NotLeader {
+                leader: leader.map(OsdId)
+            }),
+            any::<u64>().prop_map(|e| Status::StaleEpoch { current: Epoch(e) }),
+            "[a-z ]{0,20}".prop_map(|message| Status::Invalid { message }),
+            "[a-z ]{0,20}".prop_map(|message| Status::Io { message }),
+        ];
+        prop_oneof![
+            (
+                pg.clone(),
+                any::<u64>(),
+                object.clone(),
+                any::<u32>(),
+                data.clone()
+            )
+                .prop_map(|(pg, e, object, offset_bytes, data)| Message::Write {
+                    pg,
+                    epoch: Epoch(e),
+                    object,
+                    offset_bytes,
+                    data
+                }),
+            (
+                pg.clone(),
+                any::<u64>(),
+                object.clone(),
+                any::<u32>(),
+                any::<u32>()
+            )
+                .prop_map(|(pg, e, object, offset_bytes, len_bytes)| Message::Read {
+                    pg,
+                    epoch: Epoch(e),
+                    object,
+                    offset_bytes,
+                    len_bytes
+                }),
+            (pg.clone(), any::<u64>(), object, any::<u32>(), any::<u32>()).prop_map(
+                |(pg, e, object, offset_bytes, len_bytes)| Message::Discard {
+                    pg,
+                    epoch: Epoch(e),
+                    object,
+                    offset_bytes,
+                    len_bytes
+                }
+            ),
+            (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
+            (pg, data).prop_map(|(pg, message)| Message::Raft { pg, message }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip(message in arbitrary_message(), request_id: u64) {
+            let bytes = message.encode(request_id);
+            let (frame, _) = frame::decode(&bytes).expect("valid").expect("complete");
+            prop_assert_eq!(frame.request_id, request_id);
+            prop_assert_eq!(Message::decode(&frame), Ok(message));
+        }
+
+        #[test]
+        fn any_body_never_panics(kind in 0u16..8, body in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let _ = Message::decode(&Frame { kind, request_id: 0, body: &body });
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_and_unknown_kinds_are_refused() {
+        let frame_bytes = Message::Raft {
+            pg: PgId {
+                pool: PoolId(1),
+                index: 2,
+            },
+            message: vec![1, 2],
+        }
+        .encode(5);
+        let (frame, _) = frame::decode(&frame_bytes)
+            .expect("valid")
+            .expect("complete");
+        let mut longer = frame.body.to_vec();
+        longer.push(0);
+        let padded = Frame {
+            body: &longer,
+            ..frame
+        };
+        assert_eq!(
+            Message::decode(&padded),
+            Err(MessageError::Body {
+                kind: kind::RAFT,
+                len: longer.len()
+            })
+        );
+        assert_eq!(
+            Message::decode(&Frame { kind: 77, ..frame }),
+            Err(MessageError::Kind { kind: 77 })
+        );
+    }
+}
