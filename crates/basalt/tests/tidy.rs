@@ -52,6 +52,7 @@ const LAYERS: &[&str] = &[
     "osd",
     "replication",
     "store",
+    "wire",
     "io",
     "common",
 ];
