@@ -1,0 +1,486 @@
+//! Frames over TCP: a client that pipelines requests and matches replies by request id, and
+//! a server that answers each request with a handler, in any order.
+//!
+//! Each connection has one writer task: frames queued while it writes go out together in
+//! the next write, so a burst of requests or replies costs one system call. `TCP_NODELAY`
+//! is set: a frame is never held back waiting for more.
+//!
+//! This is the only module of `wire` that does I/O; the codecs stay pure.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::frame;
+use crate::message::{Message, MessageError};
+
+/// Bytes read from a socket at a time, at least.
+const READ_CHUNK_BYTES: usize = 256 << 10;
+/// Request id of one-way messages (no reply expected).
+pub const ONE_WAY: u64 = 0;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The connection failed or closed; the request may or may not have been executed.
+    #[error("connection to {peer} closed: {reason}")]
+    Closed {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// Connecting failed.
+    #[error("cannot connect to {peer}: {source}")]
+    Connect {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why.
+        source: io::Error,
+    },
+}
+
+/// What a server does with a request: `Some(reply)`, or `None` for a one-way message.
+pub type Handler =
+    Arc<dyn Fn(Message) -> Pin<Box<dyn Future<Output = Option<Message>> + Send>> + Send + Sync>;
+
+/// Reads frames off a stream and hands each decoded message to `deliver` with its id.
+/// Returns when the peer closes; a malformed frame or message ends the connection.
+async fn read_frames<R: AsyncRead + Unpin>(
+    mut reader: R,
+    mut deliver: impl FnMut(u64, Message),
+) -> io::Result<()> {
+    let mut buffer: Vec<u8> = Vec::with_capacity(READ_CHUNK_BYTES);
+    let mut start = 0;
+    loop {
+        loop {
+            match frame::decode(&buffer[start..]) {
+                Ok(Some((frame, used))) => {
+                    let message = Message::decode(&frame).map_err(|error: MessageError| {
+                        io::Error::new(io::ErrorKind::InvalidData, error)
+                    })?;
+                    deliver(frame.request_id, message);
+                    start += used;
+                }
+                Ok(None) => break,
+                Err(error) => return Err(io::Error::new(io::ErrorKind::InvalidData, error)),
+            }
+        }
+        if start == buffer.len() {
+            buffer.clear();
+            start = 0;
+        } else if start > 0 {
+            buffer.drain(..start);
+            start = 0;
+        }
+        buffer.reserve(READ_CHUNK_BYTES);
+        if reader.read_buf(&mut buffer).await? == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// Writes queued frames, batching whatever is queued into one write.
+async fn write_frames<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    mut queue: mpsc::UnboundedReceiver<Vec<u8>>,
+) -> io::Result<()> {
+    let mut batch = Vec::new();
+    while let Some(frame) = queue.recv().await {
+        batch.clear();
+        batch.extend_from_slice(&frame);
+        while let Ok(more) = queue.try_recv() {
+            batch.extend_from_slice(&more);
+        }
+        writer.write_all(&batch).await?;
+    }
+    writer.shutdown().await
+}
+
+type Pending = Arc<Mutex<PendingCalls>>;
+
+#[derive(Default)]
+struct PendingCalls {
+    calls: HashMap<u64, oneshot::Sender<Message>>,
+    closed: Option<String>,
+}
+
+/// A client connection: calls with replies, and one-way messages.
+pub struct Client {
+    peer: SocketAddr,
+    queue: mpsc::UnboundedSender<Vec<u8>>,
+    pending: Pending,
+    next_id: AtomicU64,
+    tasks: [JoinHandle<()>; 2],
+}
+
+fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingCalls> {
+    pending
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Client {
+    /// Connects to `peer`.
+    pub async fn connect(peer: SocketAddr) -> Result<Self, TransportError> {
+        let stream = TcpStream::connect(peer)
+            .await
+            .map_err(|source| TransportError::Connect { peer, source })?;
+        stream
+            .set_nodelay(true)
+            .map_err(|source| TransportError::Connect { peer, source })?;
+        let (reader, writer) = stream.into_split();
+        let (queue, frames) = mpsc::unbounded_channel();
+        let pending: Pending = Arc::default();
+        let replies = pending.clone();
+        let reader_task = tokio::spawn(async move {
+            let result = read_frames(reader, |id, message| {
+                if let Some(call) = lock(&replies).calls.remove(&id) {
+                    let _ = call.send(message);
+                }
+            })
+            .await;
+            let reason = match result {
+                Ok(()) => "closed by the peer".to_string(),
+                Err(error) => error.to_string(),
+            };
+            // Dropping the senders fails every call still waiting.
+            let mut state = lock(&replies);
+            state.closed = Some(reason);
+            state.calls.clear();
+        });
+        let writer_task = tokio::spawn(async move {
+            if let Err(error) = write_frames(writer, frames).await {
+                tracing::debug!(%error, "client connection write failed");
+            }
+        });
+        Ok(Self {
+            peer,
+            queue,
+            pending,
+            next_id: AtomicU64::new(1),
+            tasks: [reader_task, writer_task],
+        })
+    }
+
+    fn closed(&self, reason: Option<String>) -> TransportError {
+        TransportError::Closed {
+            peer: self.peer,
+            reason: reason.unwrap_or_else(|| "closed".to_string()),
+        }
+    }
+
+    /// Sends a request and waits for its reply; many calls may be in flight at once.
+    pub async fn call(&self, message: &Message) -> Result<Message, TransportError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut state = lock(&self.pending);
+            if let Some(reason) = &state.closed {
+                return Err(self.closed(Some(reason.clone())));
+            }
+            state.calls.insert(id, reply);
+        }
+        if self.queue.send(message.encode(id)).is_err() {
+            lock(&self.pending).calls.remove(&id);
+            return Err(self.closed(None));
+        }
+        answer
+            .await
+            .map_err(|_| self.closed(lock(&self.pending).closed.clone()))
+    }
+
+    /// Sends a message that has no reply (a raft message).
+    pub fn send(&self, message: &Message) -> Result<(), TransportError> {
+        if let Some(reason) = lock(&self.pending).closed.clone() {
+            return Err(self.closed(Some(reason)));
+        }
+        self.queue
+            .send(message.encode(ONE_WAY))
+            .map_err(|_| self.closed(None))
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// A listening server; dropping it stops accepting (open connections go on).
+pub struct Server {
+    address: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Server {
+    /// Listens on `address` and answers every request with `handler`.
+    pub async fn bind(address: SocketAddr, handler: Handler) -> io::Result<Self> {
+        let listener = TcpListener::bind(address).await?;
+        let address = listener.local_addr()?;
+        let task = tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, peer)) => {
+                        let _ = stream.set_nodelay(true);
+                        tokio::spawn(serve_connection(stream, peer, handler.clone()));
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        Ok(Self { address, task })
+    }
+
+    /// Where it listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler) {
+    let (reader, writer) = stream.into_split();
+    let (queue, frames) = mpsc::unbounded_channel::<Vec<u8>>();
+    let writer_task = tokio::spawn(write_frames(writer, frames));
+    let result = read_frames(reader, |id, message| {
+        let reply = handler(message);
+        let queue = queue.clone();
+        tokio::spawn(async move {
+            if let Some(reply) = reply.await
+                && id != ONE_WAY
+            {
+                let _ = queue.send(reply.encode(id));
+            }
+        });
+    })
+    .await;
+    if let Err(error) = result {
+        tracing::debug!(%peer, %error, "connection closed on a bad frame");
+    }
+    drop(queue);
+    let _ = writer_task.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Status;
+    use basalt_common::{PgId, PoolId};
+    use std::time::Duration;
+
+    fn pg(index: u32) -> PgId {
+        PgId {
+            pool: PoolId(1),
+            index,
+        }
+    }
+
+    /// Answers a raft message carrying `[delay_ms, tag]` after the delay with a reply whose
+    /// data is the tag; counts one-way messages.
+    fn echo(one_way: Arc<AtomicU64>) -> Handler {
+        Arc::new(move |message| {
+            let one_way = one_way.clone();
+            Box::pin(async move {
+                let Message::Raft { message: bytes, .. } = message else {
+                    one_way.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                };
+                tokio::time::sleep(Duration::from_millis(u64::from(bytes[0]))).await;
+                Some(Message::Reply {
+                    status: Status::Ok,
+                    data: bytes[1..].to_vec(),
+                })
+            })
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipelined_calls_get_their_own_replies_in_any_order() {
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), echo(Arc::default()))
+            .await
+            .expect("bind");
+        let client = Arc::new(Client::connect(server.address()).await.expect("connect"));
+        let mut calls = Vec::new();
+        for n in 0..200u8 {
+            let client = client.clone();
+            calls.push(tokio::spawn(async move {
+                // Later requests finish earlier: replies come back out of order.
+                let delay = 20 - (n % 20);
+                let reply = client
+                    .call(&Message::Raft {
+                        pg: pg(0),
+                        message: vec![delay, n, n],
+                    })
+                    .await
+                    .expect("reply");
+                assert_eq!(
+                    reply,
+                    Message::Reply {
+                        status: Status::Ok,
+                        data: vec![n, n]
+                    }
+                );
+            }));
+        }
+        for call in calls {
+            call.await.expect("call task");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_way_messages_arrive_and_open_connections_outlive_the_listener() {
+        let counted = Arc::new(AtomicU64::new(0));
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), echo(counted.clone()))
+            .await
+            .expect("bind");
+        let client = Client::connect(server.address()).await.expect("connect");
+        let discard = Message::Discard {
+            pg: pg(1),
+            epoch: basalt_common::Epoch(1),
+            object: basalt_common::ObjectKey {
+                image: basalt_common::ImageId(1),
+                number: 0,
+            },
+            offset_bytes: 0,
+            len_bytes: 4096,
+        };
+        for _ in 0..10 {
+            client.send(&discard).expect("send");
+        }
+        let reply = client
+            .call(&Message::Raft {
+                pg: pg(0),
+                message: vec![0, 1],
+            })
+            .await
+            .expect("reply");
+        assert_eq!(
+            reply,
+            Message::Reply {
+                status: Status::Ok,
+                data: vec![1]
+            }
+        );
+        assert_eq!(
+            counted.load(Ordering::Relaxed),
+            10,
+            "one-way messages came before the call's reply"
+        );
+
+        // Dropping the listener while a call is in flight: the call still completes.
+        let slow = tokio::spawn({
+            let message = Message::Raft {
+                pg: pg(0),
+                message: vec![200, 1],
+            };
+            async move { client.call(&message).await.map(|_| client) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(server);
+        // Dropping the server stops accepting; its open connection still answers.
+        let client = slow.await.expect("task").expect("open connections go on");
+        let unreachable = Client::connect(client.peer).await;
+        assert!(
+            matches!(unreachable, Err(TransportError::Connect { .. })),
+            "nothing listens any more"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_closes_fails_the_call_in_flight_and_later_ones() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("addr");
+        let peer = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let mut header = [0u8; frame::HEADER_SIZE];
+            stream
+                .read_exact(&mut header)
+                .await
+                .expect("a request arrives");
+            // Close without answering.
+        });
+        let client = Client::connect(address).await.expect("connect");
+        let call = client
+            .call(&Message::Raft {
+                pg: pg(0),
+                message: vec![0, 1],
+            })
+            .await;
+        assert!(
+            matches!(call, Err(TransportError::Closed { .. })),
+            "{call:?}"
+        );
+        peer.await.expect("peer");
+        let later = client
+            .call(&Message::Raft {
+                pg: pg(0),
+                message: vec![0, 1],
+            })
+            .await;
+        assert!(
+            matches!(later, Err(TransportError::Closed { .. })),
+            "{later:?}"
+        );
+        assert!(
+            client
+                .send(&Message::Raft {
+                    pg: pg(0),
+                    message: vec![]
+                })
+                .is_err()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn garbage_closes_only_that_connection() {
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), echo(Arc::default()))
+            .await
+            .expect("bind");
+        let good = Client::connect(server.address()).await.expect("connect");
+        let mut bad = TcpStream::connect(server.address()).await.expect("connect");
+        bad.write_all(b"GET / HTTP/1.1\r\n\r\nand some more bytes to fill a header")
+            .await
+            .expect("write");
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), bad.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0))),
+            "the server closed the bad connection: {closed:?}"
+        );
+        let reply = good
+            .call(&Message::Raft {
+                pg: pg(0),
+                message: vec![0, 9],
+            })
+            .await
+            .expect("good connection unaffected");
+        assert_eq!(
+            reply,
+            Message::Reply {
+                status: Status::Ok,
+                data: vec![9]
+            }
+        );
+    }
+}
