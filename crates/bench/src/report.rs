@@ -118,6 +118,33 @@ pub struct LogReport {
 }
 
 impl DirectionReport {
+    /// The summary line in the format of fastblock's block_bench, which operators of that
+    /// system compare against: `p0.1: 12us, p0.5: ..., biased stdv: ..., iops: ...`.
+    pub fn block_bench_line(&self) -> String {
+        let l = &self.latency;
+        let names = [
+            ("p10", "p0.1"),
+            ("p50", "p0.5"),
+            ("p90", "p0.9"),
+            ("p95", "p0.95"),
+            ("p99", "p0.99"),
+            ("p99.9", "p0.999"),
+        ];
+        let percentiles: Vec<String> = names
+            .iter()
+            .map(|(ours, theirs)| format!("{theirs}: {:.0}us", l.percentile(ours)))
+            .collect();
+        format!(
+            "{}, mean: {:.0}us, min: {:.0}us, max: {:.0}us, biased stdv: {:.0}us, iops: {:.0}",
+            percentiles.join(", "),
+            l.mean_us,
+            l.min_us,
+            l.max_us,
+            l.stdev_us,
+            self.iops
+        )
+    }
+
     /// From a histogram of latencies and a byte count over `elapsed`.
     pub fn new(histogram: &Histogram<u64>, bytes: u64, elapsed: Duration) -> Option<Self> {
         let ios = histogram.len();
@@ -194,5 +221,27 @@ impl Report {
             }
         }
         text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_bench_line_has_the_seed_format() {
+        let mut histogram =
+            Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).expect("bounds");
+        for ns in [10_000u64, 20_000, 30_000, 40_000] {
+            histogram.record(ns).expect("in range");
+        }
+        let report =
+            DirectionReport::new(&histogram, 4 * 4096, Duration::from_secs(1)).expect("ios");
+        let line = report.block_bench_line();
+        assert!(line.starts_with("p0.1: 10us, p0.5: 20us, p0.9: 40us, p0.95: 40us, p0.99: 40us, p0.999: 40us, mean: 25us"), "{line}");
+        assert!(
+            line.contains("biased stdv: 11us") && line.ends_with("iops: 4"),
+            "{line}"
+        );
     }
 }
