@@ -185,6 +185,20 @@ fn put_object(out: &mut Vec<u8>, object: ObjectKey) {
     out.extend_from_slice(&object.number.to_le_bytes());
 }
 
+/// The fields every object request starts with: PG, epoch, object, offset.
+fn put_object_request(
+    out: &mut Vec<u8>,
+    pg: PgId,
+    epoch: Epoch,
+    object: ObjectKey,
+    offset_bytes: u32,
+) {
+    put_pg(out, pg);
+    out.extend_from_slice(&epoch.0.to_le_bytes());
+    put_object(out, object);
+    out.extend_from_slice(&offset_bytes.to_le_bytes());
+}
+
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(
         &u32::try_from(bytes.len())
@@ -217,10 +231,7 @@ impl Message {
                 offset_bytes,
                 data,
             } => {
-                put_pg(&mut body, *pg);
-                body.extend_from_slice(&epoch.0.to_le_bytes());
-                put_object(&mut body, *object);
-                body.extend_from_slice(&offset_bytes.to_le_bytes());
+                put_object_request(&mut body, *pg, *epoch, *object, *offset_bytes);
                 put_bytes(&mut body, data);
             }
             Message::Read {
@@ -237,10 +248,7 @@ impl Message {
                 offset_bytes,
                 len_bytes,
             } => {
-                put_pg(&mut body, *pg);
-                body.extend_from_slice(&epoch.0.to_le_bytes());
-                put_object(&mut body, *object);
-                body.extend_from_slice(&offset_bytes.to_le_bytes());
+                put_object_request(&mut body, *pg, *epoch, *object, *offset_bytes);
                 body.extend_from_slice(&len_bytes.to_le_bytes());
             }
             Message::Reply { status, data } => {

@@ -289,6 +289,21 @@ mod tests {
     use basalt_common::{PgId, PoolId};
     use std::time::Duration;
 
+    /// A request the echo handler answers after `delay_ms` with `tag` as the reply's data.
+    fn echo_request(delay_ms: u8, tag: &[u8]) -> Message {
+        Message::Raft {
+            pg: pg(0),
+            message: [&[delay_ms][..], tag].concat(),
+        }
+    }
+
+    fn echo_reply(tag: &[u8]) -> Message {
+        Message::Reply {
+            status: Status::Ok,
+            data: tag.to_vec(),
+        }
+    }
+
     fn pg(index: u32) -> PgId {
         PgId {
             pool: PoolId(1),
@@ -328,19 +343,10 @@ mod tests {
                 // Later requests finish earlier: replies come back out of order.
                 let delay = 20 - (n % 20);
                 let reply = client
-                    .call(&Message::Raft {
-                        pg: pg(0),
-                        message: vec![delay, n, n],
-                    })
+                    .call(&echo_request(delay, &[n, n]))
                     .await
                     .expect("reply");
-                assert_eq!(
-                    reply,
-                    Message::Reply {
-                        status: Status::Ok,
-                        data: vec![n, n]
-                    }
-                );
+                assert_eq!(reply, echo_reply(&[n, n]));
             }));
         }
         for call in calls {
@@ -368,20 +374,8 @@ mod tests {
         for _ in 0..10 {
             client.send(&discard).expect("send");
         }
-        let reply = client
-            .call(&Message::Raft {
-                pg: pg(0),
-                message: vec![0, 1],
-            })
-            .await
-            .expect("reply");
-        assert_eq!(
-            reply,
-            Message::Reply {
-                status: Status::Ok,
-                data: vec![1]
-            }
-        );
+        let reply = client.call(&echo_request(0, &[1])).await.expect("reply");
+        assert_eq!(reply, echo_reply(&[1]));
         assert_eq!(
             counted.load(Ordering::Relaxed),
             10,
@@ -390,10 +384,7 @@ mod tests {
 
         // Dropping the listener while a call is in flight: the call still completes.
         let slow = tokio::spawn({
-            let message = Message::Raft {
-                pg: pg(0),
-                message: vec![200, 1],
-            };
+            let message = echo_request(200, &[1]);
             async move { client.call(&message).await.map(|_| client) }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -421,23 +412,13 @@ mod tests {
             // Close without answering.
         });
         let client = Client::connect(address).await.expect("connect");
-        let call = client
-            .call(&Message::Raft {
-                pg: pg(0),
-                message: vec![0, 1],
-            })
-            .await;
+        let call = client.call(&echo_request(0, &[1])).await;
         assert!(
             matches!(call, Err(TransportError::Closed { .. })),
             "{call:?}"
         );
         peer.await.expect("peer");
-        let later = client
-            .call(&Message::Raft {
-                pg: pg(0),
-                message: vec![0, 1],
-            })
-            .await;
+        let later = client.call(&echo_request(0, &[1])).await;
         assert!(
             matches!(later, Err(TransportError::Closed { .. })),
             "{later:?}"
@@ -469,18 +450,9 @@ mod tests {
             "the server closed the bad connection: {closed:?}"
         );
         let reply = good
-            .call(&Message::Raft {
-                pg: pg(0),
-                message: vec![0, 9],
-            })
+            .call(&echo_request(0, &[9]))
             .await
             .expect("good connection unaffected");
-        assert_eq!(
-            reply,
-            Message::Reply {
-                status: Status::Ok,
-                data: vec![9]
-            }
-        );
+        assert_eq!(reply, echo_reply(&[9]));
     }
 }
