@@ -5,8 +5,12 @@
 //!   appends that arrive while a batch is being written go out together in the next one,
 //!   under one durable write.
 //!
+//! - [`pg_log`]: raft entries and hard states as log entries (an object write's payload is
+//!   the log entry's data, written once), and replay back into each PG's raft state.
+//!
 //! Planned (issue #3): PGs as raft-rs groups driven by one multi-raft loop persisting
 //! through the log device, the index and its checkpoints, the wire protocol, the daemon.
 
 pub mod log_device;
+pub mod pg_log;
 pub mod superblock;

@@ -12,4 +12,4 @@
 pub mod multi_raft;
 
 pub use multi_raft::{Action, MultiRaft, ProposeError, Restored};
-pub use raft::eraftpb::{Entry as RaftEntry, HardState, Message as RaftMessage};
+pub use raft::eraftpb::{Entry as RaftEntry, EntryType, HardState, Message as RaftMessage};

@@ -159,10 +159,16 @@ impl ObjectOp {
                 stated: len_bytes,
                 carried: payload.len(),
             }),
-            kind::DISCARD => Ok(ObjectOp::Discard {
+            // Decoding is canonical (encode gives back the same bytes): a discard carries
+            // no payload, so bytes after its header mean these are not a discard.
+            kind::DISCARD if payload.is_empty() => Ok(ObjectOp::Discard {
                 object,
                 offset_bytes,
                 len_bytes,
+            }),
+            kind::DISCARD => Err(ObjectOpError::Length {
+                stated: 0,
+                carried: payload.len(),
             }),
             kind => Err(ObjectOpError::Kind { kind }),
         }
@@ -255,9 +261,17 @@ mod tests {
             prop_assert_eq!(ObjectOp::from_parts(op.kind(), &op.meta(), op.payload()), Ok(op));
         }
 
+        /// Whatever decodes, encodes back to the same bytes: the OSD stores decoded
+        /// operations in its log and rebuilds raft entries from them.
         #[test]
-        fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let _ = ObjectOp::decode(&bytes);
+        fn decoding_is_canonical(bytes in proptest::collection::vec(any::<u8>(), 0..64), kind_byte in 2u8..4) {
+            let mut bytes = bytes;
+            if let Some(first) = bytes.first_mut() {
+                *first = kind_byte;
+            }
+            if let Ok(op) = ObjectOp::decode(&bytes) {
+                prop_assert_eq!(op.encode(), bytes);
+            }
         }
 
         /// Applying writes and discards, then reading, matches a model of each object's

@@ -1,0 +1,308 @@
+//! Raft entries and hard states as entries of the OSD's log, and back.
+//!
+//! A raft entry whose data is an object operation is stored with that operation's kind and
+//! meta, and the operation's payload as the log entry's data: the payload lands once, where
+//! the PG's object index will point. Any other raft entry (an election's no-op, a
+//! configuration change) is stored whole. A hard state is an entry of its own kind.
+//!
+//! Meta of `RAFT_OTHER`: raft entry type u8 at byte 0. Meta of `HARD_STATE`: term, vote,
+//! commit (u64 each).
+
+use std::collections::BTreeMap;
+
+use basalt_common::PgId;
+use basalt_replication::{EntryType, HardState, RaftEntry, Restored};
+use basalt_store::batch::{Entry, META_SIZE};
+use basalt_store::log::ReplayedBatch;
+use basalt_store::object_op::{ObjectOp, kind};
+
+/// Kind of a log entry holding a PG's raft hard state.
+pub const HARD_STATE: u8 = 16;
+
+/// The log entries for one persist of a PG: its raft entries, then its hard state.
+pub fn to_log_entries(
+    pg: PgId,
+    entries: &[RaftEntry],
+    hard_state: Option<&HardState>,
+) -> Vec<Entry> {
+    let mut log = Vec::with_capacity(entries.len() + 1);
+    for entry in entries {
+        let object_op = (entry.get_entry_type() == EntryType::EntryNormal)
+            .then(|| ObjectOp::decode(&entry.data).ok())
+            .flatten();
+        log.push(match object_op {
+            Some(op) => Entry {
+                kind: op.kind(),
+                pg,
+                term: entry.term,
+                index: entry.index,
+                meta: op.meta(),
+                data: op.payload().to_vec(),
+            },
+            None => {
+                let mut meta = [0u8; META_SIZE];
+                meta[0] = entry.get_entry_type() as u8;
+                Entry {
+                    kind: kind::RAFT_OTHER,
+                    pg,
+                    term: entry.term,
+                    index: entry.index,
+                    meta,
+                    data: entry.data.to_vec(),
+                }
+            }
+        });
+    }
+    if let Some(hard_state) = hard_state {
+        let mut meta = [0u8; META_SIZE];
+        meta[0..8].copy_from_slice(&hard_state.term.to_le_bytes());
+        meta[8..16].copy_from_slice(&hard_state.vote.to_le_bytes());
+        meta[16..24].copy_from_slice(&hard_state.commit.to_le_bytes());
+        log.push(Entry {
+            kind: HARD_STATE,
+            pg,
+            term: hard_state.term,
+            index: 0,
+            meta,
+            data: Vec::new(),
+        });
+    }
+    log
+}
+
+/// Why a log entry could not be turned back into raft state.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgLogError {
+    /// A kind this OSD does not write.
+    #[error("log entry of pg {pg} has unknown kind {kind}")]
+    Kind {
+        /// The PG.
+        pg: PgId,
+        /// The kind.
+        kind: u8,
+    },
+    /// An object operation whose fields disagree.
+    #[error("log entry {index} of pg {pg}: {reason}")]
+    Malformed {
+        /// The PG.
+        pg: PgId,
+        /// Raft index.
+        index: u64,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// What replay rebuilds for the PGs of an OSD.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RestoredPgs {
+    /// Each PG's raft state.
+    pub groups: BTreeMap<PgId, Restored>,
+    /// Where each object write's payload lies on the device, by PG and raft index (the
+    /// latest write of an index wins, as a truncated log is overwritten).
+    pub payloads: BTreeMap<(PgId, u64), u64>,
+}
+
+/// Rebuilds every PG's raft state from the replayed log.
+pub fn restore(batches: &[ReplayedBatch]) -> Result<RestoredPgs, PgLogError> {
+    let mut restored = RestoredPgs::default();
+    for batch in batches {
+        for (entry, data_offset) in &batch.entries {
+            let group = restored.groups.entry(entry.pg).or_default();
+            if entry.kind == HARD_STATE {
+                let field = |at: usize| {
+                    u64::from_le_bytes(entry.meta[at..at + 8].try_into().expect("8 bytes"))
+                };
+                let hard_state = HardState {
+                    term: field(0),
+                    vote: field(8),
+                    commit: field(16),
+                    ..HardState::default()
+                };
+                group.add(&[], Some(&hard_state));
+                continue;
+            }
+            let raft_entry = from_log_entry(entry)?;
+            if entry.kind == kind::WRITE {
+                restored
+                    .payloads
+                    .insert((entry.pg, entry.index), *data_offset);
+            }
+            group.add(&[raft_entry], None);
+        }
+    }
+    Ok(restored)
+}
+
+/// The raft entry a log entry holds.
+pub fn from_log_entry(entry: &Entry) -> Result<RaftEntry, PgLogError> {
+    let mut raft_entry = RaftEntry {
+        term: entry.term,
+        index: entry.index,
+        ..RaftEntry::default()
+    };
+    match entry.kind {
+        kind::WRITE | kind::DISCARD => {
+            let op =
+                ObjectOp::from_parts(entry.kind, &entry.meta, &entry.data).map_err(|error| {
+                    PgLogError::Malformed {
+                        pg: entry.pg,
+                        index: entry.index,
+                        reason: error.to_string(),
+                    }
+                })?;
+            raft_entry.data = op.encode().into();
+        }
+        kind::RAFT_OTHER => {
+            let entry_type = entry_type_of(entry.meta[0]).ok_or_else(|| PgLogError::Malformed {
+                pg: entry.pg,
+                index: entry.index,
+                reason: format!("raft entry type {}", entry.meta[0]),
+            })?;
+            raft_entry.set_entry_type(entry_type);
+            raft_entry.data = entry.data.clone().into();
+        }
+        kind => return Err(PgLogError::Kind { pg: entry.pg, kind }),
+    }
+    Ok(raft_entry)
+}
+
+/// The raft entry type stored in a `RAFT_OTHER` entry's meta.
+fn entry_type_of(code: u8) -> Option<EntryType> {
+    [
+        EntryType::EntryNormal,
+        EntryType::EntryConfChange,
+        EntryType::EntryConfChangeV2,
+    ]
+    .into_iter()
+    .find(|entry_type| *entry_type as u8 == code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use basalt_common::{ImageId, Lsn, ObjectKey, PoolId};
+    use proptest::prelude::*;
+
+    const PG: PgId = PgId {
+        pool: PoolId(1),
+        index: 3,
+    };
+
+    fn arbitrary_raft_entry() -> impl Strategy<Value = RaftEntry> {
+        let write = (
+            any::<u64>(),
+            0u32..1 << 20,
+            proptest::collection::vec(any::<u8>(), 0..5000),
+        )
+            .prop_map(|(number, offset_bytes, data)| {
+                ObjectOp::Write {
+                    object: ObjectKey {
+                        image: ImageId(9),
+                        number,
+                    },
+                    offset_bytes,
+                    data,
+                }
+                .encode()
+            });
+        let discard = (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(
+            |(number, offset_bytes, len_bytes)| {
+                ObjectOp::Discard {
+                    object: ObjectKey {
+                        image: ImageId(9),
+                        number,
+                    },
+                    offset_bytes,
+                    len_bytes,
+                }
+                .encode()
+            },
+        );
+        let other = proptest::collection::vec(any::<u8>(), 0..40);
+        (
+            1u64..1000,
+            1u64..100,
+            prop_oneof![write, discard, other],
+            any::<bool>(),
+        )
+            .prop_map(|(index, term, data, conf_change)| {
+                let mut entry = RaftEntry {
+                    index,
+                    term,
+                    ..RaftEntry::default()
+                };
+                if conf_change {
+                    entry.set_entry_type(EntryType::EntryConfChange);
+                }
+                entry.data = data.into();
+                entry
+            })
+    }
+
+    proptest! {
+        /// Raft entries and a hard state, written to the log and read back, are what raft gave.
+        #[test]
+        fn raft_state_survives_the_log(entries in proptest::collection::vec(arbitrary_raft_entry(), 0..6), term in 1u64..50, vote in 0u64..4, commit in 0u64..1000) {
+            let hard_state = HardState { term, vote, commit, ..HardState::default() };
+            let log = to_log_entries(PG, &entries, Some(&hard_state));
+            for (entry, raft_entry) in log.iter().zip(&entries) {
+                prop_assert_eq!(&from_log_entry(entry).expect("decodes"), raft_entry);
+            }
+            let batch = ReplayedBatch { lsn: Lsn(1), offset_bytes: 4096, entries: log.into_iter().map(|e| (e, 8192)).collect() };
+            let restored = restore(&[batch]).expect("restores");
+            let group = &restored.groups[&PG];
+            prop_assert_eq!(&group.hard_state, &hard_state);
+        }
+    }
+
+    #[test]
+    fn a_write_keeps_only_its_payload_as_data_and_replay_finds_it() {
+        let op = ObjectOp::Write {
+            object: ObjectKey {
+                image: ImageId(1),
+                number: 2,
+            },
+            offset_bytes: 4096,
+            data: vec![7; 4096],
+        };
+        let raft_entry = RaftEntry {
+            index: 5,
+            term: 2,
+            data: op.encode().into(),
+            ..RaftEntry::default()
+        };
+        let log = to_log_entries(PG, std::slice::from_ref(&raft_entry), None);
+        assert_eq!(
+            log[0].data,
+            vec![7; 4096],
+            "the payload alone is the log entry's data"
+        );
+        assert_eq!(log[0].kind, kind::WRITE);
+        let batch = ReplayedBatch {
+            lsn: Lsn(1),
+            offset_bytes: 0,
+            entries: vec![(log[0].clone(), 4096)],
+        };
+        let restored = restore(&[batch]).expect("restores");
+        assert_eq!(restored.payloads.get(&(PG, 5)), Some(&4096));
+        assert_eq!(restored.groups[&PG].entries, vec![raft_entry]);
+    }
+
+    #[test]
+    fn unknown_kinds_are_refused() {
+        let entry = Entry {
+            kind: 99,
+            pg: PG,
+            term: 1,
+            index: 1,
+            meta: [0; META_SIZE],
+            data: Vec::new(),
+        };
+        assert_eq!(
+            from_log_entry(&entry),
+            Err(PgLogError::Kind { pg: PG, kind: 99 })
+        );
+    }
+}
