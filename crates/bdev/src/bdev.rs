@@ -93,11 +93,6 @@ impl BdevError {
             },
         }
     }
-
-    /// Whether the request itself was bad (as opposed to the device failing).
-    pub fn is_invalid_request(&self) -> bool {
-        self.errno() == libc_errno::EINVAL
-    }
 }
 
 /// The Linux errno values this crate reports (stable ABI numbers).

@@ -61,21 +61,20 @@ impl Counted {
                 return result;
             }
             let elapsed_ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            let (bytes, ops, latency) = match kind {
-                Kind::Read => (&c.bytes_read, &c.num_read_ops, Some(&c.read_latency_ns)),
+            // Flushes are only counted; the others also add their bytes and latency.
+            let (ops, bytes_and_latency) = match kind {
+                Kind::Read => (&c.num_read_ops, Some((&c.bytes_read, &c.read_latency_ns))),
                 Kind::Write => (
-                    &c.bytes_written,
                     &c.num_write_ops,
-                    Some(&c.write_latency_ns),
+                    Some((&c.bytes_written, &c.write_latency_ns)),
                 ),
                 Kind::Unmap => (
-                    &c.bytes_unmapped,
                     &c.num_unmap_ops,
-                    Some(&c.unmap_latency_ns),
+                    Some((&c.bytes_unmapped, &c.unmap_latency_ns)),
                 ),
-                Kind::Flush => (&c.num_flush_ops, &c.num_flush_ops, None),
+                Kind::Flush => (&c.num_flush_ops, None),
             };
-            if let Some(latency) = latency {
+            if let Some((bytes, latency)) = bytes_and_latency {
                 bytes.fetch_add(len_bytes, Ordering::Relaxed);
                 latency.fetch_add(elapsed_ns, Ordering::Relaxed);
             }

@@ -111,13 +111,10 @@ impl WorkerDevice {
                 let len = u32::try_from(len_bytes).map_err(io::Error::other)?;
                 client.read(offset_bytes, len).await.map(ReadData::Vec)
             }
-            WorkerDevice::Log(_) => {
-                let _ = (offset_bytes, len_bytes);
-                Err(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    "an osd log device is only written",
-                ))
-            }
+            WorkerDevice::Log(_) => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "an osd log device is only written",
+            )),
         }
     }
 

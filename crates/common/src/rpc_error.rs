@@ -33,8 +33,6 @@ impl RpcError {
     pub const NO_DEVICE: i32 = -19;
     /// The object is in use (`-EBUSY`).
     pub const BUSY: i32 = -16;
-    /// An I/O error (`-EIO`).
-    pub const IO: i32 = -5;
 
     /// An error with this code and message.
     pub fn new(code: i32, message: impl Into<String>) -> Self {

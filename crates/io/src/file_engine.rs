@@ -582,6 +582,11 @@ mod tests {
     async fn round_trip(options: OpenOptions, name: &str) {
         let path = temp_file(name, 1 << 20);
         let engine = FileEngine::open(&path, &options).expect("open");
+        assert_eq!(
+            engine.is_uring(),
+            !options.force_blocking,
+            "the backend under test is the one asked for"
+        );
         assert_eq!(engine.size_bytes(), 1 << 20);
         let data = DmaBuf::from_slice(&[0xabu8; 8192]);
         engine.write(4096, data, false).await.expect("write");

@@ -107,11 +107,6 @@ impl Reactors {
         })
     }
 
-    /// The placement policy.
-    pub fn placement(&self) -> Placement {
-        self.placement
-    }
-
     /// The CPU each reactor is pinned to, if any.
     pub fn cpus(&self) -> &[Option<usize>] {
         &self.cpus
@@ -134,11 +129,6 @@ impl Reactors {
             }
             None => self.spawn(task),
         }
-    }
-
-    /// Number of reactors.
-    pub fn count(&self) -> usize {
-        self.handles.len()
     }
 
     /// Runs `task` on the next reactor in turn.
@@ -284,8 +274,29 @@ mod tests {
     }
 
     #[test]
-    fn drop_stops_the_threads() {
-        let reactors = Arc::new(Reactors::start(1, "r").expect("start"));
+    fn drop_stops_the_threads_and_their_tasks() {
+        /// Sets the flag when the task holding it is dropped.
+        struct Guard(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reactors = Reactors::start(1, "r").expect("start");
+        let guard = Guard(dropped.clone());
+        reactors.spawn(async move {
+            let _guard = guard;
+            std::future::pending::<()>().await;
+        });
+        assert!(
+            !dropped.load(Ordering::SeqCst),
+            "the task waits while the reactor runs"
+        );
         drop(reactors);
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "dropping the reactors ended the thread and its task"
+        );
     }
 }

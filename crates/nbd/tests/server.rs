@@ -409,3 +409,34 @@ proptest! {
         })?;
     }
 }
+
+/// NBD_CMD_DISC from a client ends its connection on the server: the export counts it
+/// while it is open and not after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_ends_the_connection_on_the_server() {
+    let (server, port) = server().await;
+    let nbd = client(port, "disk").await;
+    nbd.write(0, &[3; 512], false).await.expect("write");
+    let connections = || {
+        server
+            .exports()
+            .find("disk")
+            .map_or(0, |export| export.connection_count())
+    };
+    assert_eq!(connections(), 1);
+    nbd.disconnect().await.expect("disconnect");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while connections() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server still counts the connection"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let again = client(port, "disk").await;
+    assert_eq!(
+        again.read(0, 512).await.expect("read"),
+        vec![3; 512],
+        "the write before DISC is there"
+    );
+}

@@ -351,15 +351,24 @@ async fn write_loop(
             data_bytes += next_data;
             group.push(waiting.pop_front().expect("front exists"));
         }
-        let entries: Vec<Entry> = group
-            .iter()
-            .flat_map(|append| append.entries.iter().cloned())
-            .collect();
+        // The entries move into the batch (no copy of their data); each caller keeps its
+        // answer channel and how many entries and data bytes were its own.
+        let mut entries: Vec<Entry> = Vec::with_capacity(entry_count);
+        let mut callers = Vec::with_capacity(group.len());
+        for append in group {
+            let data: u64 = append
+                .entries
+                .iter()
+                .map(|entry| entry.data.len() as u64)
+                .sum();
+            callers.push((append.done, append.entries.len(), data));
+            entries.extend(append.entries);
+        }
         let placed = match writer.append(&entries) {
             Ok(placed) => placed,
             Err(_) => {
-                for append in group {
-                    let _ = append.done.send(Err(LogDeviceError::Full));
+                for (done, _, _) in callers {
+                    let _ = done.send(Err(LogDeviceError::Full));
                 }
                 continue;
             }
@@ -371,8 +380,8 @@ async fn write_loop(
         if let Err(error) = written {
             let reason = format!("batch {} at {}: {error}", placed.lsn.0, placed.offset_bytes);
             tracing::error!(%reason, "log write failed; the log device refuses further writes");
-            for append in group {
-                let _ = append.done.send(Err(LogDeviceError::Failed {
+            for (done, _, _) in callers {
+                let _ = done.send(Err(LogDeviceError::Failed {
                     reason: reason.clone(),
                 }));
             }
@@ -384,18 +393,12 @@ async fn write_loop(
             .device_bytes
             .fetch_add(device_bytes, Ordering::Relaxed);
         let mut offsets = placed.data_offsets_bytes.into_iter();
-        for append in group {
-            let count = append.entries.len();
-            let data: u64 = append
-                .entries
-                .iter()
-                .map(|entry| entry.data.len() as u64)
-                .sum();
+        for (done, count, data) in callers {
             counters.appends.fetch_add(1, Ordering::Relaxed);
             counters.entries.fetch_add(count as u64, Ordering::Relaxed);
             counters.data_bytes.fetch_add(data, Ordering::Relaxed);
             let data_offsets_bytes = offsets.by_ref().take(count).collect();
-            let _ = append.done.send(Ok(Appended {
+            let _ = done.send(Ok(Appended {
                 lsn: placed.lsn,
                 data_offsets_bytes,
             }));

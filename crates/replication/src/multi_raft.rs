@@ -163,11 +163,6 @@ impl MultiRaft {
         raft.set_randomized_election_timeout(low + (z % (high - low) as u64) as usize);
     }
 
-    /// This OSD.
-    pub fn osd(&self) -> OsdId {
-        self.osd
-    }
-
     /// Hosts a replica of `pg` with these members, from its durable state after a restart
     /// (or empty for a new replica).
     pub fn create_group(
@@ -200,11 +195,6 @@ impl MultiRaft {
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
         Ok(())
-    }
-
-    /// PGs hosted here.
-    pub fn pgs(&self) -> impl Iterator<Item = PgId> + '_ {
-        self.groups.keys().copied()
     }
 
     /// The leader this replica knows of.

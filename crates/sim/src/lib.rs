@@ -305,7 +305,7 @@ impl Cluster {
                 if *at > self.now {
                     break;
                 }
-                let (_, record) = self.osds[index]
+                let (_, mut record) = self.osds[index]
                     .in_flight
                     .pop_front()
                     .expect("front exists");
@@ -314,11 +314,12 @@ impl Cluster {
                     .as_mut()
                     .expect("in-flight persists belong to up osds")
                     .on_persisted(record.pg, record.number);
-                let from = osd.id;
-                let messages = record.then_send.clone();
-                osd.durable.push(record.clone());
+                let (from, pg) = (osd.id, record.pg);
+                // The messages leave now; the durable record keeps only what replay needs.
+                let messages = std::mem::take(&mut record.then_send);
+                osd.durable.push(record);
                 for (to, message) in messages {
-                    self.send(from, to, record.pg, message);
+                    self.send(from, to, pg, message);
                 }
             }
         }

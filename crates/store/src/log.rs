@@ -64,11 +64,6 @@ impl LogWriter {
         }
     }
 
-    /// The LSN the next batch gets.
-    pub fn next_lsn(&self) -> Lsn {
-        self.next_lsn
-    }
-
     /// Places `entries` as the next batch.
     pub fn append(&mut self, entries: &[Entry]) -> Result<PlacedBatch, LogError> {
         let needed = batch::batch_size(entries) as u64;
