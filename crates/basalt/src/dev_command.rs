@@ -1,29 +1,53 @@
-//! `basalt dev`: a target on loopback with a RAM-backed NBD export, for trying Basalt out.
+//! `basalt dev`: a whole cluster on this machine, for trying Basalt out.
 //!
-//! Until the distributed store lands, the export is a malloc bdev: its data lives in RAM and
-//! is gone when the command stops.
+//! One monitor and three OSDs, each its own `basalt mon` / `basalt osd` process with its
+//! data under the data directory, and a target in this process that exports the image
+//! `dev/disk0` over NBD on loopback. It writes a client config (`basalt.toml`) for the CLI,
+//! prints how to connect, and on Ctrl-C or SIGTERM stops everything. Run again, it reuses
+//! the data.
 
-use std::path::PathBuf;
-use std::process::ExitCode;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitCode, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use basalt_common::ByteSize;
+use basalt_mon::MonClient;
+use basalt_mon::map::Command;
 use basalt_target::Target;
 use basalt_target::rpc_server::RpcServer;
 use serde_json::json;
 
+/// The pool `basalt dev` creates.
+pub const POOL: &str = "dev";
+/// The image it exports.
+pub const IMAGE: &str = "disk0";
+
 /// Options of `basalt dev`.
 #[derive(clap::Args)]
 pub struct DevArgs {
-    /// Directory for the JSON-RPC socket and state.
+    /// Directory for the daemons' data, logs, the client config and the JSON-RPC socket.
     #[arg(long, default_value = "/var/tmp/basalt-dev")]
     pub data_dir: PathBuf,
-    /// Size of the exported volume.
+    /// Size of the exported image (when it is created).
     #[arg(long, default_value = "1GiB")]
     pub size: ByteSize,
     /// NBD port on 127.0.0.1.
     #[arg(long, default_value_t = 10809)]
     pub nbd_port: u16,
+    /// The monitor's port on 127.0.0.1.
+    #[arg(long, default_value_t = 6780)]
+    pub mon_port: u16,
+    /// Number of OSDs.
+    #[arg(long, default_value_t = 3)]
+    pub osds: u32,
+    /// Size of each OSD's device file (when it is created).
+    #[arg(long, default_value = "4GiB")]
+    pub osd_size: ByteSize,
+    /// PGs of the pool (when it is created).
+    #[arg(long, default_value_t = 32)]
+    pub pg_count: u32,
 }
 
 pub fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
@@ -31,18 +55,169 @@ pub fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The daemons this command started; stopped (SIGTERM, then SIGKILL) when dropped.
+struct Children(Vec<(String, Child)>);
+
+impl Children {
+    fn spawn(&mut self, name: &str, log: &Path, args: &[String]) -> anyhow::Result<()> {
+        let exe = std::env::current_exe().context("finding the basalt executable")?;
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        let child = std::process::Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        self.0.push((name.to_string(), child));
+        Ok(())
+    }
+
+    /// The first child that exited, with its status.
+    fn exited(&mut self) -> Option<String> {
+        self.0
+            .iter_mut()
+            .find_map(|(name, child)| match child.try_wait() {
+                Ok(Some(status)) => Some(format!("{name} exited ({status})")),
+                _ => None,
+            })
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.0 {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (_, child) in &mut self.0 {
+            while Instant::now() < deadline {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last = String::new();
+    loop {
+        match check().await {
+            Ok(Some(value)) => return Ok(value),
+            Ok(None) => {}
+            Err(error) => last = format!(" (last: {error:#})"),
+        }
+        if Instant::now() > deadline {
+            anyhow::bail!("{what} did not happen within {timeout:?}{last}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn serve(args: DevArgs) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&args.data_dir)
-        .with_context(|| format!("creating {}", args.data_dir.display()))?;
-    let socket = args.data_dir.join("target.sock");
+    let dir = &args.data_dir;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mon_address: SocketAddr = SocketAddr::from(([127, 0, 0, 1], args.mon_port));
+    let conf = dir.join("basalt.toml");
+    std::fs::write(&conf, format!("[cluster]\nmons = [\"{mon_address}\"]\n"))
+        .with_context(|| format!("writing {}", conf.display()))?;
+
+    let mut children = Children(Vec::new());
+    children.spawn(
+        "mon",
+        &dir.join("mon.log"),
+        &[
+            "mon".into(),
+            "--data-dir".into(),
+            dir.join("mon").display().to_string(),
+            "--listen".into(),
+            mon_address.to_string(),
+        ],
+    )?;
+    for n in 0..args.osds {
+        children.spawn(
+            &format!("osd {n}"),
+            &dir.join(format!("osd.{n}.log")),
+            &[
+                "osd".into(),
+                "--data-dir".into(),
+                dir.join(format!("osd.{n}")).display().to_string(),
+                "--mon".into(),
+                mon_address.to_string(),
+                "--device-size".into(),
+                args.osd_size.0.to_string(),
+            ],
+        )?;
+    }
+    let mon = MonClient::new(vec![mon_address]);
+    let osds = args.osds as usize;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(exited) = children.exited() {
+            anyhow::bail!("{exited}; see the logs in {}", dir.display());
+        }
+        if let Ok(map) = mon.map().await
+            && map.osds.values().filter(|osd| osd.up).count() >= osds
+        {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the osds did not all come up within 2 minutes; see the logs in {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let map = mon.map().await?;
+    if map.pool_by_name(POOL).is_none() {
+        mon.command(Command::PoolCreate {
+            name: POOL.to_string(),
+            pg_count: args.pg_count,
+            size: args.osds.min(3),
+            min_size: None,
+        })
+        .await?;
+    }
+    let map = mon.map().await?;
+    if map.image_by_name(POOL, IMAGE).is_none() {
+        mon.command(Command::ImageCreate {
+            pool: POOL.to_string(),
+            name: IMAGE.to_string(),
+            size_bytes: args.size.0,
+            object_size_bytes: None,
+        })
+        .await?;
+    }
+    wait_until("every pg led", Duration::from_secs(60), || async {
+        let status = mon.status().await?;
+        let pgs: u32 = status.map.pools.values().map(|pool| pool.pg_count).sum();
+        let led: usize = status.reports.iter().map(|(_, r)| r.leading.len()).sum();
+        Ok((led >= pgs as usize).then_some(()))
+    })
+    .await?;
+
+    let socket = dir.join("target.sock");
     let target = Target::new(crate::core_count(), basalt_io::Placement::IncomingCpu)
         .context("starting the reactors")?;
-    // 512-byte blocks: every client, however it aligns its requests, can use the volume.
-    let block_size = 512u64;
     let calls = [
         (
-            "bdev_malloc_create",
-            json!({"name": "disk0", "num_blocks": args.size.0 / block_size, "block_size": block_size}),
+            "bdev_basalt_create",
+            json!({"name": IMAGE, "pool": POOL, "image": IMAGE, "mons": [mon_address.to_string()]}),
         ),
         (
             "nbd_server_start",
@@ -50,7 +225,7 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         ),
         (
             "nbd_server_add_export",
-            json!({"bdev_name": "disk0", "name": "disk0"}),
+            json!({"bdev_name": IMAGE, "name": IMAGE}),
         ),
     ];
     for (method, params) in calls {
@@ -61,12 +236,21 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     }
     let server =
         RpcServer::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
-    let uri = format!("nbd://127.0.0.1:{}/disk0", args.nbd_port);
+    let uri = format!("nbd://127.0.0.1:{}/{IMAGE}", args.nbd_port);
+    let image_size = mon
+        .map()
+        .await?
+        .image_by_name(POOL, IMAGE)
+        .map_or(0, |image| image.size_bytes);
     println!(
-        "basalt dev: a target with a {} RAM-backed volume (its data is lost when this stops)",
-        args.size
+        "basalt dev: 1 monitor, {} OSDs, image {POOL}/{IMAGE} ({}), data in {}",
+        args.osds,
+        ByteSize(image_size),
+        dir.display()
     );
     println!("  NBD export:  {uri}");
+    println!("  CLI:         export BASALT_CONF={}", conf.display());
+    println!("               basalt status; basalt pg ls; basalt image ls");
     println!(
         "  JSON-RPC:    basalt rpc -s {} bdev_get_bdevs",
         socket.display()
@@ -75,12 +259,31 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         "  try:         qemu-io -f raw {uri} -c 'write -P 0xab 0 64k' -c 'read -P 0xab 0 64k'"
     );
     println!("  bench:       basalt bench --nbd {uri} --rw randwrite --iodepth 32 --runtime 10");
+    println!("  logs:        {}/{{mon,osd.N}}.log", dir.display());
     println!("Ctrl-C stops it.");
+    let _ = std::process::Command::new(std::env::current_exe()?)
+        .args(["status", "--conf"])
+        .arg(&conf)
+        .status();
+    let watch = async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if let Some(exited) = children.exited() {
+                eprintln!(
+                    "basalt dev: {exited}; the cluster goes on without it (see its log in {})",
+                    dir.display()
+                );
+                return;
+            }
+        }
+    };
     tokio::select! {
         result = server.run(target.clone()) => result.context("JSON-RPC server failed")?,
         result = crate::shutdown_signal() => result?,
+        () = watch => { crate::shutdown_signal().await?; }
     }
     target.nbd.stop();
+    drop(children);
     println!("basalt dev: stopped");
     Ok(())
 }

@@ -3,11 +3,15 @@
 //! - `basalt target`: the target process (bdevs, NBD exports) managed by JSON-RPC.
 //! - `basalt rpc`: a JSON-RPC client for the target, like SPDK's `rpc.py`.
 //! - `basalt bench`: the benchmark tool.
-//! - `basalt dev`: a local target with a RAM-backed NBD export, for trying Basalt out.
+//! - `basalt dev`: a local cluster (a monitor, three OSDs, a target exporting an image).
+//! - `basalt mon`, `basalt osd`: the daemons of the cluster.
+//! - `basalt pool|image|osd ls|pg ls|status`: the cluster's administration.
 //!
 //! Only this crate knows clap, anyhow and the log format.
 
+mod admin_command;
 mod bench_command;
+mod daemon_command;
 mod dev_command;
 mod rpc_command;
 mod target_command;
@@ -32,14 +36,100 @@ enum Command {
     Rpc(rpc_command::RpcArgs),
     /// Measure a bdev or an NBD export: IOPS, bandwidth, latency percentiles.
     Bench(bench_command::BenchArgs),
-    /// Start a local target with a RAM-backed NBD export and print how to connect.
+    /// Start a local cluster (a monitor, three OSDs, a target exporting an image over NBD).
     Dev(dev_command::DevArgs),
+    /// Run a monitor.
+    Mon(daemon_command::MonArgs),
+    /// Run an OSD (`basalt osd --data-dir DIR --mon ADDR`), or list OSDs (`basalt osd ls`).
+    Osd(OsdCommand),
+    /// Create, list and remove pools.
+    Pool {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        #[command(subcommand)]
+        command: admin_command::PoolCommand,
+    },
+    /// Create, list, inspect, resize and remove images.
+    Image {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        #[command(subcommand)]
+        command: admin_command::ImageCommand,
+    },
+    /// List PGs with their members, leader and state.
+    Pg {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        #[command(subcommand)]
+        command: PgCommand,
+    },
+    /// The cluster at a glance.
+    Status {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct OsdCommand {
+    #[command(subcommand)]
+    action: Option<OsdAction>,
+    #[command(flatten)]
+    daemon: daemon_command::OsdArgs,
+}
+
+#[derive(Subcommand)]
+enum OsdAction {
+    /// List OSDs.
+    Ls {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum PgCommand {
+    /// List PGs.
+    Ls {
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Each replica's state of a PG: raft indexes and a digest of its data.
+    Query {
+        /// The PG, as `basalt pg ls` shows it (`1.3f`).
+        pg: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Pool { .. }
+            | Command::Image { .. }
+            | Command::Pg { .. }
+            | Command::Status { .. }
+            | Command::Osd(OsdCommand {
+                action: Some(_),
+                ..
+            })
+    ) {
+        basalt_io::default_sigpipe();
+    }
     let default_level = match cli.command {
-        Command::Target(_) | Command::Dev(_) => "info",
+        Command::Target(_) | Command::Dev(_) | Command::Mon(_) => "info",
+        Command::Osd(OsdCommand { action: None, .. }) => "info",
         _ => "warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("BASALT_LOG")
@@ -53,6 +143,23 @@ fn main() -> ExitCode {
         Command::Rpc(args) => rpc_command::run(args),
         Command::Bench(args) => bench_command::run(args),
         Command::Dev(args) => dev_command::run(args),
+        Command::Mon(args) => daemon_command::run_mon(args),
+        Command::Osd(OsdCommand {
+            action: Some(OsdAction::Ls { cluster, json }),
+            ..
+        }) => admin_command::run_osd_ls(cluster, json),
+        Command::Osd(OsdCommand { daemon, .. }) => daemon_command::run_osd(daemon),
+        Command::Pool { cluster, command } => admin_command::run_pool(cluster, command),
+        Command::Image { cluster, command } => admin_command::run_image(cluster, command),
+        Command::Pg {
+            cluster,
+            command: PgCommand::Ls { json },
+        } => admin_command::run_pg_ls(cluster, json),
+        Command::Pg {
+            cluster,
+            command: PgCommand::Query { pg, json },
+        } => admin_command::run_pg_query(cluster, pg, json),
+        Command::Status { cluster, json } => admin_command::run_status(cluster, json),
     };
     match result {
         Ok(code) => code,

@@ -1,5 +1,6 @@
-//! `basalt dev`, the README's main command: it starts a target with an NBD export that
-//! qemu-io can use, prints how to connect, and stops cleanly on SIGTERM.
+//! `basalt dev`, the README's main command: it starts a monitor, three OSDs and a target
+//! with an NBD export that qemu-io can use, prints how to connect, stops cleanly on
+//! SIGTERM, and started again serves the same data.
 
 mod support;
 
@@ -9,21 +10,29 @@ use std::time::Duration;
 
 use support::*;
 
-#[test]
-fn dev_serves_a_volume_that_qemu_io_uses_and_stops_on_sigterm() {
-    require("qemu-io");
-    let dir = ScratchDir::new("dev");
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
-        probe.local_addr().expect("addr").port()
-    };
+/// Starts `basalt dev` in `dir`; returns it, the URI it printed and its remaining output.
+fn start_dev(
+    dir: &ScratchDir,
+    nbd_port: u16,
+    mon_port: u16,
+) -> (
+    std::process::Child,
+    String,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+) {
     let mut child = basalt()
         .args([
             "dev",
             "--size",
             "64MiB",
+            "--osd-size",
+            "256MiB",
+            "--pg-count",
+            "8",
             "--nbd-port",
-            &port.to_string(),
+            &nbd_port.to_string(),
+            "--mon-port",
+            &mon_port.to_string(),
             "--data-dir",
         ])
         .arg(&dir.path)
@@ -37,7 +46,7 @@ fn dev_serves_a_volume_that_qemu_io_uses_and_stops_on_sigterm() {
     let uri = loop {
         let line = lines
             .next()
-            .expect("basalt dev printed its export")
+            .unwrap_or_else(|| panic!("basalt dev printed no export: {printed}"))
             .expect("utf8 line");
         printed.push_str(&line);
         printed.push('\n');
@@ -49,7 +58,31 @@ fn dev_serves_a_volume_that_qemu_io_uses_and_stops_on_sigterm() {
                 .to_string();
         }
     };
-    assert_eq!(uri, format!("nbd://127.0.0.1:{port}/disk0"), "{printed}");
+    assert_eq!(
+        uri,
+        format!("nbd://127.0.0.1:{nbd_port}/disk0"),
+        "{printed}"
+    );
+    (child, uri, lines)
+}
+
+fn stop_dev(
+    mut child: std::process::Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+) {
+    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "basalt dev exited with {status}");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(rest.iter().any(|line| line.contains("stopped")), "{rest:?}");
+}
+
+#[test]
+fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
+    require("qemu-io");
+    let dir = ScratchDir::new("dev");
+    let (nbd_port, mon_port) = (free_port(), free_port());
+    let (child, uri, lines) = start_dev(&dir, nbd_port, mon_port);
     let socket = dir.join("target.sock");
     wait_for("the dev target's socket", Duration::from_secs(20), || {
         socket.exists()
@@ -64,11 +97,23 @@ fn dev_serves_a_volume_that_qemu_io_uses_and_stops_on_sigterm() {
             .arg("bdev_get_bdevs"),
     );
     assert!(bdevs.contains("\"disk0\""), "{bdevs}");
-
-    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
-    let status = child.wait().expect("wait");
-    assert!(status.success(), "basalt dev exited with {status}");
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    assert!(rest.iter().any(|line| line.contains("stopped")), "{rest:?}");
+    // The CLI finds the cluster through the config file that dev wrote.
+    let status = run_ok(
+        basalt()
+            .arg("status")
+            .env("BASALT_CONF", dir.join("basalt.toml")),
+    );
+    assert!(status.contains("3 osds: 3 up, 3 in"), "{status}");
+    assert!(status.contains("8 active+clean"), "{status}");
+    stop_dev(child, lines);
     assert!(!socket.exists(), "the socket is removed on exit");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", mon_port)).is_err(),
+        "the monitor stopped with dev"
+    );
+
+    // Started again on the same directory: the same image, the same data.
+    let (child, uri, lines) = start_dev(&dir, nbd_port, mon_port);
+    qemu_io_ok(&uri, true, &["read -P 0xab 0 64k", "read -P 0 64k 64k"]);
+    stop_dev(child, lines);
 }

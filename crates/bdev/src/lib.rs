@@ -13,6 +13,7 @@
 
 pub mod bdev;
 pub mod file;
+pub mod image;
 pub mod io_stats;
 pub mod malloc;
 pub mod registry;

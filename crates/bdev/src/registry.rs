@@ -18,6 +18,8 @@ pub enum BdevKind {
     Malloc,
     /// `bdev_uring_create` or `bdev_aio_create`.
     File,
+    /// `bdev_basalt_create`.
+    Image,
 }
 
 impl BdevKind {
@@ -26,6 +28,7 @@ impl BdevKind {
         match self {
             BdevKind::Malloc => "malloc",
             BdevKind::File => "file",
+            BdevKind::Image => "image",
         }
     }
 }

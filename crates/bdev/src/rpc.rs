@@ -30,7 +30,12 @@ pub const METHODS: &[&str] = &[
     "bdev_aio_delete",
     "bdev_get_bdevs",
     "bdev_get_iostat",
+    "bdev_basalt_create",
+    "bdev_basalt_delete",
 ];
+
+/// The methods that wait on the network (the image kind), answered by [`call_async`].
+const ASYNC_METHODS: &[&str] = &["bdev_basalt_create"];
 
 /// Runs `method` if it is a bdev method; `None` if it is not one of ours.
 pub fn call(
@@ -38,9 +43,93 @@ pub fn call(
     method: &str,
     params: Value,
 ) -> Option<Result<Value, RpcError>> {
-    METHODS
-        .contains(&method)
+    (METHODS.contains(&method) && !ASYNC_METHODS.contains(&method))
         .then(|| dispatch(registry, method, params))
+}
+
+/// Runs `method` if it is one of the bdev methods that wait on the network.
+pub async fn call_async(
+    registry: &BdevRegistry,
+    method: &str,
+    params: Value,
+) -> Option<Result<Value, RpcError>> {
+    match method {
+        "bdev_basalt_create" => Some(match RpcError::parse_params(method, params) {
+            Ok(params) => image_create(registry, params).await,
+            Err(error) => Err(error),
+        }),
+        _ => None,
+    }
+}
+
+/// Parameters of `bdev_basalt_create` (after fastblock's `bdev_fastblock_create`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageCreateParams {
+    /// Name of the bdev.
+    pub name: String,
+    /// The pool.
+    pub pool: String,
+    /// The image in the pool.
+    pub image: String,
+    /// Monitor addresses, `host:port`.
+    pub mons: Vec<String>,
+    /// Bytes per block (default 512).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// UUID; random when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+}
+
+async fn image_create(
+    registry: &BdevRegistry,
+    mut params: ImageCreateParams,
+) -> Result<Value, RpcError> {
+    let block_size = params.block_size.unwrap_or(512);
+    check_block_size(block_size)?;
+    check_name(registry, &params.name)?;
+    let uuid = checked_uuid(params.uuid.as_deref())?;
+    if params.mons.is_empty() {
+        return Err(RpcError::invalid_params(
+            "mons: at least one monitor address",
+        ));
+    }
+    let mut mons = Vec::new();
+    for mon in &params.mons {
+        let resolved = tokio::net::lookup_host(mon.as_str())
+            .await
+            .map_err(|error| RpcError::invalid_params(format!("mons: {mon:?}: {error}")))?;
+        mons.extend(resolved);
+    }
+    let cluster = basalt_client::Cluster::connect(mons)
+        .await
+        .map_err(|error| RpcError::invalid_params(format!("mons: {error}")))?;
+    let image = cluster
+        .open_image(&params.pool, &params.image)
+        .map_err(|error| RpcError::no_device(error.to_string()))?;
+    let size_bytes = image
+        .size_bytes()
+        .map_err(|error| RpcError::no_device(error.to_string()))?;
+    if !size_bytes.is_multiple_of(u64::from(block_size)) {
+        return Err(RpcError::invalid_params(format!(
+            "image {}/{} of {size_bytes} bytes is not a whole number of {block_size}-byte blocks",
+            params.pool, params.image
+        )));
+    }
+    let info = BdevInfo {
+        name: params.name.clone(),
+        uuid: uuid.clone(),
+        product_name: crate::image::PRODUCT_NAME,
+        block_size,
+        block_count: size_bytes / u64::from(block_size),
+        optimal_io_boundary_blocks: 0,
+    };
+    params.uuid = Some(uuid);
+    let construct = ConfigCall::new("bdev_basalt_create", &params);
+    let bdev = crate::image::ImageBdev::new(info, cluster, image);
+    registry.insert(Box::new(bdev), BdevKind::Image, construct)?;
+    Ok(json!(params.name))
 }
 
 fn dispatch(registry: &BdevRegistry, method: &str, params: Value) -> Result<Value, RpcError> {
@@ -57,6 +146,11 @@ fn dispatch(registry: &BdevRegistry, method: &str, params: Value) -> Result<Valu
         "bdev_uring_delete" | "bdev_aio_delete" => delete(
             registry,
             BdevKind::File,
+            RpcError::parse_params(method, params)?,
+        ),
+        "bdev_basalt_delete" => delete(
+            registry,
+            BdevKind::Image,
             RpcError::parse_params(method, params)?,
         ),
         "bdev_get_bdevs" => get_bdevs(registry, RpcError::parse_params(method, params)?),

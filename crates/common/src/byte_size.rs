@@ -77,6 +77,24 @@ impl FromStr for ByteSize {
     }
 }
 
+impl ByteSize {
+    /// Rounded for people: `1.5 GiB`, `512 KiB`, `0 B`.
+    pub fn approx(self) -> String {
+        let names = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+        let mut value = self.0 as f64;
+        let mut unit = 0;
+        while unit + 1 < names.len() && value >= 1024.0 {
+            value /= 1024.0;
+            unit += 1;
+        }
+        if unit == 0 || value >= 100.0 {
+            format!("{value:.0} {}", names[unit])
+        } else {
+            format!("{value:.1} {}", names[unit])
+        }
+    }
+}
+
 impl fmt::Display for ByteSize {
     /// The largest binary unit that divides the size exactly: `4096` shows as `4KiB`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -95,6 +113,14 @@ impl fmt::Display for ByteSize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn approximate_sizes_round_to_a_unit() {
+        assert_eq!(ByteSize(0).approx(), "0 B");
+        assert_eq!(ByteSize(1536 << 20).approx(), "1.5 GiB");
+        assert_eq!(ByteSize(512 << 10).approx(), "512 KiB");
+        assert_eq!(ByteSize(1023).approx(), "1023 B");
+    }
 
     #[test]
     fn parses_units_as_powers_of_two() {

@@ -14,8 +14,11 @@
 pub mod device;
 pub mod dma_buf;
 pub mod file_engine;
+pub mod process;
 pub mod reactor;
 
 pub use dma_buf::DmaBuf;
 pub use file_engine::{AllocateMode, FileEngine, OpenError, OpenOptions};
 pub use reactor::{Placement, Reactors};
+
+pub use process::default_sigpipe;

@@ -7,9 +7,18 @@
 //! - [`placement`]: which OSDs hold each PG (rendezvous hashing over weights, failure
 //!   domain host, minimal movement); a pure function the monitor runs and records.
 //!
-//! Planned here (issue #3): the map's Raft replication across monitors, the network side of
-//! OSD boot and heartbeats, the TOML config and Prometheus metrics, and map subscriptions.
+//! - [`protocol`]: the requests OSDs, clients and the CLI send, as JSON in control frames.
+//! - [`server`]: the monitor daemon: the map saved on every change, boot, heartbeats,
+//!   failure detection, map subscriptions, metrics.
+//! - [`client`]: [`MonClient`], which talks to whichever monitor answers.
+//!
+//! Planned here (issue #3): the map's Raft replication across 3 or 5 monitors.
 
+pub mod client;
 pub mod liveness;
 pub mod map;
 pub mod placement;
+pub mod protocol;
+pub mod server;
+
+pub use client::{MonClient, MonClientError};

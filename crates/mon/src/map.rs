@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use basalt_common::{Epoch, ImageId, OsdId, PgId, PoolId};
+use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 use serde::{Deserialize, Serialize};
 
 use crate::placement::{self, Candidate};
@@ -87,6 +87,29 @@ pub struct Image {
     pub size_bytes: u64,
     /// Bytes per object.
     pub object_size_bytes: u64,
+}
+
+impl Pool {
+    /// The PG that holds an object: a hash of the pool, image and object number, modulo
+    /// the PG count (a power of two). Part of the data layout: it never changes.
+    pub fn pg_of(&self, object: ObjectKey) -> PgId {
+        let mut hash = u64::from(self.id.0) ^ 0x6a09_e667_f3bc_c908;
+        for word in [object.image.0, object.number] {
+            hash = mix(hash ^ mix(word));
+        }
+        PgId {
+            pool: self.id,
+            index: (hash % u64::from(self.pg_count.max(1))) as u32,
+        }
+    }
+}
+
+/// splitmix64's finaliser.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// The cluster map.

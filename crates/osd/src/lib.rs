@@ -8,9 +8,13 @@
 //! - [`pg_log`]: raft entries and hard states as log entries (an object write's payload is
 //!   the log entry's data, written once), and replay back into each PG's raft state.
 //!
-//! Planned (issue #3): PGs as raft-rs groups driven by one multi-raft loop persisting
-//! through the log device, the index and its checkpoints, the wire protocol, the daemon.
+//! - [`daemon`]: the OSD process: PGs as raft-rs groups driven by one core task that
+//!   persists through the log device, serves clients and talks to peers and monitors.
+//!
+//! Planned (issue #3): checkpoints of the index, log segments and their cleaner, snapshots
+//! for new replicas, PG membership changes.
 
+pub mod daemon;
 pub mod log_device;
 pub mod pg_log;
 pub mod superblock;

@@ -11,5 +11,5 @@
 
 pub mod multi_raft;
 
-pub use multi_raft::{Action, MultiRaft, ProposeError, Restored};
+pub use multi_raft::{Action, MultiRaft, ProposeError, Restored, decode_message, encode_message};
 pub use raft::eraftpb::{Entry as RaftEntry, EntryType, HardState, Message as RaftMessage};

@@ -115,6 +115,20 @@ struct Group {
     node: RawNode<MemStorage>,
 }
 
+/// Encodes a raft message for the network.
+pub fn encode_message(message: &Message) -> Vec<u8> {
+    use protobuf::Message as _;
+    message
+        .write_to_bytes()
+        .expect("raft messages always encode")
+}
+
+/// Decodes a raft message from the network; `None` if the bytes are not one.
+pub fn decode_message(bytes: &[u8]) -> Option<Message> {
+    use protobuf::Message as _;
+    Message::parse_from_bytes(bytes).ok()
+}
+
 /// Every PG replica of one OSD.
 pub struct MultiRaft {
     osd: OsdId,
@@ -223,6 +237,35 @@ impl MultiRaft {
         self.groups
             .get(&pg)
             .map(|group| group.node.raft.raft_log.last_index())
+    }
+
+    /// The index a read must wait to see applied before it is served by this replica, or
+    /// `None` if this replica cannot serve reads: it does not lead the PG, or it has not yet
+    /// committed an entry of its own term (until then it may not know every entry an earlier
+    /// leader acknowledged).
+    pub fn read_barrier(&self, pg: PgId) -> Option<u64> {
+        let group = self.groups.get(&pg)?;
+        let raft = &group.node.raft;
+        if raft.state != StateRole::Leader {
+            return None;
+        }
+        let committed = raft.raft_log.committed;
+        (raft.raft_log.term(committed).ok()? == raft.term).then_some(committed)
+    }
+
+    /// This replica's current term of `pg`.
+    pub fn term(&self, pg: PgId) -> Option<u64> {
+        self.groups.get(&pg).map(|group| group.node.raft.term)
+    }
+
+    /// Whether `pg` is hosted here.
+    pub fn hosts(&self, pg: PgId) -> bool {
+        self.groups.contains_key(&pg)
+    }
+
+    /// The PGs hosted here.
+    pub fn pgs(&self) -> impl Iterator<Item = PgId> + '_ {
+        self.groups.keys().copied()
     }
 
     /// Advances every group's logical clock by one tick.

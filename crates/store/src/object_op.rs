@@ -234,6 +234,18 @@ impl PgObjects {
     pub fn object_count(&self) -> usize {
         self.objects.len()
     }
+
+    /// The objects with any byte mapped, in key order.
+    pub fn keys(&self) -> Vec<ObjectKey> {
+        let mut keys: Vec<ObjectKey> = self.objects.keys().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    /// Bytes mapped in all objects.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.objects.values().map(ExtentMap::mapped_bytes).sum()
+    }
 }
 
 #[cfg(test)]

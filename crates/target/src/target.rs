@@ -69,6 +69,11 @@ impl Target {
                     return result;
                 }
                 if let Some(result) =
+                    basalt_bdev::rpc::call_async(&self.bdevs, method, params.clone()).await
+                {
+                    return result;
+                }
+                if let Some(result) =
                     basalt_nbd::rpc::call(&self.nbd, &self.bdevs, method, params).await
                 {
                     return result;

@@ -6,13 +6,16 @@
 //! - [`message`]: what frames carry: client writes, reads and discards with their replies
 //!   (`NotLeader`, `StaleEpoch`, ...), and raft messages between OSDs.
 //!
-//! - [`tcp`]: frames over TCP: a pipelining client and a server with a handler; the only
-//!   module that does I/O.
+//! - [`tcp`]: frames over TCP: a pipelining client and a server with a handler.
+//! - [`metrics`]: Prometheus text exposition over HTTP, for every daemon's `--metrics-addr`.
+//!
+//! Only `tcp` and `metrics` do I/O.
 //!
 //! All integers are little-endian. Every decoder takes untrusted bytes and never panics.
 
 pub mod frame;
 pub mod message;
+pub mod metrics;
 pub mod tcp;
 
 pub use frame::{Frame, FrameError};

@@ -21,6 +21,8 @@ pub mod kind {
     pub const REPLY: u16 = 4;
     /// A raft message for a PG.
     pub const RAFT: u16 = 5;
+    /// A control-plane message (monitor requests and replies), opaque to this crate.
+    pub const CONTROL: u16 = 6;
 }
 
 /// How a request ended.
@@ -105,6 +107,11 @@ pub enum Message {
         pg: PgId,
         /// The raft-rs message bytes.
         message: Vec<u8>,
+    },
+    /// A control-plane message; its body is the monitor protocol's business.
+    Control {
+        /// The encoded request or reply.
+        body: Vec<u8>,
     },
 }
 
@@ -217,6 +224,7 @@ impl Message {
             Message::Discard { .. } => kind::DISCARD,
             Message::Reply { .. } => kind::REPLY,
             Message::Raft { .. } => kind::RAFT,
+            Message::Control { .. } => kind::CONTROL,
         }
     }
 
@@ -281,6 +289,7 @@ impl Message {
                 put_pg(&mut body, *pg);
                 put_bytes(&mut body, message);
             }
+            Message::Control { body: control } => body.extend_from_slice(control),
         }
         frame::encode(self.kind(), request_id, &body)
     }
@@ -355,6 +364,11 @@ impl Message {
                     message: r.bytes()?,
                 })
             })(),
+            kind::CONTROL => {
+                let body = r.bytes.to_vec();
+                r.bytes = &[];
+                Some(Message::Control { body })
+            }
             kind => return Err(MessageError::Kind { kind }),
         };
         match message {
@@ -427,7 +441,8 @@ mod tests {
                 }
             ),
             (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
-            (pg, data).prop_map(|(pg, message)| Message::Raft { pg, message }),
+            (pg, data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
+            data.prop_map(|body| Message::Control { body }),
         ]
     }
 

@@ -259,3 +259,282 @@ pub fn qemu_io_ok(uri: &str, readonly: bool, commands: &[&str]) -> String {
     );
     text
 }
+
+/// A free TCP port on loopback (bound, then released).
+pub fn free_port() -> u16 {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+    probe.local_addr().expect("addr").port()
+}
+
+/// A cluster of processes: one `basalt mon` and `basalt osd`s, each with its data and log in
+/// a directory; every process is killed when dropped.
+pub struct ClusterProcesses {
+    pub dir: PathBuf,
+    pub mon_address: String,
+    mon: Option<Child>,
+    /// Each OSD process (by the test's numbering) and the OSD id it booted as.
+    osds: Vec<(Option<Child>, Option<u32>)>,
+    osd_extra: Vec<Vec<String>>,
+}
+
+impl ClusterProcesses {
+    /// Starts a monitor and `osds` OSDs with 256 MiB devices, and waits until all are up.
+    pub fn start(dir: &Path, osds: usize) -> Self {
+        let mut cluster = Self {
+            dir: dir.to_path_buf(),
+            mon_address: format!("127.0.0.1:{}", free_port()),
+            mon: None,
+            osds: (0..osds).map(|_| (None, None)).collect(),
+            osd_extra: vec![Vec::new(); osds],
+        };
+        cluster.start_mon();
+        for n in 0..osds {
+            cluster.start_osd(n);
+        }
+        cluster.wait_osds_up(osds);
+        cluster
+    }
+
+    fn log(&self, name: &str) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{name}.log")))
+            .expect("log file")
+    }
+
+    pub fn log_text(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    pub fn start_mon(&mut self) {
+        let child = basalt()
+            .args([
+                "mon",
+                "--grace",
+                "3",
+                "--listen",
+                &self.mon_address,
+                "--data-dir",
+            ])
+            .arg(self.dir.join("mon"))
+            .stdout(self.log("mon"))
+            .stderr(self.log("mon"))
+            .spawn()
+            .expect("spawn basalt mon");
+        self.mon = Some(child);
+    }
+
+    /// Extra arguments for OSD `n` (from its next start).
+    pub fn set_osd_args(&mut self, n: usize, args: &[&str]) {
+        self.osd_extra[n] = args.iter().map(ToString::to_string).collect();
+    }
+
+    pub fn start_osd(&mut self, n: usize) {
+        let name = format!("osd.{n}");
+        let before = self.log_text(&name).len();
+        let child = basalt()
+            .args([
+                "osd",
+                "--device-size",
+                "256MiB",
+                "--mon",
+                &self.mon_address,
+                "--data-dir",
+            ])
+            .arg(self.dir.join(&name))
+            .args(&self.osd_extra[n])
+            .stdout(self.log(&name))
+            .stderr(self.log(&name))
+            .spawn()
+            .expect("spawn basalt osd");
+        self.osds[n].0 = Some(child);
+        // The id it boots as: from the line it prints once booted.
+        let mut id = None;
+        wait_for(&format!("{name} to boot"), Duration::from_secs(60), || {
+            let text = self.log_text(&name);
+            id = text[before.min(text.len())..].lines().find_map(|line| {
+                line.strip_prefix("basalt osd: osd.")?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            });
+            if let Some((Some(child), _)) = self.osds.get_mut(n)
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!("{name} exited with {status}: {}", self.log_text(&name));
+            }
+            id.is_some()
+        });
+        self.osds[n].1 = id;
+    }
+
+    /// The OSD id process `n` booted as.
+    pub fn osd_id(&self, n: usize) -> u32 {
+        self.osds[n].1.expect("osd booted")
+    }
+
+    /// The process number of OSD `id`.
+    pub fn osd_process(&self, id: u32) -> usize {
+        self.osds
+            .iter()
+            .position(|(_, booted)| *booted == Some(id))
+            .expect("an osd with that id")
+    }
+
+    pub fn kill_osd(&mut self, n: usize) {
+        if let Some(mut child) = self.osds[n].0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn kill_mon(&mut self) {
+        if let Some(mut child) = self.mon.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Runs the CLI against this cluster.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        run(basalt().args(args).args(["--mon", &self.mon_address]))
+    }
+
+    /// Runs the CLI; it must succeed. Returns stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let output = self.cli(args);
+        assert!(output.status.success(), "basalt {args:?} failed");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Parses a `--json` command's output.
+    pub fn cli_json(&self, args: &[&str]) -> Value {
+        let mut args = args.to_vec();
+        args.push("--json");
+        serde_json::from_str(&self.cli_ok(&args)).expect("json output")
+    }
+
+    pub fn wait_osds_up(&self, count: usize) {
+        wait_for("the osds to be up", Duration::from_secs(60), || {
+            let output = basalt()
+                .args(["osd", "ls", "--json", "--mon", &self.mon_address])
+                .output()
+                .expect("basalt osd ls");
+            serde_json::from_slice::<Value>(&output.stdout).is_ok_and(|osds| {
+                osds.as_array().is_some_and(|osds| {
+                    osds.iter().filter(|osd| osd["up"] == true).count() >= count
+                })
+            })
+        });
+    }
+
+    /// Waits until every PG has a leader and all its members up.
+    pub fn wait_clean(&self, timeout: Duration) {
+        wait_for("every pg active+clean", timeout, || {
+            let output = basalt()
+                .args(["pg", "ls", "--json", "--mon", &self.mon_address])
+                .output()
+                .expect("basalt pg ls");
+            serde_json::from_slice::<Value>(&output.stdout).is_ok_and(|pgs| {
+                pgs.as_array().is_some_and(|pgs| {
+                    !pgs.is_empty() && pgs.iter().all(|pg| pg["state"] == "active+clean")
+                })
+            })
+        });
+    }
+
+    /// The OSD id that leads the most PGs.
+    pub fn busiest_leader(&self) -> u32 {
+        let pgs = self.cli_json(&["pg", "ls"]);
+        let mut counts = std::collections::BTreeMap::<u64, usize>::new();
+        for pg in pgs.as_array().expect("pg list") {
+            if let Some(leader) = pg["leader"].as_u64() {
+                *counts.entry(leader).or_default() += 1;
+            }
+        }
+        let (leader, _) = counts
+            .into_iter()
+            .max_by_key(|(_, n)| *n)
+            .expect("a leader");
+        leader as u32
+    }
+
+    /// Waits until the replicas of every PG have applied the same entries and hold the same
+    /// data (`basalt pg query`).
+    pub fn wait_replicas_equal(&self, timeout: Duration) {
+        let pgs: Vec<String> = self
+            .cli_json(&["pg", "ls"])
+            .as_array()
+            .expect("pg list")
+            .iter()
+            .map(|pg| pg["pg"].as_str().expect("pg id").to_string())
+            .collect();
+        for pg in pgs {
+            let start = Instant::now();
+            loop {
+                let output = basalt()
+                    .args(["pg", "query", &pg, "--json", "--mon", &self.mon_address])
+                    .output()
+                    .expect("basalt pg query");
+                let replicas: Value = serde_json::from_slice(&output.stdout).unwrap_or(Value::Null);
+                let equal = replicas.as_array().is_some_and(|replicas| {
+                    replicas.len() >= 2
+                        && replicas.iter().all(|r| {
+                            r["error"].is_null()
+                                && r["applied"] == replicas[0]["applied"]
+                                && r["digest"] == replicas[0]["digest"]
+                                && r["mapped_bytes"] == replicas[0]["mapped_bytes"]
+                        })
+                });
+                if equal {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < timeout,
+                    "replicas of pg {pg} differ: {replicas:#}"
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+impl Drop for ClusterProcesses {
+    fn drop(&mut self) {
+        for n in 0..self.osds.len() {
+            self.kill_osd(n);
+        }
+        self.kill_mon();
+    }
+}
+
+/// Runs fio with the nbd engine against `uri`; returns its JSON report. Fails the test if
+/// fio fails.
+pub fn fio(uri: &str, args: &[&str]) -> Value {
+    require("fio");
+    let output = run(Command::new("fio")
+        .args([
+            "--name=job",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--output-format=json",
+            "--verify_state_save=0",
+        ])
+        .args(args));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "fio failed ({}): {stdout}",
+        output.status
+    );
+    // fio may print notes before the JSON.
+    let json = &stdout[stdout.find('{').expect("fio json")..];
+    let report: Value = serde_json::from_str(json).expect("fio json report");
+    assert_eq!(
+        report["jobs"][0]["error"], 0,
+        "fio reported an error: {json}"
+    );
+    report
+}

@@ -1,0 +1,664 @@
+//! The cluster's administration commands: pools, images, OSDs, PGs, status.
+//!
+//! The monitors are found from `--mon`, else `--conf FILE`, else `$BASALT_CONF`, else
+//! `/etc/basalt/basalt.toml` (its `[cluster] mons`). Every read command takes `--json`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use basalt_common::{ByteSize, OsdId, PgId};
+use basalt_mon::MonClient;
+use basalt_mon::map::{ClusterMap, Command};
+use basalt_mon::protocol::ClusterStatus;
+use serde_json::json;
+
+use crate::daemon_command::{read_config, resolve_mons};
+
+/// Where the monitors are.
+#[derive(clap::Args, Clone)]
+pub struct ClusterArgs {
+    /// Monitor addresses (host:port, comma-separated).
+    #[arg(long, value_delimiter = ',', global = true)]
+    pub mon: Vec<String>,
+    /// A config file naming the monitors.
+    #[arg(long, global = true)]
+    pub conf: Option<PathBuf>,
+}
+
+/// The default config file.
+pub const DEFAULT_CONF: &str = "/etc/basalt/basalt.toml";
+
+impl ClusterArgs {
+    /// The monitors' addresses, from the first place that names them.
+    pub fn mons(&self) -> anyhow::Result<Vec<std::net::SocketAddr>> {
+        if !self.mon.is_empty() {
+            return resolve_mons(&self.mon);
+        }
+        let path = self
+            .conf
+            .clone()
+            .or_else(|| std::env::var_os("BASALT_CONF").map(PathBuf::from))
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_CONF));
+        if !path.exists() {
+            anyhow::bail!(
+                "no monitor given: use --mon ADDR, --conf FILE or BASALT_CONF ({} does not exist)",
+                path.display()
+            );
+        }
+        let config = read_config(&path)?;
+        resolve_mons(&config.cluster.mons)
+            .with_context(|| format!("{}: [cluster] mons", path.display()))
+    }
+
+    /// A client of the monitors.
+    pub fn client(&self) -> anyhow::Result<MonClient> {
+        Ok(MonClient::new(self.mons()?).with_deadline(std::time::Duration::from_secs(5)))
+    }
+}
+
+/// `basalt pool ...`.
+#[derive(clap::Subcommand)]
+pub enum PoolCommand {
+    /// Create a pool.
+    Create {
+        /// Its name.
+        name: String,
+        /// Number of PGs (a power of two).
+        #[arg(long, default_value_t = 128)]
+        pg_count: u32,
+        /// Replicas.
+        #[arg(long, default_value_t = 3)]
+        size: u32,
+        /// Replicas needed to accept writes (default: a majority).
+        #[arg(long)]
+        min_size: Option<u32>,
+    },
+    /// List pools.
+    Ls {
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove an empty pool.
+    Rm {
+        /// Its name.
+        name: String,
+    },
+}
+
+/// `basalt image ...`.
+#[derive(clap::Subcommand)]
+pub enum ImageCommand {
+    /// Create an image.
+    Create {
+        /// POOL/NAME.
+        spec: String,
+        /// Its size.
+        #[arg(long)]
+        size: ByteSize,
+        /// Bytes per object (a power of two, 4KiB to 64MiB).
+        #[arg(long)]
+        object_size: Option<ByteSize>,
+    },
+    /// List images (of one pool, or all).
+    Ls {
+        /// The pool.
+        pool: Option<String>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show an image.
+    Info {
+        /// POOL/NAME.
+        spec: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change an image's size.
+    Resize {
+        /// POOL/NAME.
+        spec: String,
+        /// The new size.
+        #[arg(long)]
+        size: ByteSize,
+    },
+    /// Remove an image.
+    Rm {
+        /// POOL/NAME.
+        spec: String,
+    },
+}
+
+fn split_spec(spec: &str) -> anyhow::Result<(String, String)> {
+    match spec.split_once('/') {
+        Some((pool, name)) if !pool.is_empty() && !name.is_empty() => {
+            Ok((pool.to_string(), name.to_string()))
+        }
+        _ => anyhow::bail!("{spec:?} is not POOL/NAME"),
+    }
+}
+
+fn block_on<T>(future: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    crate::control_runtime()?.block_on(future)
+}
+
+fn print_json(value: &serde_json::Value) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).expect("values serialise")
+    );
+}
+
+async fn apply(mon: &MonClient, command: Command) -> anyhow::Result<u64> {
+    let (_, epoch) = mon.command(command).await?;
+    Ok(epoch.0)
+}
+
+pub fn run_pool(cluster: ClusterArgs, command: PoolCommand) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    block_on(async move {
+        match command {
+            PoolCommand::Create {
+                name,
+                pg_count,
+                size,
+                min_size,
+            } => {
+                let epoch = apply(
+                    &mon,
+                    Command::PoolCreate {
+                        name: name.clone(),
+                        pg_count,
+                        size,
+                        min_size,
+                    },
+                )
+                .await?;
+                println!(
+                    "pool {name:?} created ({pg_count} pgs, {size} replicas; map epoch {epoch})"
+                );
+            }
+            PoolCommand::Ls { json } => {
+                let map = mon.map().await?;
+                let images = |pool| map.images.values().filter(|i| i.pool == pool).count();
+                if json {
+                    print_json(&json!(
+                        map.pools
+                            .values()
+                            .map(|p| json!({
+                                "id": p.id.0, "name": p.name, "pg_count": p.pg_count,
+                                "size": p.size, "min_size": p.min_size, "images": images(p.id),
+                            }))
+                            .collect::<Vec<_>>()
+                    ));
+                } else {
+                    println!(
+                        "{:<5} {:<20} {:>8} {:>5} {:>9} {:>7}",
+                        "ID", "NAME", "PGS", "SIZE", "MIN_SIZE", "IMAGES"
+                    );
+                    for p in map.pools.values() {
+                        println!(
+                            "{:<5} {:<20} {:>8} {:>5} {:>9} {:>7}",
+                            p.id.0,
+                            p.name,
+                            p.pg_count,
+                            p.size,
+                            p.min_size,
+                            images(p.id)
+                        );
+                    }
+                }
+            }
+            PoolCommand::Rm { name } => {
+                let epoch = apply(&mon, Command::PoolRemove { name: name.clone() }).await?;
+                println!("pool {name:?} removed (map epoch {epoch})");
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn image_json(map: &ClusterMap, image: &basalt_mon::map::Image) -> serde_json::Value {
+    let pool = map.pools.get(&image.pool).map_or("?", |p| p.name.as_str());
+    json!({
+        "id": image.id.0,
+        "pool": pool,
+        "name": image.name,
+        "size_bytes": image.size_bytes,
+        "object_size_bytes": image.object_size_bytes,
+        "objects": image.size_bytes.div_ceil(image.object_size_bytes),
+    })
+}
+
+pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    block_on(async move {
+        match command {
+            ImageCommand::Create {
+                spec,
+                size,
+                object_size,
+            } => {
+                let (pool, name) = split_spec(&spec)?;
+                let epoch = apply(
+                    &mon,
+                    Command::ImageCreate {
+                        pool,
+                        name,
+                        size_bytes: size.0,
+                        object_size_bytes: object_size.map(|s| s.0),
+                    },
+                )
+                .await?;
+                println!("image {spec} created ({size}; map epoch {epoch})");
+            }
+            ImageCommand::Ls { pool, json } => {
+                let map = mon.map().await?;
+                if let Some(pool) = &pool
+                    && map.pool_by_name(pool).is_none()
+                {
+                    anyhow::bail!("pool {pool:?} does not exist");
+                }
+                let images: Vec<_> = map
+                    .images
+                    .values()
+                    .filter(|image| {
+                        pool.as_ref().is_none_or(|pool| {
+                            map.pools.get(&image.pool).is_some_and(|p| &p.name == pool)
+                        })
+                    })
+                    .collect();
+                if json {
+                    print_json(&json!(
+                        images
+                            .iter()
+                            .map(|i| image_json(&map, i))
+                            .collect::<Vec<_>>()
+                    ));
+                } else {
+                    println!("{:<30} {:>12} {:>12}", "IMAGE", "SIZE", "OBJECT_SIZE");
+                    for image in images {
+                        let pool = map.pools.get(&image.pool).map_or("?", |p| p.name.as_str());
+                        println!(
+                            "{:<30} {:>12} {:>12}",
+                            format!("{pool}/{}", image.name),
+                            ByteSize(image.size_bytes).to_string(),
+                            ByteSize(image.object_size_bytes).to_string()
+                        );
+                    }
+                }
+            }
+            ImageCommand::Info { spec, json } => {
+                let (pool, name) = split_spec(&spec)?;
+                let map = mon.map().await?;
+                if map.pool_by_name(&pool).is_none() {
+                    anyhow::bail!("pool {pool:?} does not exist");
+                }
+                let image = map
+                    .image_by_name(&pool, &name)
+                    .with_context(|| format!("image {spec} does not exist"))?;
+                let value = image_json(&map, image);
+                if json {
+                    print_json(&value);
+                } else {
+                    println!("image {spec}");
+                    println!("  id:          {}", image.id.0);
+                    println!(
+                        "  size:        {} ({} bytes)",
+                        ByteSize(image.size_bytes),
+                        image.size_bytes
+                    );
+                    println!("  object size: {}", ByteSize(image.object_size_bytes));
+                    println!("  objects:     {}", value["objects"]);
+                }
+            }
+            ImageCommand::Resize { spec, size } => {
+                let (pool, name) = split_spec(&spec)?;
+                let epoch = apply(
+                    &mon,
+                    Command::ImageResize {
+                        pool,
+                        name,
+                        size_bytes: size.0,
+                    },
+                )
+                .await?;
+                println!("image {spec} resized to {size} (map epoch {epoch})");
+            }
+            ImageCommand::Rm { spec } => {
+                let (pool, name) = split_spec(&spec)?;
+                let epoch = apply(&mon, Command::ImageRemove { pool, name }).await?;
+                println!("image {spec} removed (map epoch {epoch})");
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+pub fn run_osd_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    block_on(async move {
+        let map = mon.map().await?;
+        if json {
+            print_json(&serde_json::to_value(
+                map.osds.values().collect::<Vec<_>>(),
+            )?);
+        } else {
+            println!(
+                "{:<8} {:<16} {:<22} {:<5} {:<4} {:>6}",
+                "ID", "HOST", "ADDRESS", "UP", "IN", "WEIGHT"
+            );
+            for osd in map.osds.values() {
+                println!(
+                    "{:<8} {:<16} {:<22} {:<5} {:<4} {:>6.2}",
+                    osd.id.to_string(),
+                    osd.host,
+                    osd.address,
+                    if osd.up { "up" } else { "down" },
+                    if osd.is_in { "in" } else { "out" },
+                    osd.weight
+                );
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Each PG's state, from the map and the OSDs' reports.
+fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'static str)> {
+    let mut leaders: BTreeMap<PgId, OsdId> = BTreeMap::new();
+    for (osd, report) in &status.reports {
+        for pg in &report.leading {
+            leaders.insert(*pg, *osd);
+        }
+    }
+    let map = &status.map;
+    let mut states = Vec::new();
+    for pool in map.pools.values() {
+        for (index, entry) in pool.pgs.iter().enumerate() {
+            let pg = PgId {
+                pool: pool.id,
+                index: index as u32,
+            };
+            let leader = leaders.get(&pg).copied();
+            let up = entry
+                .members
+                .iter()
+                .filter(|osd| map.osds.get(osd).is_some_and(|o| o.up))
+                .count();
+            let state = if entry.members.is_empty() {
+                "unplaced"
+            } else if leader.is_none() {
+                "inactive"
+            } else if up < entry.members.len() || entry.members.len() < pool.size as usize {
+                "active+degraded"
+            } else {
+                "active+clean"
+            };
+            states.push((pg, entry.members.clone(), leader, state));
+        }
+    }
+    states
+}
+
+pub fn run_pg_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    block_on(async move {
+        let status = mon.status().await?;
+        let states = pg_states(&status);
+        if json {
+            print_json(&json!(
+                states
+                    .iter()
+                    .map(|(pg, members, leader, state)| json!({
+                        "pg": pg.to_string(),
+                        "members": members.iter().map(|m| m.0).collect::<Vec<_>>(),
+                        "leader": leader.map(|l| l.0),
+                        "state": state,
+                    }))
+                    .collect::<Vec<_>>()
+            ));
+        } else {
+            println!("{:<10} {:<20} {:<8} STATE", "PG", "MEMBERS", "LEADER");
+            for (pg, members, leader, state) in states {
+                let members: Vec<String> = members.iter().map(|m| m.0.to_string()).collect();
+                println!(
+                    "{:<10} {:<20} {:<8} {state}",
+                    pg.to_string(),
+                    format!("[{}]", members.join(",")),
+                    leader.map_or("-".to_string(), |l| l.0.to_string())
+                );
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// The health checks that fail, as `ceph -s` names them.
+fn health(
+    status: &ClusterStatus,
+    states: &[(PgId, Vec<OsdId>, Option<OsdId>, &'static str)],
+) -> Vec<String> {
+    let map = &status.map;
+    let mut warnings = Vec::new();
+    if map.osds.is_empty() {
+        warnings.push("no osds".to_string());
+    }
+    let down = map.osds.values().filter(|o| !o.up).count();
+    if down > 0 {
+        warnings.push(format!("{down} osds down"));
+    }
+    let out = map.osds.values().filter(|o| !o.is_in).count();
+    if out > 0 {
+        warnings.push(format!("{out} osds out"));
+    }
+    for state in ["inactive", "active+degraded", "unplaced"] {
+        let count = states.iter().filter(|s| s.3 == state).count();
+        if count > 0 {
+            warnings.push(format!("{count} pgs {state}"));
+        }
+    }
+    let used: u64 = status.reports.iter().map(|(_, r)| r.used_bytes).sum();
+    let capacity: u64 = status.reports.iter().map(|(_, r)| r.capacity_bytes).sum();
+    if capacity > 0 && used * 100 >= capacity * 85 {
+        warnings.push(format!("osds nearly full: {}% used", used * 100 / capacity));
+    }
+    warnings
+}
+
+pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    block_on(async move {
+        let status = mon.status().await?;
+        let states = pg_states(&status);
+        let warnings = health(&status, &states);
+        let map = &status.map;
+        let mut by_state: BTreeMap<&str, usize> = BTreeMap::new();
+        for state in &states {
+            *by_state.entry(state.3).or_default() += 1;
+        }
+        let used: u64 = status.reports.iter().map(|(_, r)| r.used_bytes).sum();
+        let capacity: u64 = status.reports.iter().map(|(_, r)| r.capacity_bytes).sum();
+        let up = map.osds.values().filter(|o| o.up).count();
+        let is_in = map.osds.values().filter(|o| o.is_in).count();
+        let health_name = if warnings.is_empty() {
+            "HEALTH_OK"
+        } else {
+            "HEALTH_WARN"
+        };
+        if json {
+            print_json(&json!({
+                "health": {"status": health_name, "checks": warnings},
+                "epoch": map.epoch.0,
+                "monitors": status.monitors,
+                "leader": status.leader,
+                "osds": {"total": map.osds.len(), "up": up, "in": is_in},
+                "pools": map.pools.len(),
+                "pgs": states.len(),
+                "pgs_by_state": by_state,
+                "images": map.images.len(),
+                "used_bytes": used,
+                "capacity_bytes": capacity,
+                "client": {
+                    "read_ops_per_second": status.ops_per_second.0,
+                    "write_ops_per_second": status.ops_per_second.1,
+                    "read_bytes_per_second": status.bytes_per_second.0,
+                    "write_bytes_per_second": status.bytes_per_second.1,
+                },
+            }));
+            return Ok(ExitCode::SUCCESS);
+        }
+        println!("  cluster:");
+        println!("    epoch:  {}", map.epoch.0);
+        println!("    health: {health_name}");
+        for warning in &warnings {
+            println!("            {warning}");
+        }
+        println!();
+        println!("  services:");
+        println!(
+            "    mon: {} daemons, quorum {} (leader {})",
+            status.monitors.len(),
+            status.monitors.join(","),
+            status.leader
+        );
+        println!("    osd: {} osds: {up} up, {is_in} in", map.osds.len());
+        println!();
+        println!("  data:");
+        println!(
+            "    pools:   {} pools, {} pgs",
+            map.pools.len(),
+            states.len()
+        );
+        println!("    images:  {} images", map.images.len());
+        println!(
+            "    usage:   {} used, {} / {} avail",
+            ByteSize(used).approx(),
+            ByteSize(capacity.saturating_sub(used)).approx(),
+            ByteSize(capacity).approx()
+        );
+        let pgs: Vec<String> = by_state
+            .iter()
+            .map(|(state, n)| format!("{n} {state}"))
+            .collect();
+        println!(
+            "    pgs:     {}",
+            if pgs.is_empty() {
+                "none".to_string()
+            } else {
+                pgs.join(", ")
+            }
+        );
+        println!();
+        println!("  io:");
+        println!(
+            "    client:   {}/s rd, {}/s wr, {:.0} op/s rd, {:.0} op/s wr",
+            ByteSize(status.bytes_per_second.0 as u64).approx(),
+            ByteSize(status.bytes_per_second.1 as u64).approx(),
+            status.ops_per_second.0,
+            status.ops_per_second.1
+        );
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn parse_pg(text: &str) -> anyhow::Result<PgId> {
+    let parsed = text.split_once('.').and_then(|(pool, index)| {
+        Some(PgId {
+            pool: basalt_common::PoolId(pool.parse().ok()?),
+            index: u32::from_str_radix(index, 16).ok()?,
+        })
+    });
+    parsed.with_context(|| {
+        format!("{text:?} is not a PG id (POOL.INDEX, the index in hex, as `basalt pg ls` shows)")
+    })
+}
+
+/// Asks every member of a PG for its replica's state.
+pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    let pg = parse_pg(&pg)?;
+    block_on(async move {
+        let map = mon.map().await?;
+        let entry = map
+            .pg(pg)
+            .with_context(|| format!("pg {pg} does not exist"))?;
+        let mut states = Vec::new();
+        for member in &entry.members {
+            let address = map
+                .osds
+                .get(member)
+                .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
+            let state: Result<basalt_osd::daemon::PgReplicaState, String> = match address {
+                None => Err("no address".to_string()),
+                Some(address) => query_replica(address, pg).await,
+            };
+            states.push((*member, state));
+        }
+        if json {
+            print_json(&json!(
+                states
+                    .iter()
+                    .map(|(osd, state)| match state {
+                        Ok(state) => serde_json::to_value(state).expect("states serialise"),
+                        Err(error) => json!({"osd": osd.0, "error": error}),
+                    })
+                    .collect::<Vec<_>>()
+            ));
+        } else {
+            println!(
+                "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}",
+                "OSD", "LEADER", "TERM", "COMMITTED", "APPLIED", "LAST", "OBJECTS", "DIGEST"
+            );
+            for (osd, state) in states {
+                match state {
+                    Ok(s) => println!(
+                        "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}",
+                        osd.to_string(),
+                        s.leader.map_or("-".to_string(), |l| l.0.to_string()),
+                        s.term,
+                        s.committed,
+                        s.applied,
+                        s.last_index,
+                        s.objects,
+                        format!("{:08x}", s.digest)
+                    ),
+                    Err(error) => println!("{:<8} unreachable: {error}", osd.to_string()),
+                }
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+async fn query_replica(
+    address: std::net::SocketAddr,
+    pg: PgId,
+) -> Result<basalt_osd::daemon::PgReplicaState, String> {
+    let request = basalt_wire::Message::Control {
+        body: serde_json::to_vec(&basalt_osd::daemon::OsdRequest::PgQuery { pg })
+            .expect("requests encode"),
+    };
+    let client = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        basalt_wire::tcp::Client::connect(address),
+    )
+    .await
+    .map_err(|_| "connect timed out".to_string())?
+    .map_err(|error| error.to_string())?;
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(30), client.call(&request))
+        .await
+        .map_err(|_| "no answer".to_string())?
+        .map_err(|error| error.to_string())?;
+    match reply {
+        basalt_wire::Message::Control { body } => {
+            serde_json::from_slice::<Result<_, String>>(&body)
+                .map_err(|error| format!("malformed answer: {error}"))?
+        }
+        other => Err(format!("unexpected answer of kind {}", other.kind())),
+    }
+}

@@ -1,0 +1,253 @@
+//! `basalt mon` and `basalt osd`: the daemons, configured by flags or a TOML file.
+//!
+//! ```toml
+//! [cluster]
+//! mons = ["127.0.0.1:6780"]
+//!
+//! [mon]
+//! data_dir = "/var/lib/basalt/mon"
+//! listen = "127.0.0.1:6780"
+//! grace_seconds = 6
+//! down_out_seconds = 600
+//! metrics_addr = "127.0.0.1:9480"
+//!
+//! [osd]
+//! data_dir = "/var/lib/basalt/osd.0"
+//! listen = "127.0.0.1:0"
+//! host = "node1"
+//! device_size = "4GiB"
+//! metrics_addr = "127.0.0.1:9481"
+//! ```
+//!
+//! Flags win over the file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use basalt_common::ByteSize;
+use serde::Deserialize;
+
+/// A config file: the cluster's monitors and each daemon's settings.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Where the cluster is.
+    #[serde(default)]
+    pub cluster: ClusterSection,
+    /// The monitor's settings.
+    #[serde(default)]
+    pub mon: MonSection,
+    /// The OSD's settings.
+    #[serde(default)]
+    pub osd: OsdSection,
+}
+
+/// `[cluster]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// Monitor addresses.
+    #[serde(default)]
+    pub mons: Vec<String>,
+}
+
+/// `[mon]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MonSection {
+    data_dir: Option<PathBuf>,
+    listen: Option<SocketAddr>,
+    grace_seconds: Option<u64>,
+    down_out_seconds: Option<u64>,
+    metrics_addr: Option<SocketAddr>,
+}
+
+/// `[osd]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OsdSection {
+    data_dir: Option<PathBuf>,
+    listen: Option<SocketAddr>,
+    host: Option<String>,
+    weight: Option<f64>,
+    device_size: Option<String>,
+    metrics_addr: Option<SocketAddr>,
+}
+
+/// Reads a config file.
+pub fn read_config(path: &Path) -> anyhow::Result<ConfigFile> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    toml::from_str(&text)
+        .with_context(|| format!("{} is not a valid basalt config", path.display()))
+}
+
+/// Resolves monitor addresses (`host:port`).
+pub fn resolve_mons(mons: &[String]) -> anyhow::Result<Vec<SocketAddr>> {
+    use std::net::ToSocketAddrs;
+    let mut addresses = Vec::new();
+    for mon in mons
+        .iter()
+        .flat_map(|m| m.split(','))
+        .filter(|m| !m.is_empty())
+    {
+        addresses.extend(
+            mon.to_socket_addrs()
+                .with_context(|| format!("monitor address {mon:?} (expected host:port)"))?,
+        );
+    }
+    anyhow::ensure!(!addresses.is_empty(), "no monitor address given");
+    Ok(addresses)
+}
+
+/// Options of `basalt mon`.
+#[derive(clap::Args)]
+pub struct MonArgs {
+    /// Where the map is kept.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Seconds without heartbeats before an OSD is marked down.
+    #[arg(long)]
+    pub grace: Option<u64>,
+    /// Seconds down before an OSD is marked out and its PGs move.
+    #[arg(long)]
+    pub down_out_interval: Option<u64>,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Other monitors (replicated monitors are not built yet: only one may run).
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// A TOML config file (its [mon] section).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+}
+
+pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.peers.is_empty(),
+        "--peers: monitor replication is not built yet; run one monitor"
+    );
+    let file = match &args.config {
+        Some(path) => read_config(path)?,
+        None => ConfigFile::default(),
+    };
+    let section = file.mon;
+    let config = basalt_mon::server::MonConfig {
+        data_dir: args
+            .data_dir
+            .or(section.data_dir)
+            .unwrap_or_else(|| PathBuf::from("/var/lib/basalt/mon")),
+        listen: args
+            .listen
+            .or(section.listen)
+            .unwrap_or_else(|| "127.0.0.1:6780".parse().expect("address")),
+        grace: Duration::from_secs(args.grace.or(section.grace_seconds).unwrap_or(6)),
+        down_out_interval: Duration::from_secs(
+            args.down_out_interval
+                .or(section.down_out_seconds)
+                .unwrap_or(600),
+        ),
+        metrics_addr: args.metrics_addr.or(section.metrics_addr),
+    };
+    crate::control_runtime()?.block_on(async move {
+        let running = basalt_mon::server::start(config).await?;
+        println!("basalt mon: listening on {}", running.address);
+        crate::shutdown_signal().await?;
+        drop(running);
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Options of `basalt osd` (the daemon).
+#[derive(clap::Args)]
+pub struct OsdArgs {
+    /// Where its device file lives.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Monitor addresses.
+    #[arg(long, value_delimiter = ',')]
+    pub mon: Vec<String>,
+    /// Address to listen on for clients and peers (port 0: any free port).
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Its host, the failure domain (default: this machine's hostname).
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Its share of PGs.
+    #[arg(long)]
+    pub weight: Option<f64>,
+    /// Size of the device file created on first start.
+    #[arg(long)]
+    pub device_size: Option<ByteSize>,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// A TOML config file (its [cluster] and [osd] sections).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .unwrap_or_else(|_| "localhost".to_string())
+}
+
+pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
+    let file = match &args.config {
+        Some(path) => read_config(path)?,
+        None => ConfigFile::default(),
+    };
+    let section = file.osd;
+    let mons = if args.mon.is_empty() {
+        file.cluster.mons
+    } else {
+        args.mon
+    };
+    let device_size = match (args.device_size, section.device_size) {
+        (Some(size), _) => size.0,
+        (None, Some(text)) => {
+            text.parse::<ByteSize>()
+                .map_err(|error| anyhow::anyhow!("[osd] device_size {text:?}: {error}"))?
+                .0
+        }
+        (None, None) => 4 << 30,
+    };
+    let config = basalt_osd::daemon::OsdConfig {
+        data_dir: args
+            .data_dir
+            .or(section.data_dir)
+            .context("--data-dir is required")?,
+        device_size_bytes: device_size,
+        mons: resolve_mons(&mons)?,
+        listen: args
+            .listen
+            .or(section.listen)
+            .unwrap_or_else(|| "127.0.0.1:0".parse().expect("address")),
+        host: args.host.or(section.host).unwrap_or_else(hostname),
+        weight: args.weight.or(section.weight).unwrap_or(1.0),
+        metrics_addr: args.metrics_addr.or(section.metrics_addr),
+    };
+    crate::control_runtime()?.block_on(async move {
+        let running = basalt_osd::daemon::start(config).await?;
+        println!(
+            "basalt osd: {} listening on {}",
+            running.id, running.address
+        );
+        running
+            .wait(async {
+                let _ = crate::shutdown_signal().await;
+            })
+            .await?;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,226 @@
+//! The distributed store as processes on loopback: a monitor, three OSDs and a target
+//! exporting an image over NBD, driven by fio (its nbd engine) with crc32c verification,
+//! through OSD crashes (`kill -9`) and a crash of every process.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::*;
+
+/// A target exporting `pool/image` of the cluster over NBD; returns it and the URI.
+fn export_image(
+    dir: &std::path::Path,
+    cluster: &ClusterProcesses,
+    pool: &str,
+    image: &str,
+) -> (TargetProcess, String) {
+    let target = TargetProcess::start(dir, &[]);
+    target.rpc_ok(
+        "bdev_basalt_create",
+        json!({"name": "img", "pool": pool, "image": image, "mons": [cluster.mon_address]}),
+    );
+    let port = target.start_nbd();
+    target.rpc_ok(
+        "nbd_server_add_export",
+        json!({"bdev_name": "img", "name": "img"}),
+    );
+    (target, format!("nbd://127.0.0.1:{port}/img"))
+}
+
+/// fio's arguments for a crc32c-verified random write of `size` (each block written once,
+/// so a later `--verify_only` run with the same arguments checks every block).
+fn verified_write(size: &str) -> Vec<String> {
+    [
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=8",
+        &format!("--size={size}"),
+        "--verify=crc32c",
+        "--randseed=1234",
+        "--verify_fatal=1",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect()
+}
+
+fn args(list: &[String]) -> Vec<&str> {
+    list.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn fio_verifies_through_an_image_while_the_busiest_leader_is_killed() {
+    let dir = ScratchDir::new("cluster-kill");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "16", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "64MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+
+    // fio writes 48 MiB with verification; after a second, the OSD leading the most PGs dies.
+    let write = verified_write("48M");
+    let fio_uri = uri.clone();
+    let fio_args = write.clone();
+    let started = Instant::now();
+    let fio_run = std::thread::spawn(move || fio(&fio_uri, &args(&fio_args)));
+    std::thread::sleep(Duration::from_secs(1));
+    let victim = cluster.busiest_leader();
+    let process = cluster.osd_process(victim);
+    eprintln!(
+        "killing osd.{victim} (process {process}) after {:?}",
+        started.elapsed()
+    );
+    cluster.kill_osd(process);
+    let report = fio_run.join().expect("fio thread");
+    let write_report = &report["jobs"][0]["write"];
+    assert_eq!(
+        write_report["io_bytes"].as_u64(),
+        Some(48 << 20),
+        "every block was written: {write_report:#}"
+    );
+    let stall_ns = write_report["clat_ns"]["max"].as_f64().expect("clat max");
+    eprintln!(
+        "longest write while the leader died: {:.2} s",
+        stall_ns / 1e9
+    );
+    assert!(
+        stall_ns < 15e9,
+        "writes stalled {:.1} s after the leader died",
+        stall_ns / 1e9
+    );
+
+    // The killed OSD comes back, catches up, and its replicas equal the others'.
+    cluster.start_osd(process);
+    cluster.wait_osds_up(3);
+    cluster.wait_clean(Duration::from_secs(60));
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    let mut verify = write.clone();
+    verify.push("--verify_only".into());
+    fio(&uri, &args(&verify));
+}
+
+#[test]
+fn data_survives_a_crash_of_every_process() {
+    let dir = ScratchDir::new("cluster-crash");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    let metrics_port = free_port();
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "32MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let write = verified_write("16M");
+    let mut write_only = write.clone();
+    write_only.push("--do_verify=0".into());
+    fio(&uri, &args(&write_only));
+
+    // Everything dies at once, without a chance to flush anything.
+    drop(target);
+    cluster.kill_mon();
+    for n in 0..3 {
+        cluster.kill_osd(n);
+    }
+    cluster.start_mon();
+    cluster.set_osd_args(0, &["--metrics-addr", &format!("127.0.0.1:{metrics_port}")]);
+    for n in 0..3 {
+        cluster.start_osd(n);
+    }
+    cluster.wait_osds_up(3);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let mut verify = write.clone();
+    verify.push("--verify_only".into());
+    fio(&uri, &args(&verify));
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+
+    // The restarted OSD serves Prometheus metrics.
+    let metrics = http_get(&format!("127.0.0.1:{metrics_port}"), "/metrics");
+    assert!(
+        metrics.contains("# TYPE basalt_osd_writes_total counter"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("basalt_osd_write_amplification"),
+        "{metrics}"
+    );
+}
+
+fn http_get(address: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).expect("connect to metrics");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+}
+
+#[test]
+fn the_cli_refuses_bad_input_with_a_clear_message() {
+    let dir = ScratchDir::new("cluster-cli");
+    let cluster = ClusterProcesses::start(&dir.path, 1);
+    let refused = |args: &[&str], expect: &str| {
+        let output = cluster.cli(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "basalt {args:?} succeeded");
+        assert!(stderr.contains(expect), "basalt {args:?}: {stderr}");
+    };
+    refused(
+        &["pool", "create", "p", "--pg-count", "3", "--size", "1"],
+        "power of two",
+    );
+    refused(
+        &["pool", "create", "p", "--pg-count", "4", "--size", "0"],
+        "size 0",
+    );
+    refused(
+        &["image", "create", "nopool/img", "--size", "1GiB"],
+        "\"nopool\" does not exist",
+    );
+    refused(
+        &["image", "create", "noslash", "--size", "1GiB"],
+        "is not POOL/NAME",
+    );
+    refused(&["image", "info", "nopool/img"], "does not exist");
+    refused(&["pg", "query", "zz"], "is not a PG id");
+    cluster.cli_ok(&["pool", "create", "p", "--pg-count", "4", "--size", "1"]);
+    refused(
+        &["pool", "create", "p", "--pg-count", "4", "--size", "1"],
+        "already exists",
+    );
+    refused(&["image", "create", "p/img", "--size", "0"], "size");
+    cluster.cli_ok(&[
+        "image",
+        "create",
+        "p/img",
+        "--size",
+        "1GiB",
+        "--object-size",
+        "1MiB",
+    ]);
+    let info = cluster.cli_json(&["image", "info", "p/img"]);
+    assert_eq!(info["size_bytes"], 1u64 << 30);
+    assert_eq!(info["object_size_bytes"], 1u64 << 20);
+    refused(&["pool", "rm", "p"], "still holds 1 image");
+    cluster.cli_ok(&["image", "resize", "p/img", "--size", "2GiB"]);
+    assert_eq!(
+        cluster.cli_json(&["image", "ls", "p"])[0]["size_bytes"],
+        2u64 << 30
+    );
+    cluster.cli_ok(&["image", "rm", "p/img"]);
+    cluster.cli_ok(&["pool", "rm", "p"]);
+    assert_eq!(cluster.cli_json(&["pool", "ls"]), json!([]));
+
+    // No monitor at that address: a clear error, not a hang.
+    let dead = format!("127.0.0.1:{}", free_port());
+    let output = run(basalt().args(["status", "--mon", &dead]));
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no monitor answered"), "{stderr}");
+    let output = run(basalt()
+        .args(["status"])
+        .env("BASALT_CONF", dir.join("missing.toml")));
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("missing.toml"));
+}

@@ -1,0 +1,85 @@
+//! The image kind: a Basalt image through the client library.
+//!
+//! Every acknowledged write is already durable on a majority of replicas, so a flush has
+//! nothing to wait for beyond the writes in flight (which the frontend already waits for);
+//! write zeroes and discard both discard, since discarded ranges read as zeroes.
+
+use std::sync::Arc;
+
+use basalt_client::{ClientError, Cluster, Image};
+use basalt_io::DmaBuf;
+
+use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent};
+
+/// The product name of image bdevs.
+pub const PRODUCT_NAME: &str = "Basalt image";
+
+/// A bdev over a Basalt image.
+pub struct ImageBdev {
+    info: BdevInfo,
+    image: Image,
+    _cluster: Arc<Cluster>,
+}
+
+impl ImageBdev {
+    /// A bdev of `info` over `image` of `cluster`.
+    pub fn new(info: BdevInfo, cluster: Arc<Cluster>, image: Image) -> Self {
+        Self {
+            info,
+            image,
+            _cluster: cluster,
+        }
+    }
+}
+
+fn io_error(info: &BdevInfo, error: ClientError) -> BdevError {
+    let kind = match error {
+        ClientError::Invalid(_) => std::io::ErrorKind::InvalidInput,
+        ClientError::Timeout { .. } => std::io::ErrorKind::TimedOut,
+        _ => std::io::ErrorKind::Other,
+    };
+    info.io_error(std::io::Error::new(kind, error.to_string()))
+}
+
+impl Bdev for ImageBdev {
+    fn info(&self) -> &BdevInfo {
+        &self.info
+    }
+
+    fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
+        Box::pin(async move {
+            let data = self
+                .image
+                .read(extent.offset_bytes(), extent.len_bytes())
+                .await
+                .map_err(|error| io_error(&self.info, error))?;
+            Ok(DmaBuf::from_slice(&data))
+        })
+    }
+
+    fn write(&self, extent: Extent, data: DmaBuf, _fua: bool) -> BdevFuture<'_, ()> {
+        Box::pin(async move {
+            self.image
+                .write(extent.offset_bytes(), &data[..extent.len_bytes() as usize])
+                .await
+                .map_err(|error| io_error(&self.info, error))
+        })
+    }
+
+    fn flush(&self) -> BdevFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn write_zeroes(&self, extent: Extent, _deallocate: bool) -> BdevFuture<'_, ()> {
+        self.discard(extent)
+    }
+
+    fn discard(&self, extent: Extent) -> BdevFuture<'_, ()> {
+        Box::pin(async move {
+            self.image
+                .discard(extent.offset_bytes(), extent.len_bytes())
+                .await
+                .map_err(|error| io_error(&self.info, error))
+        })
+    }
+}

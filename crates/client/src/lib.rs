@@ -1,0 +1,525 @@
+//! The Basalt client: reads and writes images.
+//!
+//! A [`Cluster`] follows the monitors' map (one long-polling subscription), keeps one
+//! pipelined connection per OSD and remembers each PG's leader. An [`Image`] splits a
+//! request at object boundaries (and into pieces of at most [`PIECE_BYTES_MAX`]), sends
+//! each piece to its PG's leader, and retries under a deadline: on `NotLeader` at the
+//! leader named (or the next member), on `StaleEpoch` once the newer map is in, on a lost
+//! connection at the next member after a short backoff.
+//!
+//! A retried write is safe: a write that timed out either never commits or commits before
+//! its retry in the PG's log, so an older write never lands after a newer one.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
+use basalt_mon::map::ClusterMap;
+use basalt_mon::{MonClient, MonClientError};
+use basalt_wire::tcp::Client;
+use basalt_wire::{Message, Status};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// The largest piece of a request sent to an OSD at once.
+pub const PIECE_BYTES_MAX: u64 = 1 << 20;
+/// How long a request may take, retries included, by default.
+pub const DEADLINE_DEFAULT: Duration = Duration::from_secs(60);
+/// How long one attempt may wait for an OSD's answer.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a map subscription request waits.
+const MAP_WAIT: Duration = Duration::from_secs(20);
+
+/// Why a request failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The monitors.
+    #[error(transparent)]
+    Mon(#[from] MonClientError),
+    /// No such pool or image.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is out of range or malformed.
+    #[error("{0}")]
+    Invalid(String),
+    /// An OSD failed the request.
+    #[error("{0}")]
+    Io(String),
+    /// No answer within the deadline.
+    #[error("{what}: no answer within {seconds} s (last: {last})")]
+    Timeout {
+        /// The request.
+        what: String,
+        /// The deadline.
+        seconds: u64,
+        /// The last failure seen.
+        last: String,
+    },
+}
+
+/// A connection to a cluster.
+pub struct Cluster {
+    mon: Arc<MonClient>,
+    map: watch::Receiver<Arc<ClusterMap>>,
+    connections: Mutex<HashMap<SocketAddr, Arc<Client>>>,
+    leaders: Mutex<HashMap<PgId, OsdId>>,
+    deadline: Duration,
+    subscription: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.subscription.abort();
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Cluster {
+    /// Connects to the monitors, fetches the map and follows it.
+    pub async fn connect(mons: Vec<SocketAddr>) -> Result<Arc<Self>, ClientError> {
+        let mon = Arc::new(MonClient::new(mons));
+        let map = mon.map().await?;
+        let (sender, receiver) = watch::channel(Arc::new(map));
+        let subscriber = mon.clone();
+        let subscription = tokio::spawn(async move {
+            loop {
+                let epoch = sender.borrow().epoch;
+                match subscriber.map_after(epoch, MAP_WAIT).await {
+                    Ok(Some(map)) => {
+                        sender.send_if_modified(|current| {
+                            let newer = map.epoch > current.epoch;
+                            if newer {
+                                *current = Arc::new(map);
+                            }
+                            newer
+                        });
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "map subscription failed");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+                if sender.is_closed() {
+                    return;
+                }
+            }
+        });
+        Ok(Arc::new(Self {
+            mon,
+            map: receiver,
+            connections: Mutex::new(HashMap::new()),
+            leaders: Mutex::new(HashMap::new()),
+            deadline: DEADLINE_DEFAULT,
+            subscription,
+        }))
+    }
+
+    /// The monitors' client.
+    pub fn mon(&self) -> &MonClient {
+        &self.mon
+    }
+
+    /// The newest map this client has.
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.map.borrow().clone()
+    }
+
+    /// Opens an image by pool and name.
+    pub fn open_image(self: &Arc<Self>, pool: &str, name: &str) -> Result<Image, ClientError> {
+        let map = self.map();
+        if map.pool_by_name(pool).is_none() {
+            return Err(ClientError::NotFound(format!(
+                "pool {pool:?} does not exist"
+            )));
+        }
+        let image = map
+            .image_by_name(pool, name)
+            .ok_or_else(|| ClientError::NotFound(format!("image {pool}/{name} does not exist")))?;
+        Ok(Image {
+            cluster: self.clone(),
+            id: image.id,
+            pool: image.pool,
+            name: format!("{pool}/{name}"),
+            object_size_bytes: image.object_size_bytes,
+        })
+    }
+
+    async fn connection(&self, address: SocketAddr) -> Result<Arc<Client>, String> {
+        if let Some(client) = lock(&self.connections).get(&address) {
+            return Ok(client.clone());
+        }
+        let client =
+            match tokio::time::timeout(Duration::from_secs(1), Client::connect(address)).await {
+                Ok(Ok(client)) => Arc::new(client),
+                Ok(Err(error)) => return Err(error.to_string()),
+                Err(_) => return Err(format!("connecting to {address} timed out")),
+            };
+        Ok(lock(&self.connections)
+            .entry(address)
+            .or_insert(client)
+            .clone())
+    }
+
+    fn forget_connection(&self, address: SocketAddr, client: &Arc<Client>) {
+        let mut connections = lock(&self.connections);
+        if connections
+            .get(&address)
+            .is_some_and(|current| Arc::ptr_eq(current, client))
+        {
+            connections.remove(&address);
+        }
+    }
+
+    /// Waits (briefly) for a map at least as new as `epoch`.
+    async fn await_epoch(&self, epoch: Epoch) {
+        let mut map = self.map.clone();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(2),
+            map.wait_for(|map| map.epoch >= epoch),
+        )
+        .await;
+    }
+
+    /// Sends one object request to its PG's leader until it is answered.
+    async fn object_call(
+        &self,
+        what: &str,
+        pool: PoolId,
+        object: ObjectKey,
+        build: &(dyn Fn(PgId, Epoch) -> Message + Sync),
+    ) -> Result<Vec<u8>, ClientError> {
+        let deadline = Instant::now() + self.deadline;
+        let mut last = String::from("nothing tried");
+        let mut next_member = 0usize;
+        let mut backoff = Duration::from_millis(5);
+        let mut pause = false;
+        loop {
+            if pause {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            pause = true;
+            if Instant::now() >= deadline {
+                return Err(ClientError::Timeout {
+                    what: what.to_string(),
+                    seconds: self.deadline.as_secs(),
+                    last,
+                });
+            }
+            let map = self.map();
+            let Some(pool_entry) = map.pools.get(&pool) else {
+                return Err(ClientError::NotFound(format!("pool {pool} does not exist")));
+            };
+            let pg = pool_entry.pg_of(object);
+            let members = &pool_entry.pgs[pg.index as usize].members;
+            if members.is_empty() {
+                last = format!("pg {pg} has no members yet");
+                continue;
+            }
+            let cached = lock(&self.leaders).get(&pg).copied();
+            let target = cached
+                .filter(|osd| members.contains(osd))
+                .unwrap_or(members[next_member % members.len()]);
+            let Some(address) = map
+                .osds
+                .get(&target)
+                .and_then(|osd| osd.address.parse::<SocketAddr>().ok())
+            else {
+                last = format!("{target} has no address");
+                next_member += 1;
+                continue;
+            };
+            let client = match self.connection(address).await {
+                Ok(client) => client,
+                Err(error) => {
+                    last = format!("{target}: {error}");
+                    lock(&self.leaders).remove(&pg);
+                    next_member += 1;
+                    continue;
+                }
+            };
+            let request = build(pg, map.epoch);
+            let answer = tokio::time::timeout(ATTEMPT_TIMEOUT, client.call(&request)).await;
+            match answer {
+                Ok(Ok(Message::Reply { status, data })) => match status {
+                    Status::Ok => {
+                        lock(&self.leaders).insert(pg, target);
+                        return Ok(data);
+                    }
+                    Status::NotLeader { leader } => {
+                        last = format!("{target} does not lead pg {pg}");
+                        match leader.filter(|leader| *leader != target) {
+                            Some(leader) => {
+                                lock(&self.leaders).insert(pg, leader);
+                                pause = false;
+                            }
+                            None => {
+                                lock(&self.leaders).remove(&pg);
+                                next_member += 1;
+                            }
+                        }
+                    }
+                    Status::StaleEpoch { current } => {
+                        last = format!("map epoch {} is older than {}", map.epoch.0, current.0);
+                        self.await_epoch(current).await;
+                        pause = false;
+                    }
+                    Status::Invalid { message } => return Err(ClientError::Invalid(message)),
+                    Status::Io { message } => {
+                        return Err(ClientError::Io(format!("{target}: {message}")));
+                    }
+                },
+                Ok(Ok(other)) => {
+                    last = format!("{target} answered kind {}", other.kind());
+                    self.forget_connection(address, &client);
+                }
+                Ok(Err(error)) => {
+                    last = error.to_string();
+                    self.forget_connection(address, &client);
+                    lock(&self.leaders).remove(&pg);
+                    next_member += 1;
+                }
+                Err(_) => {
+                    last = format!("{target} did not answer within {ATTEMPT_TIMEOUT:?}");
+                    lock(&self.leaders).remove(&pg);
+                    next_member += 1;
+                }
+            }
+        }
+    }
+}
+
+/// An open image.
+pub struct Image {
+    cluster: Arc<Cluster>,
+    id: ImageId,
+    pool: PoolId,
+    name: String,
+    object_size_bytes: u64,
+}
+
+/// One object's part of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    object: ObjectKey,
+    offset_in_object: u32,
+    len_bytes: u32,
+    /// Where it starts in the request.
+    at: usize,
+}
+
+fn split(image: ImageId, object_size: u64, offset: u64, len: u64) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    let mut position = offset;
+    let end = offset + len;
+    while position < end {
+        let number = position / object_size;
+        let in_object = position % object_size;
+        let piece = (object_size - in_object)
+            .min(end - position)
+            .min(PIECE_BYTES_MAX);
+        pieces.push(Piece {
+            object: ObjectKey { image, number },
+            offset_in_object: in_object as u32,
+            len_bytes: piece as u32,
+            at: (position - offset) as usize,
+        });
+        position += piece;
+    }
+    pieces
+}
+
+impl Image {
+    /// `pool/name`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its id.
+    pub fn id(&self) -> ImageId {
+        self.id
+    }
+
+    /// Its size now (it follows resizes).
+    pub fn size_bytes(&self) -> Result<u64, ClientError> {
+        self.cluster
+            .map()
+            .images
+            .get(&self.id)
+            .map(|image| image.size_bytes)
+            .ok_or_else(|| ClientError::NotFound(format!("image {} was removed", self.name)))
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), ClientError> {
+        let size = self.size_bytes()?;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(ClientError::Invalid(format!(
+                "range {offset}+{len} is past the end of {} ({size} bytes)",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    async fn run_pieces<F>(
+        &self,
+        pieces: Vec<Piece>,
+        run: F,
+    ) -> Result<Vec<(Piece, Vec<u8>)>, ClientError>
+    where
+        F: Fn(Arc<Cluster>, Piece) -> tokio::task::JoinHandle<Result<Vec<u8>, ClientError>>,
+    {
+        if let [piece] = pieces.as_slice() {
+            let piece = *piece;
+            let data = run(self.cluster.clone(), piece)
+                .await
+                .map_err(|error| ClientError::Io(error.to_string()))??;
+            return Ok(vec![(piece, data)]);
+        }
+        let handles: Vec<_> = pieces
+            .iter()
+            .map(|piece| (*piece, run(self.cluster.clone(), *piece)))
+            .collect();
+        let mut results = Vec::with_capacity(handles.len());
+        for (piece, handle) in handles {
+            let data = handle
+                .await
+                .map_err(|error| ClientError::Io(error.to_string()))??;
+            results.push((piece, data));
+        }
+        Ok(results)
+    }
+
+    /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
+        self.check(offset, len)?;
+        let pieces = split(self.id, self.object_size_bytes, offset, len);
+        let pool = self.pool;
+        let results = self
+            .run_pieces(pieces, |cluster, piece| {
+                tokio::spawn(async move {
+                    let build = |pg, epoch| Message::Read {
+                        pg,
+                        epoch,
+                        object: piece.object,
+                        offset_bytes: piece.offset_in_object,
+                        len_bytes: piece.len_bytes,
+                    };
+                    let data = cluster
+                        .object_call("read", pool, piece.object, &build)
+                        .await?;
+                    if data.len() != piece.len_bytes as usize {
+                        return Err(ClientError::Io(format!(
+                            "osd answered {} bytes for a {}-byte read",
+                            data.len(),
+                            piece.len_bytes
+                        )));
+                    }
+                    Ok(data)
+                })
+            })
+            .await?;
+        let mut out = vec![0u8; len as usize];
+        for (piece, data) in results {
+            out[piece.at..piece.at + data.len()].copy_from_slice(&data);
+        }
+        Ok(out)
+    }
+
+    /// Writes `data` at `offset`; durable on a majority of replicas when it returns.
+    pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), ClientError> {
+        self.check(offset, data.len() as u64)?;
+        let pieces = split(self.id, self.object_size_bytes, offset, data.len() as u64);
+        let pool = self.pool;
+        self.run_pieces(pieces, |cluster, piece| {
+            let bytes = data[piece.at..piece.at + piece.len_bytes as usize].to_vec();
+            tokio::spawn(async move {
+                let build = |pg, epoch| Message::Write {
+                    pg,
+                    epoch,
+                    object: piece.object,
+                    offset_bytes: piece.offset_in_object,
+                    data: bytes.clone(),
+                };
+                cluster
+                    .object_call("write", pool, piece.object, &build)
+                    .await
+            })
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Discards `len` bytes at `offset`: they read as zeroes and their space is freed.
+    pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
+        self.check(offset, len)?;
+        let pieces = split(self.id, self.object_size_bytes, offset, len);
+        let pool = self.pool;
+        self.run_pieces(pieces, |cluster, piece| {
+            tokio::spawn(async move {
+                let build = |pg, epoch| Message::Discard {
+                    pg,
+                    epoch,
+                    object: piece.object,
+                    offset_bytes: piece.offset_in_object,
+                    len_bytes: piece.len_bytes,
+                };
+                cluster
+                    .object_call("discard", pool, piece.object, &build)
+                    .await
+            })
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_split_at_object_boundaries_and_piece_size() {
+        let image = ImageId(7);
+        let pieces = split(image, 4 << 20, (4 << 20) - 4096, 8192);
+        assert_eq!(pieces.len(), 2);
+        assert_eq!(
+            (
+                pieces[0].object.number,
+                pieces[0].offset_in_object,
+                pieces[0].len_bytes,
+                pieces[0].at
+            ),
+            (0, (4 << 20) - 4096, 4096, 0)
+        );
+        assert_eq!(
+            (
+                pieces[1].object.number,
+                pieces[1].offset_in_object,
+                pieces[1].len_bytes,
+                pieces[1].at
+            ),
+            (1, 0, 4096, 4096)
+        );
+        let big = split(image, 4 << 20, 0, 3 << 20);
+        assert_eq!(big.len(), 3);
+        assert!(
+            big.iter()
+                .all(|p| u64::from(p.len_bytes) == PIECE_BYTES_MAX)
+        );
+        let total: u64 = split(image, 65536, 1000, 300_000)
+            .iter()
+            .map(|p| u64::from(p.len_bytes))
+            .sum();
+        assert_eq!(total, 300_000);
+    }
+}

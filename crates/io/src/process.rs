@@ -1,0 +1,12 @@
+//! Process-wide settings of command-line tools.
+#![allow(unsafe_code)]
+
+/// Lets SIGPIPE end the process, as command-line tools do: `basalt pg ls | head` then
+/// stops quietly instead of failing to print. Rust ignores SIGPIPE by default; daemons keep
+/// that (a peer closing a socket must not kill them), so only commands call this.
+pub fn default_sigpipe() {
+    // SAFETY: restoring a signal's default disposition touches no memory of ours.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

@@ -1,0 +1,187 @@
+//! What OSDs, clients and the CLI ask the monitor, and what it answers.
+//!
+//! Requests and replies travel as JSON in the body of a [`Message::Control`] frame: the
+//! control plane is small and rare next to the data path, and JSON keeps it readable in a
+//! packet capture and easy to extend.
+
+use basalt_common::{Epoch, OsdId, PgId};
+use basalt_wire::Message;
+use serde::{Deserialize, Serialize};
+
+use crate::map::{ClusterMap, Command};
+
+/// What an OSD reports with each heartbeat.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OsdReport {
+    /// Bytes its log device holds in all.
+    pub capacity_bytes: u64,
+    /// Bytes of its log device in use.
+    pub used_bytes: u64,
+    /// Client reads served since it started.
+    pub reads: u64,
+    /// Client writes acknowledged since it started.
+    pub writes: u64,
+    /// Bytes read by clients since it started.
+    pub read_bytes: u64,
+    /// Bytes written by clients since it started.
+    pub write_bytes: u64,
+    /// The PGs it leads and can serve (a leader that committed an entry of its term).
+    pub leading: Vec<PgId>,
+    /// The map epoch it runs.
+    pub epoch: Epoch,
+}
+
+/// A request to the monitor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum MonRequest {
+    /// An OSD starts: it is given its id (the same for the same uuid) and the map.
+    Boot {
+        /// Its uuid (from its superblock).
+        uuid: String,
+        /// Its host (failure domain).
+        host: String,
+        /// Where it listens for clients and peers.
+        address: String,
+        /// Its weight.
+        weight: f64,
+    },
+    /// An OSD is alive, with its figures.
+    Heartbeat {
+        /// The OSD.
+        osd: OsdId,
+        /// Its figures.
+        report: OsdReport,
+    },
+    /// The map, once its epoch is past `after` (at once if `after` is `None`); waits up to
+    /// `wait_ms` for a change (the subscription: callers ask again with the epoch they got).
+    GetMap {
+        /// The epoch the caller has.
+        after: Option<Epoch>,
+        /// How long to wait for a newer map.
+        wait_ms: u64,
+    },
+    /// Change the map.
+    Command(Command),
+    /// The cluster's state for `basalt status`.
+    Status,
+}
+
+/// A monitor's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum MonReply {
+    /// The OSD's id and the map.
+    Booted {
+        /// Its id.
+        osd: OsdId,
+        /// The map.
+        map: ClusterMap,
+    },
+    /// Done, nothing to return.
+    Ok,
+    /// A map newer than asked for, or `None` if none came within the wait.
+    Map(Option<ClusterMap>),
+    /// A command was applied (`changed` false if the map already was so).
+    Applied {
+        /// Whether the map changed.
+        changed: bool,
+        /// The map's epoch after it.
+        epoch: Epoch,
+    },
+    /// The cluster's state.
+    Status(ClusterStatus),
+    /// Refused, with the reason.
+    Error(String),
+}
+
+/// The cluster at a glance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The map.
+    pub map: ClusterMap,
+    /// The monitors, by address, and which one leads.
+    pub monitors: Vec<String>,
+    /// The monitor that answered, which leads.
+    pub leader: String,
+    /// Each up OSD's latest report.
+    pub reports: Vec<(OsdId, OsdReport)>,
+    /// Client operations per second over the last reports: reads, writes.
+    pub ops_per_second: (f64, f64),
+    /// Client bytes per second: read, written.
+    pub bytes_per_second: (f64, f64),
+}
+
+impl MonRequest {
+    /// The message carrying it.
+    pub fn to_message(&self) -> Message {
+        Message::Control {
+            body: serde_json::to_vec(self).expect("requests always encode"),
+        }
+    }
+}
+
+impl MonReply {
+    /// The message carrying it.
+    pub fn to_message(&self) -> Message {
+        Message::Control {
+            body: serde_json::to_vec(self).expect("replies always encode"),
+        }
+    }
+}
+
+/// Decodes a control message's body; the error says what was wrong.
+pub fn decode<T: for<'de> Deserialize<'de>>(message: &Message) -> Result<T, String> {
+    match message {
+        Message::Control { body } => serde_json::from_slice(body)
+            .map_err(|error| format!("malformed control message: {error}")),
+        other => Err(format!(
+            "expected a control message, got kind {}",
+            other.kind()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_map_round_trips_through_json() {
+        let mut map = ClusterMap::new();
+        map.apply(&Command::OsdBoot {
+            uuid: "u0".into(),
+            host: "h0".into(),
+            address: "127.0.0.1:1".into(),
+            weight: 1.0,
+        })
+        .expect("boot");
+        map.apply(&Command::PoolCreate {
+            name: "p".into(),
+            pg_count: 4,
+            size: 1,
+            min_size: None,
+        })
+        .expect("pool");
+        let reply = MonReply::Map(Some(map.clone()));
+        let back: MonReply = decode(&reply.to_message()).expect("decodes");
+        assert_eq!(back, reply);
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        let error = decode::<MonRequest>(&Message::Control {
+            body: b"{\"Boot\":{}}".to_vec(),
+        })
+        .expect_err("missing fields");
+        assert!(error.contains("malformed"), "{error}");
+        assert!(
+            decode::<MonRequest>(&Message::Raft {
+                pg: PgId {
+                    pool: basalt_common::PoolId(0),
+                    index: 0
+                },
+                message: vec![]
+            })
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,1190 @@
+//! The OSD daemon: its log device, its PG replicas as raft groups, its clients and peers.
+//!
+//! One task, the *core*, owns every PG's raft state and object index; everything else talks
+//! to it through one queue of [`Event`]s: client requests and raft messages from the
+//! network, completed log appends, new maps, clock ticks. After each batch of events the
+//! core collects what raft wants done and does it:
+//!
+//! - *Persist*: the entries and hard state become log entries (an object write's payload is
+//!   the entry's data) and go to the log device at once, leader and followers alike; the
+//!   device writes everything queued while its previous write ran in one durable write.
+//!   Appends complete in order; a completion task reports each back to the core, which
+//!   then tells raft and lets the messages that wait on it (acknowledgements, votes) leave.
+//! - *Send*: raft messages to peers, over one connection per peer.
+//! - *Apply*: committed object operations update the PG's object index (which points at
+//!   the payload in the log: the data is written once), and the client that proposed the
+//!   entry is answered.
+//!
+//! Reads are served by the leader once it has committed an entry of its own term and
+//! applied everything committed when the read arrived (raft's read barrier), straight from
+//! the log device through the index; holes read as zeroes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use basalt_common::{Epoch, ObjectKey, OsdId, PgId};
+use basalt_io::{DmaBuf, FileEngine, OpenOptions};
+use basalt_mon::MonClient;
+use basalt_mon::map::ClusterMap;
+use basalt_mon::protocol::{MonReply, MonRequest, OsdReport};
+use basalt_replication::{
+    Action, EntryType, MultiRaft, ProposeError, RaftMessage, Restored, decode_message,
+    encode_message,
+};
+use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX};
+use basalt_store::extent_map::Piece;
+use basalt_store::object_op::{ObjectOp, PgObjects, kind};
+use basalt_wire::metrics::{self, Exposition};
+use basalt_wire::tcp::{Client, Handler, Server};
+use basalt_wire::{Message, Status};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::log_device::{Appended, LogDevice, LogDeviceError, LogStats};
+use crate::pg_log::{self, RestoredPgs};
+use crate::superblock::Superblock;
+
+/// The log device's file in the data directory.
+pub const DEVICE_FILE: &str = "osd.log";
+/// A raft tick.
+pub const TICK: Duration = Duration::from_millis(100);
+/// Between heartbeats to the monitor.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a map subscription waits per request.
+const MAP_WAIT: Duration = Duration::from_secs(20);
+
+/// How an OSD runs.
+#[derive(Debug, Clone)]
+pub struct OsdConfig {
+    /// Where its device file lives (created on first start).
+    pub data_dir: PathBuf,
+    /// The size of a device file created on first start.
+    pub device_size_bytes: u64,
+    /// The monitors.
+    pub mons: Vec<SocketAddr>,
+    /// Where to listen for clients and peers.
+    pub listen: SocketAddr,
+    /// Its host (the failure domain).
+    pub host: String,
+    /// Its share of PGs.
+    pub weight: f64,
+    /// Where to serve Prometheus metrics.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// Why the OSD stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OsdError {
+    /// The data directory or device.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The log device failed.
+    #[error(transparent)]
+    Log(#[from] LogDeviceError),
+    /// The log holds something replay cannot use.
+    #[error("replaying the log: {0}")]
+    Replay(#[from] pg_log::PgLogError),
+    /// The monitors.
+    #[error("monitor: {0}")]
+    Mon(String),
+    /// Listening failed.
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        /// The address.
+        address: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// An invariant broke; the OSD stops rather than serve wrong data (a restart replays).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// What an OSD answers besides client I/O, as JSON in control frames.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum OsdRequest {
+    /// This replica's state of a PG (`basalt pg query`).
+    PgQuery {
+        /// The PG.
+        pg: PgId,
+    },
+}
+
+/// One replica's state of a PG.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PgReplicaState {
+    /// The OSD.
+    pub osd: OsdId,
+    /// The PG.
+    pub pg: PgId,
+    /// Whether the OSD hosts a replica of it.
+    pub hosted: bool,
+    /// The leader this replica knows of.
+    pub leader: Option<OsdId>,
+    /// Its raft term.
+    pub term: u64,
+    /// Its commit index.
+    pub committed: u64,
+    /// The last entry applied.
+    pub applied: u64,
+    /// The last entry in its log.
+    pub last_index: u64,
+    /// Objects with data.
+    pub objects: usize,
+    /// Bytes mapped in them.
+    pub mapped_bytes: u64,
+    /// CRC32C over every object's key, mapped ranges and their bytes, in key order: equal
+    /// digests mean equal data.
+    pub digest: u32,
+}
+
+/// Counters the OSD reports.
+#[derive(Default)]
+struct Counters {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    read_bytes: AtomicU64,
+    write_bytes: AtomicU64,
+}
+
+/// What the core hears.
+enum Event {
+    /// A client request, answered through `reply`.
+    Request {
+        message: Message,
+        reply: oneshot::Sender<Message>,
+    },
+    /// A raft message from a peer.
+    Raft { pg: PgId, message: RaftMessage },
+    /// A persist is durable; its write payloads lie at these device offsets.
+    Persisted {
+        pg: PgId,
+        number: u64,
+        then_send: Vec<(OsdId, RaftMessage)>,
+        payloads: Vec<(u64, u64)>,
+    },
+    /// The log device failed: stop.
+    Failed(String),
+    /// A newer map.
+    Map(Arc<ClusterMap>),
+}
+
+/// An append's completion.
+type AppendFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<Appended, LogDeviceError>> + Send>>;
+
+/// One persist on its way to the device: its appends, in order.
+struct PendingPersist {
+    pg: PgId,
+    number: u64,
+    then_send: Vec<(OsdId, RaftMessage)>,
+    /// Each append's completion, and (raft index, position in the append) of its writes.
+    appends: Vec<(AppendFuture, Vec<(u64, usize)>)>,
+}
+
+struct Proposal {
+    term: u64,
+    reply: oneshot::Sender<Message>,
+    write_bytes: u64,
+}
+
+struct ReadRequest {
+    object: ObjectKey,
+    offset_bytes: u64,
+    len_bytes: u64,
+    reply: oneshot::Sender<Message>,
+}
+
+/// A connection to a peer OSD, (re)made when there is something to send.
+struct Peer {
+    queue: mpsc::UnboundedSender<(PgId, RaftMessage)>,
+    address: Arc<Mutex<Option<SocketAddr>>>,
+}
+
+fn reply(status: Status) -> Message {
+    Message::Reply {
+        status,
+        data: Vec::new(),
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Message {
+    reply(Status::Invalid {
+        message: message.into(),
+    })
+}
+
+struct Core {
+    id: OsdId,
+    raft: MultiRaft,
+    map: Arc<ClusterMap>,
+    /// Raft state replayed from the log for PGs whose groups are not created yet.
+    restored: BTreeMap<PgId, Restored>,
+    objects: HashMap<PgId, PgObjects>,
+    applied: HashMap<PgId, u64>,
+    /// Where durable, not yet applied write payloads lie, by PG and raft index.
+    payloads: HashMap<(PgId, u64), u64>,
+    proposals: HashMap<(PgId, u64), Proposal>,
+    reads: HashMap<PgId, Vec<(u64, ReadRequest)>>,
+    log: Arc<LogDevice>,
+    persists: mpsc::UnboundedSender<PendingPersist>,
+    peers: HashMap<OsdId, Peer>,
+    engine: Arc<FileEngine>,
+    counters: Arc<Counters>,
+    report: Arc<Mutex<OsdReport>>,
+    actions: Vec<Action>,
+}
+
+impl Core {
+    /// Hosts every PG the map gives this OSD, and learns peer addresses.
+    fn adopt_map(&mut self, map: Arc<ClusterMap>) {
+        if map.epoch < self.map.epoch {
+            return;
+        }
+        for pool in map.pools.values() {
+            for (index, entry) in pool.pgs.iter().enumerate() {
+                let pg = PgId {
+                    pool: pool.id,
+                    index: index as u32,
+                };
+                if !entry.members.contains(&self.id) {
+                    continue;
+                }
+                if self.raft.hosts(pg) {
+                    let before = self.map.pg(pg).map(|e| e.members.clone());
+                    if before.as_ref() != Some(&entry.members) {
+                        tracing::warn!(%pg, members = ?entry.members, "pg members changed; membership changes are not supported yet, keeping the old ones");
+                    }
+                    continue;
+                }
+                let restored = self.restored.remove(&pg).unwrap_or_default();
+                if let Err(error) = self.raft.create_group(pg, &entry.members, restored) {
+                    tracing::error!(%pg, %error, "cannot host pg");
+                    continue;
+                }
+                self.objects.entry(pg).or_default();
+            }
+        }
+        for osd in map.osds.values() {
+            if osd.id == self.id {
+                continue;
+            }
+            let address = osd.address.parse::<SocketAddr>().ok();
+            let peer = self
+                .peers
+                .entry(osd.id)
+                .or_insert_with(|| spawn_peer(osd.id));
+            *peer.address.lock().unwrap_or_else(|p| p.into_inner()) = address;
+        }
+        self.map = map;
+    }
+
+    fn handle(&mut self, event: Event) -> Result<(), OsdError> {
+        match event {
+            Event::Request { message, reply } => self.request(message, reply),
+            Event::Raft { pg, message } => self.raft.step(pg, message),
+            Event::Persisted {
+                pg,
+                number,
+                then_send,
+                payloads,
+            } => {
+                for (index, offset) in payloads {
+                    self.payloads.insert((pg, index), offset);
+                }
+                self.raft.on_persisted(pg, number);
+                for (to, message) in then_send {
+                    self.send(to, pg, message);
+                }
+            }
+            Event::Failed(reason) => return Err(OsdError::Internal(reason)),
+            Event::Map(map) => self.adopt_map(map),
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, to: OsdId, pg: PgId, message: RaftMessage) {
+        match self.peers.get(&to) {
+            Some(peer) => {
+                let _ = peer.queue.send((pg, message));
+            }
+            None => tracing::debug!(%to, %pg, "no address for peer; raft message dropped"),
+        }
+    }
+
+    /// Checks a client request against the map; `Err` is the reply.
+    fn check(
+        &self,
+        pg: PgId,
+        epoch: Epoch,
+        object: ObjectKey,
+        offset_bytes: u32,
+        len_bytes: u64,
+    ) -> Result<(), Message> {
+        let Some(pool) = self.map.pools.get(&pg.pool) else {
+            return Err(if epoch > self.map.epoch {
+                reply(Status::NotLeader { leader: None })
+            } else {
+                invalid(format!("pool {} does not exist", pg.pool))
+            });
+        };
+        let Some(entry) = self.map.pg(pg) else {
+            return Err(invalid(format!("pg {pg} does not exist")));
+        };
+        if epoch < entry.epoch {
+            return Err(reply(Status::StaleEpoch {
+                current: self.map.epoch,
+            }));
+        }
+        let Some(image) = self.map.images.get(&object.image) else {
+            return Err(invalid(format!("image {} does not exist", object.image.0)));
+        };
+        if image.pool != pg.pool || pool.pg_of(object) != pg {
+            return Err(invalid(format!(
+                "object {}.{} is not in pg {pg}",
+                object.image.0, object.number
+            )));
+        }
+        let end = u64::from(offset_bytes) + len_bytes;
+        if len_bytes == 0 || end > image.object_size_bytes {
+            return Err(invalid(format!(
+                "range {offset_bytes}+{len_bytes} is outside the {}-byte object",
+                image.object_size_bytes
+            )));
+        }
+        if !self.raft.hosts(pg) {
+            return Err(reply(Status::NotLeader {
+                leader: entry.members.first().copied(),
+            }));
+        }
+        Ok(())
+    }
+
+    fn request(&mut self, message: Message, reply_to: oneshot::Sender<Message>) {
+        let (pg, op) = match message {
+            Message::Write {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                data,
+            } => {
+                if let Err(answer) = self.check(pg, epoch, object, offset_bytes, data.len() as u64)
+                {
+                    let _ = reply_to.send(answer);
+                    return;
+                }
+                (
+                    pg,
+                    ObjectOp::Write {
+                        object,
+                        offset_bytes,
+                        data,
+                    },
+                )
+            }
+            Message::Discard {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                len_bytes,
+            } => {
+                if let Err(answer) =
+                    self.check(pg, epoch, object, offset_bytes, u64::from(len_bytes))
+                {
+                    let _ = reply_to.send(answer);
+                    return;
+                }
+                (
+                    pg,
+                    ObjectOp::Discard {
+                        object,
+                        offset_bytes,
+                        len_bytes,
+                    },
+                )
+            }
+            Message::Read {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                len_bytes,
+            } => {
+                if let Err(answer) =
+                    self.check(pg, epoch, object, offset_bytes, u64::from(len_bytes))
+                {
+                    let _ = reply_to.send(answer);
+                    return;
+                }
+                let Some(barrier) = self.raft.read_barrier(pg) else {
+                    let _ = reply_to.send(reply(Status::NotLeader {
+                        leader: self.raft.leader(pg).filter(|l| *l != self.id),
+                    }));
+                    return;
+                };
+                let read = ReadRequest {
+                    object,
+                    offset_bytes: u64::from(offset_bytes),
+                    len_bytes: u64::from(len_bytes),
+                    reply: reply_to,
+                };
+                if self.applied.get(&pg).copied().unwrap_or(0) >= barrier {
+                    self.serve_read(pg, read);
+                } else {
+                    self.reads.entry(pg).or_default().push((barrier, read));
+                }
+                return;
+            }
+            Message::Control { body } => {
+                self.control(&body, reply_to);
+                return;
+            }
+            other => {
+                let _ = reply_to.send(invalid(format!(
+                    "message kind {} is not a client request",
+                    other.kind()
+                )));
+                return;
+            }
+        };
+        let write_bytes = match &op {
+            ObjectOp::Write { data, .. } => data.len() as u64,
+            ObjectOp::Discard { .. } => 0,
+        };
+        match self.raft.propose(pg, op.encode()) {
+            Ok(()) => {
+                let index = self.raft.last_index(pg).unwrap_or(0);
+                let term = self.raft.term(pg).unwrap_or(0);
+                self.proposals.insert(
+                    (pg, index),
+                    Proposal {
+                        term,
+                        reply: reply_to,
+                        write_bytes,
+                    },
+                );
+            }
+            Err(ProposeError::NotLeader { leader, .. }) => {
+                let _ = reply_to.send(reply(Status::NotLeader { leader }));
+            }
+            Err(error) => {
+                let _ = reply_to.send(reply(Status::NotLeader { leader: None }));
+                tracing::debug!(%error, "proposal refused");
+            }
+        }
+    }
+
+    fn control(&self, body: &[u8], reply_to: oneshot::Sender<Message>) {
+        let answer = |result: Result<PgReplicaState, String>| Message::Control {
+            body: serde_json::to_vec(&result).expect("states encode"),
+        };
+        let request: OsdRequest = match serde_json::from_slice(body) {
+            Ok(request) => request,
+            Err(error) => {
+                let _ = reply_to.send(answer(Err(format!("malformed osd request: {error}"))));
+                return;
+            }
+        };
+        let OsdRequest::PgQuery { pg } = request;
+        let mut state = PgReplicaState {
+            osd: self.id,
+            pg,
+            hosted: self.raft.hosts(pg),
+            leader: self.raft.leader(pg),
+            term: self.raft.term(pg).unwrap_or(0),
+            committed: self.raft.committed(pg).unwrap_or(0),
+            applied: self.applied.get(&pg).copied().unwrap_or(0),
+            last_index: self.raft.last_index(pg).unwrap_or(0),
+            objects: 0,
+            mapped_bytes: 0,
+            digest: 0,
+        };
+        let mut plans = Vec::new();
+        if let Some(objects) = self.objects.get(&pg) {
+            state.objects = objects.object_count();
+            state.mapped_bytes = objects.mapped_bytes();
+            for key in objects.keys() {
+                let size = self
+                    .map
+                    .images
+                    .get(&key.image)
+                    .map_or(u64::from(u32::MAX), |image| image.object_size_bytes);
+                plans.push((key, size, objects.plan_read(key, 0, size)));
+            }
+        }
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            let mut digest = 0u32;
+            for (key, size, pieces) in plans {
+                let data = match read_pieces(&engine, 0, size, &pieces).await {
+                    Ok(data) => data,
+                    Err(error) => {
+                        let _ = reply_to.send(answer(Err(format!("reading the device: {error}"))));
+                        return;
+                    }
+                };
+                digest = crc32c::crc32c_append(digest, &key.image.0.to_le_bytes());
+                digest = crc32c::crc32c_append(digest, &key.number.to_le_bytes());
+                for piece in pieces {
+                    if let Piece::Mapped {
+                        offset_bytes,
+                        len_bytes,
+                        ..
+                    } = piece
+                    {
+                        digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
+                        digest = crc32c::crc32c_append(
+                            digest,
+                            &data[offset_bytes as usize..(offset_bytes + len_bytes) as usize],
+                        );
+                    }
+                }
+            }
+            state.digest = digest;
+            let _ = reply_to.send(answer(Ok(state)));
+        });
+    }
+
+    fn serve_read(&self, pg: PgId, read: ReadRequest) {
+        let pieces = self
+            .objects
+            .get(&pg)
+            .map(|objects| objects.plan_read(read.object, read.offset_bytes, read.len_bytes))
+            .unwrap_or_default();
+        let engine = self.engine.clone();
+        let counters = self.counters.clone();
+        tokio::spawn(async move {
+            let answer =
+                match read_pieces(&engine, read.offset_bytes, read.len_bytes, &pieces).await {
+                    Ok(data) => {
+                        counters.reads.fetch_add(1, Ordering::Relaxed);
+                        counters
+                            .read_bytes
+                            .fetch_add(data.len() as u64, Ordering::Relaxed);
+                        Message::Reply {
+                            status: Status::Ok,
+                            data,
+                        }
+                    }
+                    Err(error) => reply(Status::Io {
+                        message: format!("reading the log device: {error}"),
+                    }),
+                };
+            let _ = read.reply.send(answer);
+        });
+    }
+
+    fn apply(
+        &mut self,
+        pg: PgId,
+        entries: Vec<basalt_replication::RaftEntry>,
+    ) -> Result<(), OsdError> {
+        for entry in entries {
+            self.applied.insert(pg, entry.index);
+            let op = (entry.get_entry_type() == EntryType::EntryNormal && !entry.data.is_empty())
+                .then(|| ObjectOp::decode(&entry.data).ok())
+                .flatten();
+            if let Some(op) = &op {
+                let offset = match op {
+                    ObjectOp::Write { .. } => {
+                        self.payloads.remove(&(pg, entry.index)).ok_or_else(|| {
+                            OsdError::Internal(format!(
+                                "pg {pg}: committed write {} has no payload on the device",
+                                entry.index
+                            ))
+                        })?
+                    }
+                    ObjectOp::Discard { .. } => 0,
+                };
+                self.objects.entry(pg).or_default().apply(op, offset);
+            }
+            if let Some(proposal) = self.proposals.remove(&(pg, entry.index)) {
+                let answer = if proposal.term == entry.term {
+                    if op.as_ref().is_some_and(|op| op.kind() == kind::WRITE) {
+                        self.counters.writes.fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .write_bytes
+                            .fetch_add(proposal.write_bytes, Ordering::Relaxed);
+                    }
+                    reply(Status::Ok)
+                } else {
+                    // Another leader's entry took the index: ours was never committed.
+                    reply(Status::NotLeader {
+                        leader: self.raft.leader(pg),
+                    })
+                };
+                let _ = proposal.reply.send(answer);
+            }
+        }
+        let applied = self.applied.get(&pg).copied().unwrap_or(0);
+        if let Some(waiting) = self.reads.get_mut(&pg) {
+            let (ready, still): (Vec<_>, Vec<_>) = waiting
+                .drain(..)
+                .partition(|(barrier, _)| *barrier <= applied);
+            *waiting = still;
+            for (_, read) in ready {
+                self.serve_read(pg, read);
+            }
+        }
+        Ok(())
+    }
+
+    fn persist(
+        &mut self,
+        pg: PgId,
+        entries: Vec<basalt_replication::RaftEntry>,
+        hard_state: Option<basalt_replication::HardState>,
+        number: u64,
+        then_send: Vec<(OsdId, RaftMessage)>,
+    ) {
+        let log_entries = pg_log::to_log_entries(pg, &entries, hard_state.as_ref());
+        let mut appends = Vec::new();
+        let mut chunk: Vec<batch::Entry> = Vec::new();
+        let mut writes: Vec<(u64, usize)> = Vec::new();
+        let flush = |chunk: &mut Vec<batch::Entry>,
+                     writes: &mut Vec<(u64, usize)>,
+                     appends: &mut Vec<_>,
+                     log: &LogDevice| {
+            if !chunk.is_empty() {
+                let future = Box::pin(log.submit(std::mem::take(chunk)));
+                appends.push((future as AppendFuture, std::mem::take(writes)));
+            }
+        };
+        for entry in log_entries {
+            chunk.push(entry);
+            let data_bytes = batch::batch_size(&chunk) - BLOCK_SIZE;
+            if chunk.len() > ENTRY_COUNT_MAX || data_bytes > DATA_SIZE_MAX {
+                let last = chunk.pop().expect("just pushed");
+                flush(&mut chunk, &mut writes, &mut appends, &self.log);
+                chunk.push(last);
+            }
+            let last = chunk.last().expect("just pushed");
+            if last.kind == kind::WRITE {
+                writes.push((last.index, chunk.len() - 1));
+            }
+        }
+        flush(&mut chunk, &mut writes, &mut appends, &self.log);
+        let _ = self.persists.send(PendingPersist {
+            pg,
+            number,
+            then_send,
+            appends,
+        });
+    }
+
+    /// Does what raft wants done.
+    fn drive(&mut self) -> Result<(), OsdError> {
+        let mut actions = std::mem::take(&mut self.actions);
+        self.raft.collect(&mut actions);
+        for action in actions.drain(..) {
+            match action {
+                Action::Send { to, pg, message } => self.send(to, pg, message),
+                Action::Persist {
+                    pg,
+                    entries,
+                    hard_state,
+                    number,
+                    then_send,
+                } => self.persist(pg, entries, hard_state, number, then_send),
+                Action::Apply { pg, entries } => self.apply(pg, entries)?,
+            }
+        }
+        self.actions = actions;
+        Ok(())
+    }
+
+    fn update_report(&self, log: LogStats, capacity_bytes: u64, used_before: u64) {
+        let leading = self
+            .raft
+            .pgs()
+            .filter(|pg| self.raft.read_barrier(*pg).is_some())
+            .collect();
+        let c = &self.counters;
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = OsdReport {
+            capacity_bytes,
+            used_bytes: (used_before + log.device_bytes).min(capacity_bytes),
+            reads: c.reads.load(Ordering::Relaxed),
+            writes: c.writes.load(Ordering::Relaxed),
+            read_bytes: c.read_bytes.load(Ordering::Relaxed),
+            write_bytes: c.write_bytes.load(Ordering::Relaxed),
+            leading,
+            epoch: self.map.epoch,
+        };
+    }
+}
+
+/// Reads a planned range: mapped pieces from the device (aligned for O_DIRECT), holes as
+/// zeroes.
+async fn read_pieces(
+    engine: &FileEngine,
+    offset_bytes: u64,
+    len_bytes: u64,
+    pieces: &[Piece],
+) -> std::io::Result<Vec<u8>> {
+    let mut data = vec![0u8; len_bytes as usize];
+    let block = BLOCK_SIZE as u64;
+    for piece in pieces {
+        if let Piece::Mapped {
+            offset_bytes: at,
+            len_bytes: len,
+            device_offset_bytes,
+        } = *piece
+        {
+            let start = device_offset_bytes / block * block;
+            let end = (device_offset_bytes + len).div_ceil(block) * block;
+            let buffer = engine
+                .read(start, DmaBuf::zeroed((end - start) as usize))
+                .await?;
+            let skip = (device_offset_bytes - start) as usize;
+            let into = (at - offset_bytes) as usize;
+            data[into..into + len as usize].copy_from_slice(&buffer[skip..skip + len as usize]);
+        }
+    }
+    Ok(data)
+}
+
+/// A peer's sending task: connects on demand, drops messages it cannot deliver (raft
+/// resends what matters).
+fn spawn_peer(id: OsdId) -> Peer {
+    let (queue, mut messages) = mpsc::unbounded_channel::<(PgId, RaftMessage)>();
+    let address: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let target = address.clone();
+    tokio::spawn(async move {
+        let mut connection: Option<(SocketAddr, Client)> = None;
+        let mut failed_at: Option<tokio::time::Instant> = None;
+        while let Some((pg, message)) = messages.recv().await {
+            let Some(want) = *target.lock().unwrap_or_else(|p| p.into_inner()) else {
+                continue;
+            };
+            if connection.as_ref().is_some_and(|(at, _)| *at != want) {
+                connection = None;
+            }
+            if connection.is_none() {
+                if failed_at.is_some_and(|at| at.elapsed() < Duration::from_millis(200)) {
+                    continue;
+                }
+                match tokio::time::timeout(Duration::from_secs(1), Client::connect(want)).await {
+                    Ok(Ok(client)) => {
+                        connection = Some((want, client));
+                        failed_at = None;
+                    }
+                    _ => {
+                        tracing::debug!(peer = %id, %want, "cannot reach peer");
+                        failed_at = Some(tokio::time::Instant::now());
+                        continue;
+                    }
+                }
+            }
+            let wire = Message::Raft {
+                pg,
+                message: encode_message(&message),
+            };
+            if let Some((_, client)) = &connection
+                && client.send(&wire).is_err()
+            {
+                connection = None;
+            }
+        }
+    });
+    Peer { queue, address }
+}
+
+fn io_error(path: &Path) -> impl Fn(std::io::Error) -> OsdError + '_ {
+    move |source| OsdError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn random_uuid() -> std::io::Result<[u8; 16]> {
+    use std::io::Read;
+    let mut uuid = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut uuid)?;
+    Ok(uuid)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Creates and formats the device file if it does not exist yet; returns the superblock.
+async fn prepare_device(path: &Path, size_bytes: u64) -> Result<Superblock, OsdError> {
+    if !path.exists() {
+        let file = std::fs::File::create(path).map_err(io_error(path))?;
+        file.set_len(size_bytes).map_err(io_error(path))?;
+        drop(file);
+        LogDevice::format(path, random_uuid().map_err(io_error(path))?).await?;
+        tracing::info!(path = %path.display(), size_bytes, "formatted a new osd device");
+    }
+    use std::io::Read;
+    let mut block = vec![0u8; BLOCK_SIZE];
+    std::fs::File::open(path)
+        .and_then(|mut file| file.read_exact(&mut block))
+        .map_err(io_error(path))?;
+    Superblock::decode(&block).map_err(|error| OsdError::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(error.to_string()),
+    })
+}
+
+/// A started OSD.
+pub struct Running {
+    /// Its id.
+    pub id: OsdId,
+    /// Where it listens.
+    pub address: SocketAddr,
+    /// Where it serves metrics.
+    pub metrics_address: Option<SocketAddr>,
+    core: tokio::task::JoinHandle<Result<(), OsdError>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    _server: Server,
+}
+
+impl Running {
+    /// Runs until the core stops (a failed device) or `shutdown` completes.
+    pub async fn wait(mut self, shutdown: impl Future<Output = ()>) -> Result<(), OsdError> {
+        tokio::select! {
+            result = &mut self.core => result.map_err(|error| OsdError::Internal(error.to_string()))?,
+            () = shutdown => Ok(()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.core.abort();
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Starts an OSD: opens (or creates) its device, replays its log, listens, registers with
+/// the monitors and hosts its PGs.
+pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(io_error(&config.data_dir))?;
+    let path = config.data_dir.join(DEVICE_FILE);
+    let superblock = prepare_device(&path, config.device_size_bytes).await?;
+    let opened = LogDevice::open(&path).await?;
+    let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
+    let used_before = opened.replayed.next_offset_bytes - superblock.log_start_bytes;
+    let RestoredPgs { groups, payloads } = pg_log::restore(&opened.replayed.batches)?;
+    tracing::info!(
+        batches = opened.replayed.batches.len(),
+        pgs = groups.len(),
+        stopped_by = ?opened.replayed.stopped_by,
+        "log replayed"
+    );
+    drop(opened.replayed);
+    let log = Arc::new(opened.device);
+    let engine = Arc::new(
+        FileEngine::open(&path, &OpenOptions::default()).map_err(|error| OsdError::Io {
+            path: path.display().to_string(),
+            source: std::io::Error::other(error.to_string()),
+        })?,
+    );
+
+    let (events, mut inbox) = mpsc::unbounded_channel::<Event>();
+    let handler_events = events.clone();
+    let handler: Handler = Arc::new(move |message| {
+        let events = handler_events.clone();
+        Box::pin(async move {
+            match message {
+                Message::Raft { pg, message } => {
+                    match decode_message(&message) {
+                        Some(message) => {
+                            let _ = events.send(Event::Raft { pg, message });
+                        }
+                        None => tracing::debug!(%pg, "undecodable raft message dropped"),
+                    }
+                    None
+                }
+                message => {
+                    let (reply_to, answer) = oneshot::channel();
+                    if events
+                        .send(Event::Request {
+                            message,
+                            reply: reply_to,
+                        })
+                        .is_err()
+                    {
+                        return Some(reply(Status::Io {
+                            message: "the osd is stopping".to_string(),
+                        }));
+                    }
+                    Some(answer.await.unwrap_or_else(|_| {
+                        reply(Status::Io {
+                            message: "the osd dropped the request".to_string(),
+                        })
+                    }))
+                }
+            }
+        })
+    });
+    let server = Server::bind(config.listen, handler)
+        .await
+        .map_err(|source| OsdError::Listen {
+            address: config.listen,
+            source,
+        })?;
+    let address = server.address();
+
+    let mon = Arc::new(MonClient::new(config.mons.clone()));
+    let boot = MonRequest::Boot {
+        uuid: hex(&superblock.uuid),
+        host: config.host.clone(),
+        address: address.to_string(),
+        weight: config.weight,
+    };
+    let (id, map) = match mon.request(&boot).await {
+        Ok(MonReply::Booted { osd, map }) => (osd, map),
+        Ok(MonReply::Error(error)) => return Err(OsdError::Mon(error)),
+        Ok(other) => {
+            return Err(OsdError::Mon(format!(
+                "unexpected answer to boot: {other:?}"
+            )));
+        }
+        Err(error) => return Err(OsdError::Mon(error.to_string())),
+    };
+    tracing::info!(%id, %address, epoch = map.epoch.0, "osd booted");
+
+    let (persists, mut pending) = mpsc::unbounded_channel::<PendingPersist>();
+    let completion_events = events.clone();
+    let mut tasks = vec![tokio::spawn(async move {
+        while let Some(persist) = pending.recv().await {
+            let mut payloads = Vec::new();
+            for (append, writes) in persist.appends {
+                match append.await {
+                    Ok(appended) => payloads.extend(
+                        writes
+                            .into_iter()
+                            .map(|(index, at)| (index, appended.data_offsets_bytes[at])),
+                    ),
+                    Err(error) => {
+                        let _ = completion_events.send(Event::Failed(error.to_string()));
+                        return;
+                    }
+                }
+            }
+            let _ = completion_events.send(Event::Persisted {
+                pg: persist.pg,
+                number: persist.number,
+                then_send: persist.then_send,
+                payloads,
+            });
+        }
+    })];
+
+    let report = Arc::new(Mutex::new(OsdReport::default()));
+    let heartbeat_report = report.clone();
+    let heartbeat_mon = mon.clone();
+    tasks.push(tokio::spawn(async move {
+        let mut interval = tokio::time::interval(HEARTBEAT_INTERVAL);
+        loop {
+            interval.tick().await;
+            let report = heartbeat_report
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            match heartbeat_mon
+                .request(&MonRequest::Heartbeat { osd: id, report })
+                .await
+            {
+                Ok(MonReply::Ok) => {}
+                Ok(other) => tracing::warn!(?other, "heartbeat refused"),
+                Err(error) => tracing::warn!(%error, "heartbeat failed"),
+            }
+        }
+    }));
+    let subscription_events = events.clone();
+    let mut epoch = map.epoch;
+    tasks.push(tokio::spawn(async move {
+        loop {
+            match mon.map_after(epoch, MAP_WAIT).await {
+                Ok(Some(map)) => {
+                    epoch = map.epoch;
+                    if subscription_events.send(Event::Map(Arc::new(map))).is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "map subscription failed");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }));
+
+    let counters = Arc::new(Counters::default());
+    let mut metrics_address = None;
+    if let Some(metrics_at) = config.metrics_addr {
+        let (counters, report, log) = (counters.clone(), report.clone(), log.clone());
+        let render = move || {
+            let mut e = Exposition::new();
+            let load = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
+            e.single(
+                "basalt_osd_reads_total",
+                "counter",
+                "Client reads served.",
+                load(&counters.reads),
+            );
+            e.single(
+                "basalt_osd_writes_total",
+                "counter",
+                "Client writes acknowledged.",
+                load(&counters.writes),
+            );
+            e.single(
+                "basalt_osd_read_bytes_total",
+                "counter",
+                "Bytes read by clients.",
+                load(&counters.read_bytes),
+            );
+            e.single(
+                "basalt_osd_write_bytes_total",
+                "counter",
+                "Bytes written by clients.",
+                load(&counters.write_bytes),
+            );
+            let stats = log.stats();
+            e.single(
+                "basalt_osd_log_batches_total",
+                "counter",
+                "Durable device writes of the log.",
+                stats.batches as f64,
+            );
+            e.single(
+                "basalt_osd_log_entries_total",
+                "counter",
+                "Entries written to the log.",
+                stats.entries as f64,
+            );
+            e.single(
+                "basalt_osd_log_device_bytes_total",
+                "counter",
+                "Bytes written to the log device.",
+                stats.device_bytes as f64,
+            );
+            e.single(
+                "basalt_osd_log_data_bytes_total",
+                "counter",
+                "Entry data bytes written to the log.",
+                stats.data_bytes as f64,
+            );
+            e.single(
+                "basalt_osd_write_amplification",
+                "gauge",
+                "Log device bytes per entry data byte.",
+                stats.write_amplification(),
+            );
+            let report = report.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            e.single(
+                "basalt_osd_pgs_leading",
+                "gauge",
+                "PGs this OSD leads.",
+                report.leading.len() as f64,
+            );
+            e.single(
+                "basalt_osd_used_bytes",
+                "gauge",
+                "Bytes of the device in use.",
+                report.used_bytes as f64,
+            );
+            e.single(
+                "basalt_osd_capacity_bytes",
+                "gauge",
+                "Bytes of the device's log region.",
+                report.capacity_bytes as f64,
+            );
+            e.single(
+                "basalt_osd_map_epoch",
+                "gauge",
+                "The map epoch this OSD runs.",
+                report.epoch.0 as f64,
+            );
+            e.finish()
+        };
+        let (bound, task) =
+            metrics::serve(metrics_at, Arc::new(render))
+                .await
+                .map_err(|source| OsdError::Listen {
+                    address: metrics_at,
+                    source,
+                })?;
+        metrics_address = Some(bound);
+        tasks.push(task);
+    }
+
+    let mut core = Core {
+        id,
+        raft: MultiRaft::new(
+            id,
+            u64::from_le_bytes(
+                random_uuid().map_err(io_error(&path))?[..8]
+                    .try_into()
+                    .expect("8 bytes"),
+            ),
+        ),
+        map: Arc::new(ClusterMap::new()),
+        restored: groups,
+        objects: HashMap::new(),
+        applied: HashMap::new(),
+        payloads: payloads.into_iter().collect(),
+        proposals: HashMap::new(),
+        reads: HashMap::new(),
+        log,
+        persists,
+        peers: HashMap::new(),
+        engine,
+        counters,
+        report,
+        actions: Vec::new(),
+    };
+    core.adopt_map(Arc::new(map));
+    let core = tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(TICK);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ticks = 0u64;
+        loop {
+            tokio::select! {
+                event = inbox.recv() => {
+                    let Some(event) = event else { return Ok(()) };
+                    core.handle(event)?;
+                    while let Ok(event) = inbox.try_recv() {
+                        core.handle(event)?;
+                    }
+                }
+                _ = ticker.tick() => {
+                    core.raft.tick();
+                    ticks += 1;
+                    if ticks.is_multiple_of(5) {
+                        core.update_report(core.log.stats(), capacity_bytes, used_before);
+                    }
+                }
+            }
+            core.drive()?;
+        }
+    });
+    drop(events);
+    Ok(Running {
+        id,
+        address,
+        metrics_address,
+        core,
+        tasks,
+        _server: server,
+    })
+}
