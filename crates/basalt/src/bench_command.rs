@@ -19,8 +19,14 @@ use basalt_osd::log_device::LogDevice;
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// An in-process bdev: `malloc:SIZE` (e.g. malloc:1GiB) or `file:PATH`.
-    #[arg(long, conflicts_with = "nbd", required_unless_present_any = ["nbd", "osd_log"])]
+    #[arg(long, conflicts_with = "nbd", required_unless_present_any = ["nbd", "osd_log", "image"])]
     pub bdev: Option<String>,
+    /// A Basalt image, POOL/NAME, through the native client (the monitors from --mon,
+    /// --conf or $BASALT_CONF).
+    #[arg(long, conflicts_with_all = ["bdev", "nbd", "osd_log"])]
+    pub image: Option<String>,
+    #[command(flatten)]
+    pub cluster: crate::admin_command::ClusterArgs,
     /// An NBD export: nbd://HOST[:PORT]/EXPORT (one connection per worker).
     #[arg(long)]
     pub nbd: Option<NbdUri>,
@@ -119,6 +125,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn open_device(args: &BenchArgs) -> anyhow::Result<(Device, String)> {
+    if let Some(spec) = &args.image {
+        let (pool, name) = spec
+            .split_once('/')
+            .with_context(|| format!("--image {spec:?} is not POOL/NAME"))?;
+        let cluster = basalt_client::Cluster::connect(args.cluster.mons()?).await?;
+        let image = cluster.open_image(pool, name)?;
+        return Ok((Device::Image(Arc::new(image)), format!("image {spec}")));
+    }
     if let Some(path) = &args.osd_log {
         if !matches!(args.rw, Pattern::Write | Pattern::RandWrite) {
             bail!("--osd-log takes writes only (--rw write or randwrite)");

@@ -6,6 +6,7 @@ use std::io;
 use std::sync::Arc;
 
 use basalt_bdev::Bdev;
+use basalt_client::Image;
 use basalt_common::{PgId, PoolId};
 use basalt_io::DmaBuf;
 use basalt_nbd::{NbdClient, NbdUri};
@@ -20,6 +21,8 @@ pub enum Device {
     Nbd(Vec<Arc<NbdClient>>),
     /// An OSD log device: writes only.
     Log(Arc<LogDevice>),
+    /// A Basalt image through the native client.
+    Image(Arc<Image>),
 }
 
 /// The span of offsets a log device is driven over (appends have no address; the offset
@@ -42,6 +45,7 @@ impl Device {
             Device::Bdev(bdev) => bdev.info().size_bytes(),
             Device::Nbd(clients) => clients[0].size_bytes(),
             Device::Log(_) => LOG_SPAN_BYTES,
+            Device::Image(image) => image.size_bytes().unwrap_or(0),
         }
     }
 
@@ -51,6 +55,7 @@ impl Device {
             Device::Bdev(bdev) => u64::from(bdev.info().block_size),
             Device::Nbd(clients) => u64::from(clients[0].block_size_min()),
             Device::Log(_) => BLOCK_SIZE as u64,
+            Device::Image(_) => 512,
         }
     }
 
@@ -60,6 +65,7 @@ impl Device {
             Device::Bdev(bdev) => WorkerDevice::Bdev(bdev.clone()),
             Device::Nbd(clients) => WorkerDevice::Nbd(clients[worker % clients.len()].clone()),
             Device::Log(log) => WorkerDevice::Log(log.clone()),
+            Device::Image(image) => WorkerDevice::Image(image.clone()),
         }
     }
 }
@@ -73,6 +79,8 @@ pub enum WorkerDevice {
     Nbd(Arc<NbdClient>),
     /// An OSD log device.
     Log(Arc<LogDevice>),
+    /// A Basalt image through the native client.
+    Image(Arc<Image>),
 }
 
 /// Bytes read, in whichever buffer the device returned.
@@ -111,6 +119,11 @@ impl WorkerDevice {
                 let len = u32::try_from(len_bytes).map_err(io::Error::other)?;
                 client.read(offset_bytes, len).await.map(ReadData::Vec)
             }
+            WorkerDevice::Image(image) => image
+                .read(offset_bytes, len_bytes)
+                .await
+                .map(ReadData::Vec)
+                .map_err(io::Error::other),
             WorkerDevice::Log(_) => Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "an osd log device is only written",
@@ -131,6 +144,10 @@ impl WorkerDevice {
                     .map_err(io::Error::other)
             }
             WorkerDevice::Nbd(client) => client.write(offset_bytes, &data, false).await,
+            WorkerDevice::Image(image) => image
+                .write(offset_bytes, &data)
+                .await
+                .map_err(io::Error::other),
             WorkerDevice::Log(log) => {
                 let block = offset_bytes / BLOCK_SIZE as u64;
                 let mut meta = [0u8; META_SIZE];

@@ -77,6 +77,8 @@ pub struct DirectionReport {
     pub mib_per_second: f64,
     /// Latency.
     pub latency: Latency,
+    /// The same, as fastblock's block_bench prints it.
+    pub block_bench: String,
 }
 
 /// The outcome of `basalt bench`.
@@ -152,13 +154,16 @@ impl DirectionReport {
             return None;
         }
         let seconds = elapsed.as_secs_f64().max(1e-9);
-        Some(Self {
+        let mut report = Self {
             ios,
             bytes,
             iops: ios as f64 / seconds,
             mib_per_second: bytes as f64 / seconds / (1 << 20) as f64,
             latency: Latency::from_histogram(histogram),
-        })
+            block_bench: String::new(),
+        };
+        report.block_bench = report.block_bench_line();
+        Some(report)
     }
 }
 

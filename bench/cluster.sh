@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# A 3-replica image against the disk's own durable-write latency, in one run.
+#
+#   disk:   fio 4k randwrite, direct=1, fsync=1 at QD1 on a preallocated, written file;
+#   basalt: a monitor and three OSDs (release build, device files on the same disk), one
+#           pool of PGs with 3 replicas and one image; `basalt bench --image` (the native
+#           client) at 4k randwrite QD1 and QD32, then 4k randread QD1 and QD32 over what
+#           was written. Write amplification: bytes the three OSDs wrote to their devices
+#           per byte clients wrote (3.0 is one device write per replica).
+#
+# Usage: bench/cluster.sh [REPORT.md]
+# Environment: BASE_DIR (default /var/tmp/basalt-bench-cluster; disk-backed), RUNTIME
+# (seconds per case, default 10), PGS (default 32), BASALT (default target/release/basalt),
+# KEEP=1 keeps the cluster's directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BASE_DIR=${BASE_DIR:-/var/tmp/basalt-bench-cluster}
+RUNTIME=${RUNTIME:-10}
+PGS=${PGS:-32}
+BASALT=${BASALT:-target/release/basalt}
+REPORT=${1:-}
+command -v fio >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null; }
+[ -x "$BASALT" ] || cargo build --release -p basalt
+rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    [ -n "${KEEP:-}" ] || rm -rf "$BASE_DIR"
+}
+trap cleanup EXIT
+
+fio --name=layout --filename="$BASE_DIR/fio.dat" --size=1G --rw=write --bs=1M --direct=1 \
+    --ioengine=io_uring --output=/dev/null
+fio --name=durable --filename="$BASE_DIR/fio.dat" --size=1G --rw=randwrite --bs=4k --iodepth=1 \
+    --direct=1 --fsync=1 --ioengine=io_uring --time_based --runtime="$RUNTIME" \
+    --output-format=json --output="$BASE_DIR/fio.json"
+rm -f "$BASE_DIR/fio.dat"
+
+MON=127.0.0.1:$((20000 + RANDOM % 20000))
+"$BASALT" mon --data-dir "$BASE_DIR/mon" --listen "$MON" >"$BASE_DIR/mon.log" 2>&1 & pids+=($!)
+for n in 0 1 2; do
+    "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size 6GiB \
+        --metrics-addr "127.0.0.1:$((40000 + RANDOM % 20000))" >"$BASE_DIR/osd.$n.log" 2>&1 & pids+=($!)
+done
+for _ in $(seq 300); do
+    up=$("$BASALT" osd ls --json --mon "$MON" 2>/dev/null | python3 -c "import json,sys;print(sum(o['up'] for o in json.load(sys.stdin)))" 2>/dev/null || echo 0)
+    [ "$up" = 3 ] && break; sleep 0.2
+done
+"$BASALT" pool create bench --pg-count "$PGS" --size 3 --mon "$MON" >/dev/null
+"$BASALT" image create bench/img --size 1GiB --mon "$MON" >/dev/null
+for _ in $(seq 300); do
+    "$BASALT" status --mon "$MON" | grep -q "$PGS active+clean" && break; sleep 0.2
+done
+
+metrics() {  # sum of a counter over the three OSDs
+    local total=0
+    for n in 0 1 2; do
+        port=$(ps -o args= -p "${pids[$((n + 1))]}" | sed -n 's/.*--metrics-addr 127.0.0.1:\([0-9]*\).*/\1/p')
+        value=$(curl -s "127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}')
+        total=$(python3 -c "print($total + ${value:-0})")
+    done
+    echo "$total"
+}
+command -v curl >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null; }
+
+bench() { "$BASALT" bench --image bench/img --mon "$MON" --rw "$1" --iodepth "$2" --runtime "$RUNTIME" --size 256MiB --json; }
+device0=$(metrics basalt_osd_log_device_bytes_total)
+w1=$(bench randwrite 1); w32=$(bench randwrite 32)
+device1=$(metrics basalt_osd_log_device_bytes_total)
+r1=$(bench randread 1); r32=$(bench randread 32)
+python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" <<'PY' | tee "${REPORT:-/dev/null}"
+import json, sys
+disk = json.load(open(sys.argv[1]))["jobs"][0]["write"]
+disk_iops = disk["iops"]; disk_us = disk["clat_ns"]["mean"] / 1000 + disk.get("slat_ns", {}).get("mean", 0) / 1000
+disk_us = 1e6 / disk_iops  # one write + fsync per I/O at QD1: the time per I/O
+w1, w32, r1, r32 = (json.loads(a) for a in sys.argv[2:6])
+device = float(sys.argv[7]) - float(sys.argv[6])
+client = w1["write"]["bytes"] + w32["write"]["bytes"]
+print(f"# A 3-replica image vs the disk's durable write (commit {sys.argv[8]}, {sys.argv[9]} s per case, {sys.argv[10]} PGs)\n")
+print("| case | IOPS | mean µs | p99 µs |")
+print("|---|---:|---:|---:|")
+print(f"| disk: fio 4k randwrite QD1, direct=1, fsync=1 | {disk_iops:.0f} | {disk_us:.1f} | |")
+for name, r, side in (("basalt image 4k randwrite QD1", w1, "write"), ("basalt image 4k randwrite QD32", w32, "write"),
+                      ("basalt image 4k randread QD1", r1, "read"), ("basalt image 4k randread QD32", r32, "read")):
+    x = r[side]
+    p99 = dict(x["latency"]["percentiles_us"])["p99"]
+    print(f"| {name} | {x['iops']:.0f} | {x['latency']['mean_us']:.1f} | {p99:.1f} |")
+qd1 = w1["write"]["latency"]["mean_us"]
+print(f"\nQD1 write latency: {qd1:.0f} µs = {qd1/disk_us:.2f}x the disk's durable write ({disk_us:.0f} µs); aim ≤ 2x + 100 µs = {2*disk_us+100:.0f} µs")
+print(f"QD32/QD1 write IOPS: {w32['write']['iops']/w1['write']['iops']:.1f}x (aim ≥ 5x)")
+print(f"Write amplification: {device/client:.2f} device bytes per client byte over 3 replicas ({device/client/3:.2f} per replica)")
+print("\nSummary lines (block_bench format):")
+for name, r in (("randwrite QD1", w1), ("randwrite QD32", w32), ("randread QD1", r1), ("randread QD32", r32)):
+    side = 'write' if 'write' in name else 'read'
+    print(f"- {name}: `{r[side]['block_bench']}`")
+PY
