@@ -7,6 +7,7 @@
 //! [mon]
 //! data_dir = "/var/lib/basalt/mon"
 //! listen = "127.0.0.1:6780"
+//! peers = ["127.0.0.1:6780", "127.0.0.1:6781", "127.0.0.1:6782"]
 //! grace_seconds = 6
 //! down_out_seconds = 600
 //! metrics_addr = "127.0.0.1:9480"
@@ -63,6 +64,8 @@ pub struct MonSection {
     grace_seconds: Option<u64>,
     down_out_seconds: Option<u64>,
     metrics_addr: Option<SocketAddr>,
+    #[serde(default)]
+    peers: Vec<String>,
 }
 
 /// `[osd]`.
@@ -121,7 +124,8 @@ pub struct MonArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
-    /// Other monitors (replicated monitors are not built yet: only one may run).
+    /// Every monitor of the cluster, this one's --listen address included (1, 3 or 5;
+    /// the same list on each). Without it, this monitor is the only one.
     #[arg(long, value_delimiter = ',')]
     pub peers: Vec<String>,
     /// A TOML config file (its [mon] section).
@@ -130,10 +134,6 @@ pub struct MonArgs {
 }
 
 pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(
-        args.peers.is_empty(),
-        "--peers: monitor replication is not built yet; run one monitor"
-    );
     let file = match &args.config {
         Some(path) => read_config(path)?,
         None => ConfigFile::default(),
@@ -155,6 +155,11 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
                 .unwrap_or(600),
         ),
         metrics_addr: args.metrics_addr.or(section.metrics_addr),
+        peers: if args.peers.is_empty() {
+            resolve_mons(&section.peers).unwrap_or_default()
+        } else {
+            resolve_mons(&args.peers)?
+        },
     };
     crate::control_runtime()?.block_on(async move {
         let running = basalt_mon::server::start(config).await?;

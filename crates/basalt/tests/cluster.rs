@@ -19,7 +19,7 @@ fn export_image(
     let target = TargetProcess::start(dir, &[]);
     target.rpc_ok(
         "bdev_basalt_create",
-        json!({"name": "img", "pool": pool, "image": image, "mons": [cluster.mon_address]}),
+        json!({"name": "img", "pool": pool, "image": image, "mons": cluster.mon_addresses()}),
     );
     let port = target.start_nbd();
     target.rpc_ok(
@@ -223,4 +223,82 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         .env("BASALT_CONF", dir.join("missing.toml")));
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("missing.toml"));
+}
+
+#[test]
+fn three_monitors_survive_the_loss_of_their_leader() {
+    let dir = ScratchDir::new("cluster-mons");
+    let mut cluster = ClusterProcesses::start_with_mons(&dir.path, 3, 3);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "32MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let status = cluster.cli_json(&["status"]);
+    assert_eq!(
+        status["monitors"].as_array().map(Vec::len),
+        Some(3),
+        "{status:#}"
+    );
+    let leader = status["leader"].as_str().expect("a leader").to_string();
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let write = verified_write("16M");
+    let mut write_only = write.clone();
+    write_only.push("--do_verify=0".into());
+    fio(&uri, &args(&write_only));
+
+    // The leading monitor dies: the other two elect a leader and go on.
+    let dead = cluster
+        .mon_addresses()
+        .iter()
+        .position(|address| *address == leader)
+        .expect("the leader is one of ours");
+    cluster.kill_mon_n(dead);
+    let started = Instant::now();
+    let status = loop {
+        let output = cluster.cli(&["status", "--json"]);
+        if output.status.success() {
+            let status: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+            if status["leader"].as_str().is_some_and(|l| l != leader) {
+                break status;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no new monitor leader"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!(
+        "new monitor leader {} after {:?}",
+        status["leader"],
+        started.elapsed()
+    );
+    // Changes still commit, through whichever monitor the CLI reaches.
+    cluster.cli_ok(&["image", "create", "rbd/second", "--size", "8MiB"]);
+    assert_eq!(
+        cluster
+            .cli_json(&["image", "ls", "rbd"])
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+    // The new leader detects a dead OSD.
+    cluster.kill_osd(0);
+    wait_for("the dead osd marked down", Duration::from_secs(30), || {
+        cluster.cli_json(&["status"])["osds"]["up"] == 2
+    });
+    // Data written before is intact.
+    let mut verify = write.clone();
+    verify.push("--verify_only".into());
+    fio(&uri, &args(&verify));
+    // The old leader comes back as a follower and catches up.
+    cluster.start_mon_n(dead);
+    wait_for(
+        "the restarted monitor to know the second image",
+        Duration::from_secs(30),
+        || {
+            let output = run(basalt().args(["image", "ls", "rbd", "--json", "--mon", &leader]));
+            serde_json::from_slice::<serde_json::Value>(&output.stdout)
+                .is_ok_and(|images| images.as_array().map(Vec::len) == Some(2))
+        },
+    );
 }

@@ -8,13 +8,13 @@
 //!   domain host, minimal movement); a pure function the monitor runs and records.
 //!
 //! - [`protocol`]: the requests OSDs, clients and the CLI send, as JSON in control frames.
-//! - [`server`]: the monitor daemon: the map saved on every change, boot, heartbeats,
-//!   failure detection, map subscriptions, metrics.
+//! - [`server`]: the monitor daemon: the map replicated by raft across 1, 3 or 5 monitors
+//!   (each persisting the log in its [`journal`]), boot, heartbeats, failure detection, map
+//!   subscriptions, metrics.
 //! - [`client`]: [`MonClient`], which talks to whichever monitor answers.
-//!
-//! Planned here (issue #3): the map's Raft replication across 3 or 5 monitors.
 
 pub mod client;
+pub mod journal;
 pub mod liveness;
 pub mod map;
 pub mod placement;

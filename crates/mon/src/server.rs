@@ -1,41 +1,61 @@
-//! The monitor daemon: keeps the map on disk, answers OSDs, clients and the CLI, and turns
-//! missed heartbeats into map changes.
+//! The monitor daemon: the cluster map replicated by raft across 1, 3 or 5 monitors.
 //!
-//! The map is saved whole after every change (to a temporary file, synced, then renamed over
-//! `map.json`), before the change is answered or published: a change that was answered
-//! survives a crash of the monitor. Subscribers wait in [`MonRequest::GetMap`] for the next
-//! epoch; a `watch` channel wakes them all when the map changes.
+//! Every map change is a command in the monitors' raft log (one raft group, the same
+//! multi-raft driver the OSDs use): the leader proposes it, each monitor persists it in its
+//! [`Journal`] (synced) before acknowledging, and once committed every monitor applies it to
+//! its map in log order. A change is answered only once applied, so an answered change
+//! survives the loss of a minority of monitors and a crash of all of them (the map is
+//! rebuilt on start by replaying the journal).
+//!
+//! The leader does everything that needs one decision: commands, OSD boots and heartbeats,
+//! failure detection, status. A follower forwards those requests to the leader. Any monitor
+//! answers map subscriptions ([`MonRequest::GetMap`]) from its own map.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use basalt_common::OsdId;
+use basalt_common::{OsdId, PgId, PoolId};
+use basalt_replication::{
+    Action, MultiRaft, RaftMessage, Restored, decode_message, encode_message,
+};
 use basalt_wire::Message;
 use basalt_wire::metrics::{self, Exposition};
-use basalt_wire::tcp::{Handler, Server};
-use tokio::sync::watch;
+use basalt_wire::tcp::{Client, Handler, Server};
+use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::journal::Journal;
 use crate::liveness::{Liveness, Verdict};
 use crate::map::{ClusterMap, Command};
 use crate::protocol::{ClusterStatus, MonReply, MonRequest, OsdReport, decode};
 
-/// The file holding the map in the data directory.
-pub const MAP_FILE: &str = "map.json";
+/// The journal's file in the data directory.
+pub const JOURNAL_FILE: &str = "mon.journal";
+/// The monitors' raft group (not a PG of any pool).
+const MON_GROUP: PgId = PgId {
+    pool: PoolId(u32::MAX),
+    index: 0,
+};
+/// A raft tick.
+const TICK: Duration = Duration::from_millis(100);
 /// The longest a subscriber may wait for a map in one request.
 const MAP_WAIT_MAX: Duration = Duration::from_secs(30);
-/// How often liveness is checked.
+/// How often the leader checks liveness.
 const CHECK_INTERVAL: Duration = Duration::from_millis(250);
+/// How long a request waits for a leader to exist.
+const LEADER_WAIT: Duration = Duration::from_secs(5);
 
 /// How a monitor runs.
 #[derive(Debug, Clone)]
 pub struct MonConfig {
-    /// Where the map is kept.
+    /// Where the journal is kept.
     pub data_dir: PathBuf,
-    /// Where to listen.
+    /// Where to listen; must be one of `peers` when peers are given.
     pub listen: SocketAddr,
+    /// Every monitor of the cluster, this one included (empty: this one alone).
+    pub peers: Vec<SocketAddr>,
     /// An OSD without heartbeats this long is marked down.
     pub grace: Duration,
     /// An OSD down this long is marked out (its PGs move).
@@ -48,7 +68,7 @@ pub struct MonConfig {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MonError {
-    /// The data directory or the map file.
+    /// The data directory or the journal.
     #[error("{path}: {source}")]
     Io {
         /// The file.
@@ -56,14 +76,9 @@ pub enum MonError {
         /// The error.
         source: std::io::Error,
     },
-    /// The map file does not hold a map.
-    #[error("{path}: not a cluster map: {reason}")]
-    Corrupt {
-        /// The file.
-        path: String,
-        /// Why.
-        reason: String,
-    },
+    /// The configuration is inconsistent.
+    #[error("{0}")]
+    Config(String),
     /// Listening failed.
     #[error("cannot listen on {address}: {source}")]
     Listen {
@@ -85,15 +100,30 @@ struct State {
     map: ClusterMap,
     liveness: Liveness,
     reports: BTreeMap<OsdId, Report>,
+    /// Whether this monitor led at the last check (liveness restarts on a new leader).
+    was_leader: bool,
 }
 
-/// A running monitor.
+/// What the core task hears.
+enum Event {
+    Propose {
+        command: Command,
+        reply: oneshot::Sender<MonReply>,
+    },
+    Raft(RaftMessage),
+}
+
+/// A running monitor's shared half (the core task owns raft).
 pub struct Monitor {
     state: Mutex<State>,
     maps: watch::Sender<Arc<ClusterMap>>,
-    map_path: PathBuf,
-    /// Where it listens, once bound.
-    address: std::sync::OnceLock<String>,
+    events: mpsc::UnboundedSender<Event>,
+    /// The leader's rank, as the core last saw it.
+    leader: watch::Receiver<Option<usize>>,
+    rank: usize,
+    peers: Vec<SocketAddr>,
+    address: SocketAddr,
+    forward: tokio::sync::Mutex<Option<(SocketAddr, Arc<Client>)>>,
 }
 
 /// A monitor serving on its address; dropping it stops it.
@@ -116,37 +146,11 @@ impl Drop for Running {
     }
 }
 
-fn io_error(path: &Path) -> impl Fn(std::io::Error) -> MonError + '_ {
+fn io_error(path: &std::path::Path) -> impl Fn(std::io::Error) -> MonError + '_ {
     move |source| MonError::Io {
         path: path.display().to_string(),
         source,
     }
-}
-
-/// Reads the saved map, or an empty one if none was saved yet.
-fn load_map(path: &Path) -> Result<ClusterMap, MonError> {
-    match std::fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|error| MonError::Corrupt {
-            path: path.display().to_string(),
-            reason: error.to_string(),
-        }),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(ClusterMap::new()),
-        Err(error) => Err(io_error(path)(error)),
-    }
-}
-
-/// Saves the map durably: a crash leaves either the old file or the new one.
-fn save_map(path: &Path, map: &ClusterMap) -> std::io::Result<()> {
-    use std::io::Write;
-    let temporary = path.with_extension("json.tmp");
-    let mut file = std::fs::File::create(&temporary)?;
-    file.write_all(&serde_json::to_vec_pretty(map).map_err(std::io::Error::other)?)?;
-    file.sync_all()?;
-    std::fs::rename(&temporary, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }
 
 impl Monitor {
@@ -161,39 +165,102 @@ impl Monitor {
         self.maps.borrow().clone()
     }
 
-    /// Applies a command, saves and publishes the new map.
-    fn apply(&self, state: &mut State, command: &Command) -> MonReply {
-        let mut next = state.map.clone();
-        match next.apply(command) {
-            Ok(false) => MonReply::Applied {
-                changed: false,
-                epoch: state.map.epoch,
-            },
-            Ok(true) => {
-                if let Err(error) = save_map(&self.map_path, &next) {
-                    tracing::error!(path = %self.map_path.display(), %error, "cannot save the map");
-                    return MonReply::Error(format!(
-                        "the monitor cannot save the map to {}: {error}",
-                        self.map_path.display()
-                    ));
-                }
-                tracing::info!(epoch = next.epoch.0, ?command, "map changed");
-                state.map = next;
-                self.maps.send_replace(Arc::new(state.map.clone()));
-                MonReply::Applied {
-                    changed: true,
-                    epoch: state.map.epoch,
-                }
+    /// Whether this monitor leads.
+    pub fn is_leader(&self) -> bool {
+        *self.leader.borrow() == Some(self.rank)
+    }
+
+    /// Proposes a command and waits until it is applied here.
+    async fn propose(&self, command: Command) -> MonReply {
+        let (reply, answer) = oneshot::channel();
+        if self.events.send(Event::Propose { command, reply }).is_err() {
+            return MonReply::Error("the monitor is stopping".to_string());
+        }
+        match tokio::time::timeout(Duration::from_secs(10), answer).await {
+            Ok(Ok(reply)) => reply,
+            _ => MonReply::Error(
+                "the monitors did not commit the change in time (no quorum?)".to_string(),
+            ),
+        }
+    }
+
+    /// Waits for a leader; `Some(rank)`.
+    async fn await_leader(&self) -> Option<usize> {
+        let mut leader = self.leader.clone();
+        let found = tokio::time::timeout(LEADER_WAIT, leader.wait_for(Option::is_some)).await;
+        found.ok().and_then(|value| value.ok().and_then(|v| *v))
+    }
+
+    /// Sends a request to the leader and returns its answer.
+    async fn forward(&self, rank: usize, message: Message) -> Message {
+        let address = self.peers[rank];
+        let client = {
+            let mut current = self.forward.lock().await;
+            match current.as_ref() {
+                Some((at, client)) if *at == address => Some(client.clone()),
+                _ => match tokio::time::timeout(Duration::from_secs(2), Client::connect(address))
+                    .await
+                {
+                    Ok(Ok(client)) => {
+                        let client = Arc::new(client);
+                        *current = Some((address, client.clone()));
+                        Some(client)
+                    }
+                    _ => None,
+                },
             }
-            Err(error) => MonReply::Error(error.to_string()),
+        };
+        let Some(client) = client else {
+            return MonReply::Error(format!("the leading monitor {address} is unreachable"))
+                .to_message();
+        };
+        match tokio::time::timeout(Duration::from_secs(15), client.call(&message)).await {
+            Ok(Ok(reply)) => reply,
+            _ => {
+                *self.forward.lock().await = None;
+                MonReply::Error(format!("the leading monitor {address} did not answer"))
+                    .to_message()
+            }
         }
     }
 
     async fn handle(self: Arc<Self>, message: Message) -> Option<Message> {
+        if let Message::Raft { pg, message } = &message {
+            if *pg == MON_GROUP
+                && let Some(message) = decode_message(message)
+            {
+                let _ = self.events.send(Event::Raft(message));
+            }
+            return None;
+        }
         let request = match decode::<MonRequest>(&message) {
             Ok(request) => request,
             Err(error) => return Some(MonReply::Error(error).to_message()),
         };
+        if let MonRequest::GetMap { after, wait_ms } = request {
+            let mut maps = self.maps.subscribe();
+            let newer = |map: &Arc<ClusterMap>| after.is_none_or(|after| map.epoch > after);
+            let wait = Duration::from_millis(wait_ms).min(MAP_WAIT_MAX);
+            let found = tokio::time::timeout(wait, maps.wait_for(newer)).await;
+            let reply = match found {
+                Ok(Ok(map)) => MonReply::Map(Some((**map).clone())),
+                _ => {
+                    let map = self.map();
+                    MonReply::Map(newer(&map).then(|| (*map).clone()))
+                }
+            };
+            return Some(reply.to_message());
+        }
+        // Everything else is the leader's.
+        let Some(leader) = self.await_leader().await else {
+            return Some(
+                MonReply::Error("no monitor leads: the monitors have no quorum".to_string())
+                    .to_message(),
+            );
+        };
+        if leader != self.rank {
+            return Some(self.forward(leader, message).await);
+        }
         let reply = match request {
             MonRequest::Boot {
                 uuid,
@@ -201,74 +268,66 @@ impl Monitor {
                 address,
                 weight,
             } => {
-                let mut state = self.lock();
                 let command = Command::OsdBoot {
                     uuid: uuid.clone(),
                     host,
                     address,
                     weight,
                 };
-                match self.apply(&mut state, &command) {
+                match self.propose(command).await {
                     MonReply::Applied { .. } => {
-                        let osd = state
+                        let mut state = self.lock();
+                        match state
                             .map
                             .osds
                             .values()
                             .find(|osd| osd.uuid == uuid)
                             .map(|osd| osd.id)
-                            .expect("a booted osd is in the map");
-                        state.liveness.heartbeat(osd, Instant::now());
-                        MonReply::Booted {
-                            osd,
-                            map: state.map.clone(),
+                        {
+                            Some(osd) => {
+                                state.liveness.heartbeat(osd, Instant::now());
+                                MonReply::Booted {
+                                    osd,
+                                    map: state.map.clone(),
+                                }
+                            }
+                            None => MonReply::Error("the booted osd is not in the map".to_string()),
                         }
                     }
                     other => other,
                 }
             }
-            MonRequest::Heartbeat { osd, report } => self.heartbeat(osd, report),
-            MonRequest::GetMap { after, wait_ms } => {
-                let mut maps = self.maps.subscribe();
-                let newer = |map: &Arc<ClusterMap>| after.is_none_or(|after| map.epoch > after);
-                let wait = Duration::from_millis(wait_ms).min(MAP_WAIT_MAX);
-                let found = tokio::time::timeout(wait, maps.wait_for(newer)).await;
-                match found {
-                    Ok(Ok(map)) => MonReply::Map(Some((**map).clone())),
-                    _ => {
-                        let map = self.map();
-                        MonReply::Map(newer(&map).then(|| (*map).clone()))
-                    }
-                }
-            }
-            MonRequest::Command(command) => {
-                let mut state = self.lock();
-                self.apply(&mut state, &command)
-            }
+            MonRequest::Heartbeat { osd, report } => self.heartbeat(osd, report).await,
+            MonRequest::Command(command) => self.propose(command).await,
             MonRequest::Status => MonReply::Status(self.status()),
+            MonRequest::GetMap { .. } => unreachable!("answered above"),
         };
         Some(reply.to_message())
     }
 
-    fn heartbeat(&self, osd: OsdId, report: OsdReport) -> MonReply {
-        let mut state = self.lock();
-        let Some(entry) = state.map.osds.get(&osd).cloned() else {
-            return MonReply::Error(format!("{osd} is not in the map; boot first"));
+    async fn heartbeat(&self, osd: OsdId, report: OsdReport) -> MonReply {
+        let back_up = {
+            let mut state = self.lock();
+            let Some(entry) = state.map.osds.get(&osd).cloned() else {
+                return MonReply::Error(format!("{osd} is not in the map; boot first"));
+            };
+            let now = Instant::now();
+            state.liveness.heartbeat(osd, now);
+            let previous = state
+                .reports
+                .remove(&osd)
+                .map(|report| (report.at, report.report));
+            state.reports.insert(
+                osd,
+                Report {
+                    at: now,
+                    report,
+                    previous,
+                },
+            );
+            (!entry.up).then_some(entry)
         };
-        let now = Instant::now();
-        state.liveness.heartbeat(osd, now);
-        let previous = state
-            .reports
-            .remove(&osd)
-            .map(|report| (report.at, report.report));
-        state.reports.insert(
-            osd,
-            Report {
-                at: now,
-                report,
-                previous,
-            },
-        );
-        if !entry.up {
+        if let Some(entry) = back_up {
             // Back from down: marked up (and in) again, as a boot would.
             let command = Command::OsdBoot {
                 uuid: entry.uuid,
@@ -276,7 +335,7 @@ impl Monitor {
                 address: entry.address,
                 weight: entry.weight,
             };
-            if let MonReply::Error(error) = self.apply(&mut state, &command) {
+            if let MonReply::Error(error) = self.propose(command).await {
                 return MonReply::Error(error);
             }
         }
@@ -302,21 +361,42 @@ impl Monitor {
             }
             reports.push((osd, report.report.clone()));
         }
-        let address = self.address.get().cloned().unwrap_or_default();
         ClusterStatus {
             map: state.map.clone(),
-            monitors: vec![address.clone()],
-            leader: address,
+            monitors: self.peers.iter().map(ToString::to_string).collect(),
+            leader: self.address.to_string(),
             reports,
             ops_per_second: ops,
             bytes_per_second: bytes,
         }
     }
 
-    /// Marks OSDs down or out as their heartbeats stop.
-    fn check_liveness(&self) {
-        let mut state = self.lock();
-        for verdict in state.liveness.check(Instant::now()) {
+    /// The leader marks OSDs down or out as their heartbeats stop.
+    async fn check_liveness(&self) {
+        let verdicts = {
+            let mut state = self.lock();
+            let leads = self.is_leader();
+            if leads && !state.was_leader {
+                // A new leader gives every up OSD a grace from now to report in.
+                let now = Instant::now();
+                let up: Vec<OsdId> = state
+                    .map
+                    .osds
+                    .values()
+                    .filter(|o| o.up)
+                    .map(|o| o.id)
+                    .collect();
+                for osd in up {
+                    state.liveness.heartbeat(osd, now);
+                }
+            }
+            state.was_leader = leads;
+            if !leads {
+                return;
+            }
+            state.liveness.check(Instant::now())
+        };
+        for verdict in verdicts {
             let command = match verdict {
                 Verdict::Down(id) => {
                     tracing::warn!(%id, "no heartbeat within the grace: marking it down");
@@ -327,12 +407,11 @@ impl Monitor {
                     Command::OsdOut { id }
                 }
             };
-            if let MonReply::Error(error) = self.apply(&mut state, &command) {
+            if let MonReply::Error(error) = self.propose(command).await {
                 tracing::error!(%error, "cannot apply a liveness verdict");
             }
         }
     }
-
     fn render_metrics(&self) -> String {
         let state = self.lock();
         let map = &state.map;
@@ -389,49 +468,253 @@ impl Monitor {
     }
 }
 
-/// Starts a monitor: loads its map, listens, and checks liveness until dropped.
+/// The raft side of a monitor: owns the group, the journal and the proposals in flight.
+struct Core {
+    monitor: Arc<Monitor>,
+    raft: MultiRaft,
+    journal: Journal,
+    proposals: HashMap<u64, (u64, oneshot::Sender<MonReply>)>,
+    peers: HashMap<OsdId, mpsc::UnboundedSender<RaftMessage>>,
+    leader: watch::Sender<Option<usize>>,
+}
+
+impl Core {
+    fn send(&self, to: OsdId, message: RaftMessage) {
+        if let Some(peer) = self.peers.get(&to) {
+            let _ = peer.send(message);
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Raft(message) => self.raft.step(MON_GROUP, message),
+            Event::Propose { command, reply } => {
+                let data = serde_json::to_vec(&command).expect("commands encode");
+                match self.raft.propose(MON_GROUP, data) {
+                    Ok(()) => {
+                        let index = self.raft.last_index(MON_GROUP).unwrap_or(0);
+                        let term = self.raft.term(MON_GROUP).unwrap_or(0);
+                        self.proposals.insert(index, (term, reply));
+                    }
+                    Err(error) => {
+                        let _ = reply.send(MonReply::Error(format!(
+                            "the monitor cannot propose: {error}"
+                        )));
+                    }
+                }
+            }
+        }
+    }
+
+    fn drive(&mut self) -> std::io::Result<()> {
+        let mut actions = Vec::new();
+        self.raft.collect(&mut actions);
+        for action in actions {
+            match action {
+                Action::Send { to, message, .. } => self.send(to, message),
+                Action::Persist {
+                    entries,
+                    hard_state,
+                    number,
+                    then_send,
+                    ..
+                } => {
+                    self.journal.append(&entries, hard_state.as_ref())?;
+                    self.raft.on_persisted(MON_GROUP, number);
+                    for (to, message) in then_send {
+                        self.send(to, message);
+                    }
+                }
+                Action::Apply { entries, .. } => {
+                    for entry in entries {
+                        let proposal = self.proposals.remove(&entry.index);
+                        if entry.data.is_empty() {
+                            continue;
+                        }
+                        let reply = match serde_json::from_slice::<Command>(&entry.data) {
+                            Ok(command) => self.apply(&command),
+                            Err(error) => {
+                                MonReply::Error(format!("undecodable command in the log: {error}"))
+                            }
+                        };
+                        if let Some((term, answer)) = proposal {
+                            let reply = if term == entry.term {
+                                reply
+                            } else {
+                                MonReply::Error(
+                                    "leadership changed; the change was not made".to_string(),
+                                )
+                            };
+                            let _ = answer.send(reply);
+                        }
+                    }
+                }
+            }
+        }
+        let leader = self.raft.leader(MON_GROUP).map(|osd| osd.0 as usize);
+        self.leader.send_if_modified(|current| {
+            let changed = *current != leader;
+            *current = leader;
+            changed
+        });
+        Ok(())
+    }
+
+    fn apply(&self, command: &Command) -> MonReply {
+        let mut state = self.monitor.lock();
+        match state.map.apply(command) {
+            Ok(changed) => {
+                if changed {
+                    tracing::info!(epoch = state.map.epoch.0, ?command, "map changed");
+                    self.monitor.maps.send_replace(Arc::new(state.map.clone()));
+                }
+                MonReply::Applied {
+                    changed,
+                    epoch: state.map.epoch,
+                }
+            }
+            Err(error) => MonReply::Error(error.to_string()),
+        }
+    }
+}
+
+/// A peer monitor's sending task: connects on demand and drops what it cannot deliver.
+fn spawn_peer(address: SocketAddr) -> mpsc::UnboundedSender<RaftMessage> {
+    let (queue, mut messages) = mpsc::unbounded_channel::<RaftMessage>();
+    tokio::spawn(async move {
+        let mut connection: Option<Client> = None;
+        let mut failed_at: Option<tokio::time::Instant> = None;
+        while let Some(message) = messages.recv().await {
+            if connection.is_none() {
+                if failed_at.is_some_and(|at| at.elapsed() < Duration::from_millis(200)) {
+                    continue;
+                }
+                match tokio::time::timeout(Duration::from_secs(1), Client::connect(address)).await {
+                    Ok(Ok(client)) => connection = Some(client),
+                    _ => {
+                        failed_at = Some(tokio::time::Instant::now());
+                        continue;
+                    }
+                }
+            }
+            let wire = Message::Raft {
+                pg: MON_GROUP,
+                message: encode_message(&message),
+            };
+            if connection.as_ref().is_some_and(|c| c.send(&wire).is_err()) {
+                connection = None;
+            }
+        }
+    });
+    queue
+}
+
+/// Starts a monitor: replays its journal, listens, and joins the monitors' raft group.
 pub async fn start(config: MonConfig) -> Result<Running, MonError> {
     std::fs::create_dir_all(&config.data_dir).map_err(io_error(&config.data_dir))?;
-    let map_path = config.data_dir.join(MAP_FILE);
-    let map = load_map(&map_path)?;
-    let mut liveness = Liveness::new(config.grace, config.down_out_interval);
-    let now = Instant::now();
-    // OSDs that were up when the monitor stopped get a grace from now to report in.
-    for osd in map.osds.values().filter(|osd| osd.up) {
-        liveness.heartbeat(osd.id, now);
+    let mut peers = config.peers.clone();
+    if peers.is_empty() {
+        peers.push(config.listen);
     }
-    let listener_address = config.listen;
-    let (maps, _) = watch::channel(Arc::new(map.clone()));
+    peers.sort();
+    peers.dedup();
+    let rank = peers
+        .iter()
+        .position(|peer| *peer == config.listen)
+        .ok_or_else(|| {
+            MonError::Config(format!(
+                "--listen {} is not one of the monitors given with --peers ({})",
+                config.listen,
+                peers
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ))
+        })?;
+    let journal_path = config.data_dir.join(JOURNAL_FILE);
+    let (journal, restored): (Journal, Restored) =
+        Journal::open(&journal_path).map_err(io_error(&journal_path))?;
+    tracing::info!(entries = restored.entries.len(), "journal replayed");
+    let members: Vec<OsdId> = (0..peers.len()).map(|rank| OsdId(rank as u32)).collect();
+    let seed = u64::from(std::process::id())
+        ^ (Instant::now().elapsed().as_nanos() as u64)
+        ^ ((rank as u64) << 32);
+    let mut raft = MultiRaft::new(OsdId(rank as u32), seed);
+    raft.create_group(MON_GROUP, &members, restored)
+        .map_err(|error| MonError::Config(format!("the journal does not restore: {error}")))?;
+
+    let (events, mut inbox) = mpsc::unbounded_channel();
+    let (leader_sender, leader) = watch::channel(None);
+    let (maps, _) = watch::channel(Arc::new(ClusterMap::new()));
     let monitor = Arc::new(Monitor {
         state: Mutex::new(State {
-            map,
-            liveness,
+            map: ClusterMap::new(),
+            liveness: Liveness::new(config.grace, config.down_out_interval),
             reports: BTreeMap::new(),
+            was_leader: false,
         }),
         maps,
-        map_path,
-        address: std::sync::OnceLock::new(),
+        events,
+        leader,
+        rank,
+        peers: peers.clone(),
+        address: config.listen,
+        forward: tokio::sync::Mutex::new(None),
     });
     let handler_monitor = monitor.clone();
     let handler: Handler =
         Arc::new(move |message| Box::pin(handler_monitor.clone().handle(message)));
-    let server = Server::bind(listener_address, handler)
+    let server = Server::bind(config.listen, handler)
         .await
         .map_err(|source| MonError::Listen {
-            address: listener_address,
+            address: config.listen,
             source,
         })?;
     let address = server.address();
-    // The address is known only once bound (port 0 picks one).
-    let _ = monitor.address.set(address.to_string());
-    let checker = monitor.clone();
+
+    let mut core = Core {
+        monitor: monitor.clone(),
+        raft,
+        journal,
+        proposals: HashMap::new(),
+        peers: peers
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != rank)
+            .map(|(r, address)| (OsdId(r as u32), spawn_peer(*address)))
+            .collect(),
+        leader: leader_sender,
+    };
+    let journal_display = journal_path.display().to_string();
     let mut tasks = vec![tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(TICK);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                event = inbox.recv() => {
+                    let Some(event) = event else { return };
+                    core.handle(event);
+                    while let Ok(event) = inbox.try_recv() {
+                        core.handle(event);
+                    }
+                }
+                _ = ticker.tick() => core.raft.tick(),
+            }
+            if let Err(error) = core.drive() {
+                tracing::error!(journal = %journal_display, %error, "cannot write the journal; the monitor stops");
+                std::process::exit(1);
+            }
+        }
+    })];
+    let checker = monitor.clone();
+    tasks.push(tokio::spawn(async move {
         let mut interval = tokio::time::interval(CHECK_INTERVAL);
         loop {
             interval.tick().await;
-            checker.check_liveness();
+            checker.check_liveness().await;
         }
-    })];
+    }));
     let mut metrics_address = None;
     if let Some(address) = config.metrics_addr {
         let rendering = monitor.clone();
@@ -441,7 +724,7 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
         metrics_address = Some(bound);
         tasks.push(task);
     }
-    tracing::info!(%address, epoch = monitor.map().epoch.0, "monitor started");
+    tracing::info!(%address, rank, monitors = peers.len(), "monitor started");
     Ok(Running {
         monitor,
         address,

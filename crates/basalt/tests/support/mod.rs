@@ -270,8 +270,10 @@ pub fn free_port() -> u16 {
 /// a directory; every process is killed when dropped.
 pub struct ClusterProcesses {
     pub dir: PathBuf,
+    /// Every monitor's address, comma-separated (as `--mon` takes them).
     pub mon_address: String,
-    mon: Option<Child>,
+    mon_addresses: Vec<String>,
+    mons: Vec<Option<Child>>,
     /// Each OSD process (by the test's numbering) and the OSD id it booted as.
     osds: Vec<(Option<Child>, Option<u32>)>,
     osd_extra: Vec<Vec<String>>,
@@ -280,10 +282,19 @@ pub struct ClusterProcesses {
 impl ClusterProcesses {
     /// Starts a monitor and `osds` OSDs with 256 MiB devices, and waits until all are up.
     pub fn start(dir: &Path, osds: usize) -> Self {
+        Self::start_with_mons(dir, osds, 1)
+    }
+
+    /// The same with `mons` monitors.
+    pub fn start_with_mons(dir: &Path, osds: usize, mons: usize) -> Self {
+        let mon_addresses: Vec<String> = (0..mons)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect();
         let mut cluster = Self {
             dir: dir.to_path_buf(),
-            mon_address: format!("127.0.0.1:{}", free_port()),
-            mon: None,
+            mon_address: mon_addresses.join(","),
+            mons: (0..mons).map(|_| None).collect(),
+            mon_addresses,
             osds: (0..osds).map(|_| (None, None)).collect(),
             osd_extra: vec![Vec::new(); osds],
         };
@@ -307,22 +318,38 @@ impl ClusterProcesses {
         std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default()
     }
 
+    /// Starts every monitor.
     pub fn start_mon(&mut self) {
+        for n in 0..self.mons.len() {
+            self.start_mon_n(n);
+        }
+    }
+
+    /// Starts monitor `n`.
+    pub fn start_mon_n(&mut self, n: usize) {
+        let name = format!("mon.{n}");
         let child = basalt()
-            .args([
-                "mon",
-                "--grace",
-                "3",
-                "--listen",
-                &self.mon_address,
-                "--data-dir",
-            ])
-            .arg(self.dir.join("mon"))
-            .stdout(self.log("mon"))
-            .stderr(self.log("mon"))
+            .args(["mon", "--grace", "3", "--listen", &self.mon_addresses[n]])
+            .args(["--peers", &self.mon_address, "--data-dir"])
+            .arg(self.dir.join(&name))
+            .stdout(self.log(&name))
+            .stderr(self.log(&name))
             .spawn()
             .expect("spawn basalt mon");
-        self.mon = Some(child);
+        self.mons[n] = Some(child);
+    }
+
+    /// The monitors' addresses.
+    pub fn mon_addresses(&self) -> &[String] {
+        &self.mon_addresses
+    }
+
+    /// Kills monitor `n` (SIGKILL).
+    pub fn kill_mon_n(&mut self, n: usize) {
+        if let Some(mut child) = self.mons[n].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     /// Extra arguments for OSD `n` (from its next start).
@@ -390,10 +417,10 @@ impl ClusterProcesses {
         }
     }
 
+    /// Kills every monitor (SIGKILL).
     pub fn kill_mon(&mut self) {
-        if let Some(mut child) = self.mon.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        for n in 0..self.mons.len() {
+            self.kill_mon_n(n);
         }
     }
 
