@@ -702,7 +702,39 @@ impl Core {
             }
         }
         self.actions = actions;
+        self.fail_deposed();
         Ok(())
+    }
+
+    /// Answers the requests waiting on PGs this replica no longer leads, so that their
+    /// clients go to the new leader at once instead of timing out. A write answered so may
+    /// still commit (if the new leader had it): a retry then writes the same bytes again,
+    /// after it in the log.
+    fn fail_deposed(&mut self) {
+        let raft = &self.raft;
+        let deposed = |pg: &PgId| !raft.is_leader(*pg);
+        if self.proposals.keys().any(|(pg, _)| deposed(pg)) {
+            let keys: Vec<(PgId, u64)> = self
+                .proposals
+                .keys()
+                .filter(|(pg, _)| deposed(pg))
+                .copied()
+                .collect();
+            for key in keys {
+                if let Some(proposal) = self.proposals.remove(&key) {
+                    let leader = raft.leader(key.0).filter(|leader| *leader != self.id);
+                    let _ = proposal.reply.send(reply(Status::NotLeader { leader }));
+                }
+            }
+        }
+        for (pg, waiting) in &mut self.reads {
+            if !waiting.is_empty() && !raft.is_leader(*pg) {
+                let leader = raft.leader(*pg).filter(|leader| *leader != self.id);
+                for (_, read) in waiting.drain(..) {
+                    let _ = read.reply.send(reply(Status::NotLeader { leader }));
+                }
+            }
+        }
     }
 
     fn update_report(&self, log: LogStats, capacity_bytes: u64, used_before: u64) {

@@ -277,6 +277,7 @@ pub struct ClusterProcesses {
     /// Each OSD process (by the test's numbering) and the OSD id it booted as.
     osds: Vec<(Option<Child>, Option<u32>)>,
     osd_extra: Vec<Vec<String>>,
+    osd_netns: Vec<Option<String>>,
 }
 
 impl ClusterProcesses {
@@ -290,19 +291,32 @@ impl ClusterProcesses {
         let mon_addresses: Vec<String> = (0..mons)
             .map(|_| format!("127.0.0.1:{}", free_port()))
             .collect();
+        Self::start_custom(dir, mon_addresses, vec![(None, Vec::new()); osds])
+    }
+
+    /// Monitors at these addresses, and one OSD per entry of `osds`: the network namespace
+    /// it runs in (if any) and its extra arguments.
+    pub fn start_custom(
+        dir: &Path,
+        mon_addresses: Vec<String>,
+        osds: Vec<(Option<String>, Vec<String>)>,
+    ) -> Self {
+        let count = osds.len();
+        let (osd_netns, osd_extra) = osds.into_iter().unzip();
         let mut cluster = Self {
             dir: dir.to_path_buf(),
             mon_address: mon_addresses.join(","),
-            mons: (0..mons).map(|_| None).collect(),
+            mons: mon_addresses.iter().map(|_| None).collect(),
             mon_addresses,
-            osds: (0..osds).map(|_| (None, None)).collect(),
-            osd_extra: vec![Vec::new(); osds],
+            osds: (0..count).map(|_| (None, None)).collect(),
+            osd_extra,
+            osd_netns,
         };
         cluster.start_mon();
-        for n in 0..osds {
+        for n in 0..count {
             cluster.start_osd(n);
         }
-        cluster.wait_osds_up(osds);
+        cluster.wait_osds_up(count);
         cluster
     }
 
@@ -360,7 +374,18 @@ impl ClusterProcesses {
     pub fn start_osd(&mut self, n: usize) {
         let name = format!("osd.{n}");
         let before = self.log_text(&name).len();
-        let child = basalt()
+        // An OSD in a network namespace runs under `ip netns exec`, which execs it.
+        let mut command = match &self.osd_netns[n] {
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command
+                    .args(["netns", "exec", netns])
+                    .arg(env!("CARGO_BIN_EXE_basalt"));
+                command
+            }
+            None => basalt(),
+        };
+        let child = command
             .args([
                 "osd",
                 "--device-size",
