@@ -155,6 +155,10 @@ struct Counters {
     writes: AtomicU64,
     read_bytes: AtomicU64,
     write_bytes: AtomicU64,
+    /// Nanoseconds from a write's arrival to its answer, summed.
+    write_nanos: AtomicU64,
+    /// Nanoseconds from a read's arrival to its answer, summed.
+    read_nanos: AtomicU64,
 }
 
 /// What the core hears.
@@ -194,11 +198,13 @@ struct PendingPersist {
 
 struct Proposal {
     term: u64,
+    arrived: std::time::Instant,
     reply: oneshot::Sender<Message>,
     write_bytes: u64,
 }
 
 struct ReadRequest {
+    arrived: std::time::Instant,
     object: ObjectKey,
     offset_bytes: u64,
     len_bytes: u64,
@@ -243,6 +249,10 @@ struct Core {
     counters: Arc<Counters>,
     report: Arc<Mutex<OsdReport>>,
     actions: Vec<Action>,
+    /// The last hard state handed to the log, per PG.
+    hard_states: HashMap<PgId, basalt_replication::HardState>,
+    /// PGs whose last hard state (a commit index change) is not written yet.
+    lazy_commit: std::collections::HashSet<PgId>,
 }
 
 impl Core {
@@ -435,6 +445,7 @@ impl Core {
                     return;
                 };
                 let read = ReadRequest {
+                    arrived: std::time::Instant::now(),
                     object,
                     offset_bytes: u64::from(offset_bytes),
                     len_bytes: u64::from(len_bytes),
@@ -471,6 +482,7 @@ impl Core {
                     (pg, index),
                     Proposal {
                         term,
+                        arrived: std::time::Instant::now(),
                         reply: reply_to,
                         write_bytes,
                     },
@@ -573,6 +585,9 @@ impl Core {
                         counters
                             .read_bytes
                             .fetch_add(data.len() as u64, Ordering::Relaxed);
+                        counters
+                            .read_nanos
+                            .fetch_add(read.arrived.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         Message::Reply {
                             status: Status::Ok,
                             data,
@@ -617,6 +632,10 @@ impl Core {
                         self.counters
                             .write_bytes
                             .fetch_add(proposal.write_bytes, Ordering::Relaxed);
+                        self.counters.write_nanos.fetch_add(
+                            proposal.arrived.elapsed().as_nanos() as u64,
+                            Ordering::Relaxed,
+                        );
                     }
                     reply(Status::Ok)
                 } else {
@@ -649,6 +668,34 @@ impl Core {
         number: u64,
         then_send: Vec<(OsdId, RaftMessage)>,
     ) {
+        // A hard state that changes only the commit index is not written on its own: raft
+        // needs term and vote durable, while a lost commit index is learnt again from the
+        // leader. It rides along with the PG's next entries instead, which saves a device
+        // write per client write on every replica. The persist still completes in order
+        // behind the ones before it.
+        let hard_state = match hard_state {
+            Some(hs) if entries.is_empty() => {
+                let known = self.hard_states.get(&pg);
+                if known.is_some_and(|k| k.term == hs.term && k.vote == hs.vote) {
+                    self.hard_states.insert(pg, hs);
+                    self.lazy_commit.insert(pg);
+                    None
+                } else {
+                    self.hard_states.insert(pg, hs.clone());
+                    self.lazy_commit.remove(&pg);
+                    Some(hs)
+                }
+            }
+            Some(hs) => {
+                self.hard_states.insert(pg, hs.clone());
+                self.lazy_commit.remove(&pg);
+                Some(hs)
+            }
+            None if !entries.is_empty() && self.lazy_commit.remove(&pg) => {
+                self.hard_states.get(&pg).cloned()
+            }
+            None => None,
+        };
         let log_entries = pg_log::to_log_entries(pg, &entries, hard_state.as_ref());
         let mut appends = Vec::new();
         let mut chunk: Vec<batch::Entry> = Vec::new();
@@ -1091,6 +1138,18 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 "Bytes written by clients.",
                 load(&counters.write_bytes),
             );
+            e.single(
+                "basalt_osd_write_seconds_total",
+                "counter",
+                "Time from the arrival of client writes to their answers, summed.",
+                load(&counters.write_nanos) / 1e9,
+            );
+            e.single(
+                "basalt_osd_read_seconds_total",
+                "counter",
+                "Time from the arrival of client reads to their answers, summed.",
+                load(&counters.read_nanos) / 1e9,
+            );
             let stats = log.stats();
             e.single(
                 "basalt_osd_log_batches_total",
@@ -1184,6 +1243,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         counters,
         report,
         actions: Vec::new(),
+        hard_states: HashMap::new(),
+        lazy_commit: std::collections::HashSet::new(),
     };
     core.adopt_map(Arc::new(map));
     let core = tokio::spawn(async move {
