@@ -38,7 +38,7 @@ use basalt_replication::{
 };
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX};
 use basalt_store::extent_map::Piece;
-use basalt_store::object_op::{ObjectOp, PgObjects, kind};
+use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
 use basalt_wire::metrics::{self, Exposition};
 use basalt_wire::tcp::{Client, Handler, Server};
 use basalt_wire::{Message, Status};
@@ -170,12 +170,13 @@ enum Event {
     },
     /// A raft message from a peer.
     Raft { pg: PgId, message: RaftMessage },
-    /// A persist is durable; its write payloads lie at these device offsets.
+    /// A persist is durable; its write payloads (raft index, term) lie at these device
+    /// offsets.
     Persisted {
         pg: PgId,
         number: u64,
         then_send: Vec<(OsdId, RaftMessage)>,
-        payloads: Vec<(u64, u64)>,
+        payloads: Vec<(u64, u64, u64)>,
     },
     /// The log device failed: stop.
     Failed(String),
@@ -187,13 +188,16 @@ enum Event {
 type AppendFuture =
     std::pin::Pin<Box<dyn Future<Output = Result<Appended, LogDeviceError>> + Send>>;
 
+/// An object write in an append: raft index, term, position among the append's entries.
+type WriteAt = (u64, u64, usize);
+
 /// One persist on its way to the device: its appends, in order.
 struct PendingPersist {
     pg: PgId,
     number: u64,
     then_send: Vec<(OsdId, RaftMessage)>,
     /// Each append's completion, and (raft index, position in the append) of its writes.
-    appends: Vec<(AppendFuture, Vec<(u64, usize)>)>,
+    appends: Vec<(AppendFuture, Vec<WriteAt>)>,
 }
 
 struct Proposal {
@@ -309,8 +313,17 @@ impl Core {
                 then_send,
                 payloads,
             } => {
-                for (index, offset) in payloads {
+                for (index, term, offset) in payloads {
                     self.payloads.insert((pg, index), offset);
+                    // Memory keeps where the payload is, not the payload.
+                    self.raft.replace_entry_data(pg, index, term, |data| {
+                        match ObjectOp::decode(data).ok()? {
+                            write @ ObjectOp::Write { .. } => {
+                                Some(PayloadRef::from_meta(&write.meta(), offset).encode())
+                            }
+                            ObjectOp::Discard { .. } => None,
+                        }
+                    });
                 }
                 self.raft.on_persisted(pg, number);
                 for (to, message) in then_send {
@@ -608,9 +621,15 @@ impl Core {
     ) -> Result<(), OsdError> {
         for entry in entries {
             self.applied.insert(pg, entry.index);
-            let op = (entry.get_entry_type() == EntryType::EntryNormal && !entry.data.is_empty())
+            let normal = entry.get_entry_type() == EntryType::EntryNormal && !entry.data.is_empty();
+            let reference = normal.then(|| PayloadRef::decode(&entry.data)).flatten();
+            let op = (normal && reference.is_none())
                 .then(|| ObjectOp::decode(&entry.data).ok())
                 .flatten();
+            if let Some(reference) = &reference {
+                self.payloads.remove(&(pg, entry.index));
+                self.objects.entry(pg).or_default().apply_ref(reference);
+            }
             if let Some(op) = &op {
                 let offset = match op {
                     ObjectOp::Write { .. } => {
@@ -625,9 +644,11 @@ impl Core {
                 };
                 self.objects.entry(pg).or_default().apply(op, offset);
             }
+            let is_write =
+                reference.is_some() || op.as_ref().is_some_and(|op| op.kind() == kind::WRITE);
             if let Some(proposal) = self.proposals.remove(&(pg, entry.index)) {
                 let answer = if proposal.term == entry.term {
-                    if op.as_ref().is_some_and(|op| op.kind() == kind::WRITE) {
+                    if is_write {
                         self.counters.writes.fetch_add(1, Ordering::Relaxed);
                         self.counters
                             .write_bytes
@@ -699,9 +720,9 @@ impl Core {
         let log_entries = pg_log::to_log_entries(pg, &entries, hard_state.as_ref());
         let mut appends = Vec::new();
         let mut chunk: Vec<batch::Entry> = Vec::new();
-        let mut writes: Vec<(u64, usize)> = Vec::new();
+        let mut writes: Vec<WriteAt> = Vec::new();
         let flush = |chunk: &mut Vec<batch::Entry>,
-                     writes: &mut Vec<(u64, usize)>,
+                     writes: &mut Vec<WriteAt>,
                      appends: &mut Vec<_>,
                      log: &LogDevice| {
             if !chunk.is_empty() {
@@ -719,7 +740,7 @@ impl Core {
             }
             let last = chunk.last().expect("just pushed");
             if last.kind == kind::WRITE {
-                writes.push((last.index, chunk.len() - 1));
+                writes.push((last.index, last.term, chunk.len() - 1));
             }
         }
         flush(&mut chunk, &mut writes, &mut appends, &self.log);
@@ -1046,11 +1067,11 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             let mut payloads = Vec::new();
             for (append, writes) in persist.appends {
                 match append.await {
-                    Ok(appended) => payloads.extend(
-                        writes
-                            .into_iter()
-                            .map(|(index, at)| (index, appended.data_offsets_bytes[at])),
-                    ),
+                    Ok(appended) => {
+                        payloads.extend(writes.into_iter().map(|(index, term, at)| {
+                            (index, term, appended.data_offsets_bytes[at])
+                        }))
+                    }
                     Err(error) => {
                         let _ = completion_events.send(Event::Failed(error.to_string()));
                         return;
@@ -1219,16 +1240,32 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         tasks.push(task);
     }
 
+    let seed = u64::from_le_bytes(
+        random_uuid().map_err(io_error(&path))?[..8]
+            .try_into()
+            .expect("8 bytes"),
+    );
+    let mut raft = MultiRaft::new(id, seed);
+    // Entries keep a reference to their payload once durable; sending one to a follower
+    // reads the payload back.
+    let payload_file = std::fs::File::open(&path).map_err(io_error(&path))?;
+    let device_path = path.display().to_string();
+    raft.set_hydrate(Arc::new(move |data: &[u8]| {
+        use std::os::unix::fs::FileExt;
+        let reference = PayloadRef::decode(data)?;
+        let mut payload = vec![0u8; reference.len_bytes as usize];
+        if let Err(error) = payload_file.read_exact_at(&mut payload, reference.device_offset_bytes)
+        {
+            // Raft cannot be told that an entry is unreadable; stop rather than send a
+            // wrong one (a restart replays).
+            tracing::error!(device = %device_path, %error, "cannot read a payload back");
+            std::process::exit(1);
+        }
+        Some(reference.with_payload(payload).encode())
+    }));
     let mut core = Core {
         id,
-        raft: MultiRaft::new(
-            id,
-            u64::from_le_bytes(
-                random_uuid().map_err(io_error(&path))?[..8]
-                    .try_into()
-                    .expect("8 bytes"),
-            ),
-        ),
+        raft,
         map: Arc::new(ClusterMap::new()),
         restored: groups,
         objects: HashMap::new(),

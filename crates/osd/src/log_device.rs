@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use basalt_common::Lsn;
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
-use basalt_store::log::{LogWriter, Replayed, replay};
+use basalt_store::log::{LogWriter, Replayed, replay_trimmed};
+use basalt_store::object_op::kind;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
@@ -287,7 +288,8 @@ impl Drop for LogDevice {
     }
 }
 
-/// Replays the log region, on the blocking pool: replay reads a header, then a batch, at a
+/// Replays the log region, on the blocking pool (object write payloads are left on the
+/// device; their entries keep where they lie): replay reads a header, then a batch, at a
 /// time, through positioned reads of the file (buffered reads see what O_DIRECT wrote,
 /// since direct writes invalidate the page cache over their range).
 async fn read_log(path: &Path, superblock: Superblock) -> std::io::Result<Replayed> {
@@ -299,11 +301,17 @@ async fn read_log(path: &Path, superblock: Superblock) -> std::io::Result<Replay
             file.read_exact_at(&mut bytes, offset)?;
             Ok(bytes)
         };
-        replay(
+        // An object write's payload stays on the device: replay keeps where it lies.
+        replay_trimmed(
             read,
             superblock.log_start_bytes,
             superblock.first_lsn,
             superblock.log_end_bytes,
+            |entry| {
+                if entry.kind == kind::WRITE {
+                    entry.data = Vec::new();
+                }
+            },
         )
     })
     .await

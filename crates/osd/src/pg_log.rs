@@ -14,7 +14,7 @@ use basalt_common::PgId;
 use basalt_replication::{EntryType, HardState, RaftEntry, Restored};
 use basalt_store::batch::{Entry, META_SIZE};
 use basalt_store::log::ReplayedBatch;
-use basalt_store::object_op::{ObjectOp, kind};
+use basalt_store::object_op::{ObjectOp, PayloadRef, kind};
 
 /// Kind of a log entry holding a PG's raft hard state.
 pub const HARD_STATE: u8 = 16;
@@ -123,7 +123,19 @@ pub fn restore(batches: &[ReplayedBatch]) -> Result<RestoredPgs, PgLogError> {
                 group.add(&[], Some(&hard_state));
                 continue;
             }
-            let raft_entry = from_log_entry(entry)?;
+            let raft_entry = if entry.kind == kind::WRITE && entry.data.is_empty() {
+                // Replay left the payload on the device: the entry refers to it.
+                RaftEntry {
+                    term: entry.term,
+                    index: entry.index,
+                    data: PayloadRef::from_meta(&entry.meta, *data_offset)
+                        .encode()
+                        .into(),
+                    ..RaftEntry::default()
+                }
+            } else {
+                from_log_entry(entry)?
+            };
             if entry.kind == kind::WRITE {
                 restored
                     .payloads

@@ -10,6 +10,8 @@
 //! messages leave) only after the caller reported its entries durable.
 
 pub mod multi_raft;
+pub mod storage;
 
 pub use multi_raft::{Action, MultiRaft, ProposeError, Restored, decode_message, encode_message};
 pub use raft::eraftpb::{Entry as RaftEntry, EntryType, HardState, Message as RaftMessage};
+pub use storage::{Hydrate, PgStorage};

@@ -1,17 +1,20 @@
 //! Every PG replica of one OSD, each a raft-rs `RawNode`, behind one sans-IO interface.
 //!
-//! Raft ids are OSD ids plus one (raft reserves 0). Each group keeps its log in a raft-rs
-//! `MemStorage` mirror: entries go there as soon as raft hands them out (raft must be able to
+//! Raft ids are OSD ids plus one (raft reserves 0). Each group keeps its log in a
+//! [`PgStorage`] mirror: entries go there as soon as raft hands them out (raft must be able to
 //! read them back), and are reported durable later with [`MultiRaft::on_persisted`], which is
 //! when the group's acknowledgements may leave (`advance_append_async` and
-//! `on_persist_ready`). Many groups' persists can thus share one device write.
+//! `on_persist_ready`). Many groups' persists can thus share one device write. Once durable,
+//! an entry's payload can be swapped for a reference to the device
+//! ([`MultiRaft::replace_entry_data`]).
 
 use std::collections::BTreeMap;
 
 use basalt_common::{OsdId, PgId};
 use raft::eraftpb::{ConfState, Entry, HardState, Message};
-use raft::storage::MemStorage;
 use raft::{Config, RawNode, StateRole};
+
+use crate::storage::{Hydrate, PgStorage};
 
 /// Ticks without a leader's message before a follower campaigns.
 pub const ELECTION_TICKS: usize = 10;
@@ -112,7 +115,7 @@ pub enum ProposeError {
 }
 
 struct Group {
-    node: RawNode<MemStorage>,
+    node: RawNode<PgStorage>,
 }
 
 /// Encodes a raft message for the network.
@@ -136,6 +139,8 @@ pub struct MultiRaft {
     logger: slog::Logger,
     /// Draws election timeouts (see [`MultiRaft::draw_election_timeouts`]).
     rng: u64,
+    /// Restores payloads that entries refer to, for groups created from now on.
+    hydrate: Option<Hydrate>,
 }
 
 fn raft_id(osd: OsdId) -> u64 {
@@ -157,6 +162,27 @@ impl MultiRaft {
             groups: BTreeMap::new(),
             logger,
             rng: seed,
+            hydrate: None,
+        }
+    }
+
+    /// How groups created from now on restore an entry's payload from a reference to the
+    /// device before sending it (see [`PgStorage`]).
+    pub fn set_hydrate(&mut self, hydrate: Hydrate) {
+        self.hydrate = Some(hydrate);
+    }
+
+    /// Replaces the data of entry `index` of `pg`, if it is still of `term` (see
+    /// [`PgStorage::replace_data`]).
+    pub fn replace_entry_data(
+        &mut self,
+        pg: PgId,
+        index: u64,
+        term: u64,
+        replace: impl FnOnce(&[u8]) -> Option<Vec<u8>>,
+    ) {
+        if let Some(group) = self.groups.get_mut(&pg) {
+            group.node.mut_store().replace_data(index, term, replace);
         }
     }
 
@@ -186,14 +212,9 @@ impl MultiRaft {
         restored: Restored,
     ) -> Result<(), raft::Error> {
         let voters: Vec<u64> = members.iter().map(|osd| raft_id(*osd)).collect();
-        let storage = MemStorage::new_with_conf_state(ConfState::from((voters, vec![])));
-        {
-            let mut core = storage.wl();
-            if !restored.entries.is_empty() {
-                core.append(&restored.entries)?;
-            }
-            core.set_hardstate(restored.hard_state);
-        }
+        let mut storage = PgStorage::new(ConfState::from((voters, vec![])), self.hydrate.clone());
+        storage.append(&restored.entries)?;
+        storage.set_hard_state(restored.hard_state);
         let config = Config {
             id: raft_id(self.osd),
             election_tick: ELECTION_TICKS,
@@ -335,15 +356,13 @@ impl MultiRaft {
                 .map(|message| (osd_of(message.to), message))
                 .collect();
             if !entries.is_empty() || hard_state.is_some() || !then_send.is_empty() {
-                let mut core = group.node.store().wl();
-                if !entries.is_empty() {
-                    core.append(&entries)
-                        .expect("raft hands out entries that follow the log");
-                }
+                let store = group.node.mut_store();
+                store
+                    .append(&entries)
+                    .expect("raft hands out entries that follow the log");
                 if let Some(hard_state) = &hard_state {
-                    core.set_hardstate(hard_state.clone());
+                    store.set_hard_state(hard_state.clone());
                 }
-                drop(core);
                 actions.push(Action::Persist {
                     pg,
                     entries,

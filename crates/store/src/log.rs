@@ -118,10 +118,28 @@ pub struct Replayed {
 /// `end_offset_bytes`. `read(offset, len)` reads from the device; its errors (a failing
 /// disk) abort replay, since they say nothing about where the log ends.
 pub fn replay<E>(
+    read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    start_offset_bytes: u64,
+    first_lsn: Lsn,
+    end_offset_bytes: u64,
+) -> Result<Replayed, E> {
+    replay_trimmed(
+        read,
+        start_offset_bytes,
+        first_lsn,
+        end_offset_bytes,
+        |_| {},
+    )
+}
+
+/// [`replay`], with `trim` applied to each entry once its batch is verified: a caller that
+/// needs only where the data lies drops it there, so replay holds metadata, not the log.
+pub fn replay_trimmed<E>(
     mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     start_offset_bytes: u64,
     first_lsn: Lsn,
     end_offset_bytes: u64,
+    mut trim: impl FnMut(&mut Entry),
 ) -> Result<Replayed, E> {
     let mut offset = start_offset_bytes;
     let mut lsn = first_lsn;
@@ -149,7 +167,8 @@ pub fn replay<E>(
             block
         };
         match batch::decode_entries(&header, &whole) {
-            Ok(entries) => {
+            Ok(mut entries) => {
+                entries.iter_mut().for_each(&mut trim);
                 let offsets = header.data_offsets().map(|at| offset + at as u64);
                 batches.push(ReplayedBatch {
                     lsn,

@@ -23,6 +23,73 @@ pub mod kind {
     pub const WRITE: u8 = 2;
     /// Make a range of an object read as zeroes, freeing its space.
     pub const DISCARD: u8 = 3;
+    /// A write whose payload lies on the device: how a durable write's raft entry is kept
+    /// in memory (never written to the log or sent).
+    pub const WRITE_REF: u8 = 4;
+}
+
+/// A durable write as kept in memory: the write's header and where its payload lies on the
+/// device. Raft entry data: kind `WRITE_REF`, the write's meta, the device offset (u64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadRef {
+    /// The object.
+    pub object: ObjectKey,
+    /// Offset in the object.
+    pub offset_bytes: u32,
+    /// Length of the payload.
+    pub len_bytes: u32,
+    /// Where the payload lies on the device.
+    pub device_offset_bytes: u64,
+}
+
+impl PayloadRef {
+    /// The reference for a write's meta (as the log stores it) and payload location.
+    pub fn from_meta(meta: &[u8; META_SIZE], device_offset_bytes: u64) -> Self {
+        let u64_at = |at: usize| u64::from_le_bytes(meta[at..at + 8].try_into().expect("8 bytes"));
+        let u32_at = |at: usize| u32::from_le_bytes(meta[at..at + 4].try_into().expect("4 bytes"));
+        Self {
+            object: ObjectKey {
+                image: ImageId(u64_at(0)),
+                number: u64_at(8),
+            },
+            offset_bytes: u32_at(16),
+            len_bytes: u32_at(20),
+            device_offset_bytes,
+        }
+    }
+
+    /// The raft entry data.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut meta = [0u8; META_SIZE];
+        meta[0..8].copy_from_slice(&self.object.image.0.to_le_bytes());
+        meta[8..16].copy_from_slice(&self.object.number.to_le_bytes());
+        meta[16..20].copy_from_slice(&self.offset_bytes.to_le_bytes());
+        meta[20..24].copy_from_slice(&self.len_bytes.to_le_bytes());
+        let mut bytes = Vec::with_capacity(1 + META_SIZE + 8);
+        bytes.push(kind::WRITE_REF);
+        bytes.extend_from_slice(&meta);
+        bytes.extend_from_slice(&self.device_offset_bytes.to_le_bytes());
+        bytes
+    }
+
+    /// Decodes raft entry data; `None` if it is not a reference.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != 1 + META_SIZE + 8 || bytes[0] != kind::WRITE_REF {
+            return None;
+        }
+        let meta: &[u8; META_SIZE] = bytes[1..1 + META_SIZE].try_into().ok()?;
+        let offset = u64::from_le_bytes(bytes[1 + META_SIZE..].try_into().ok()?);
+        Some(Self::from_meta(meta, offset))
+    }
+
+    /// The write it stands for, with its payload read back.
+    pub fn with_payload(&self, data: Vec<u8>) -> ObjectOp {
+        ObjectOp::Write {
+            object: self.object,
+            offset_bytes: self.offset_bytes,
+            data,
+        }
+    }
 }
 
 /// An operation on an object.
@@ -230,6 +297,15 @@ impl PgObjects {
         }
     }
 
+    /// Applies a durable write known by reference.
+    pub fn apply_ref(&mut self, write: &PayloadRef) {
+        self.objects.entry(write.object).or_default().insert(
+            u64::from(write.offset_bytes),
+            u64::from(write.len_bytes),
+            write.device_offset_bytes,
+        );
+    }
+
     /// Objects with any byte mapped.
     pub fn object_count(&self) -> usize {
         self.objects.len()
@@ -321,6 +397,35 @@ mod tests {
                 prop_assert_eq!(&read, expected);
             }
         }
+    }
+
+    #[test]
+    fn payload_references_round_trip_and_are_not_operations() {
+        let write = ObjectOp::Write {
+            object: key(9),
+            offset_bytes: 4096,
+            data: vec![7; 512],
+        };
+        let reference = PayloadRef::from_meta(&write.meta(), 1 << 20);
+        assert_eq!(reference.len_bytes, 512);
+        let bytes = reference.encode();
+        assert_eq!(PayloadRef::decode(&bytes), Some(reference));
+        assert!(
+            ObjectOp::decode(&bytes).is_err(),
+            "a reference is not an operation"
+        );
+        assert_eq!(PayloadRef::decode(&write.encode()), None);
+        assert_eq!(reference.with_payload(vec![7; 512]), write);
+        let mut objects = PgObjects::new();
+        objects.apply_ref(&reference);
+        assert_eq!(
+            objects.plan_read(key(9), 4096, 512),
+            vec![Piece::Mapped {
+                offset_bytes: 4096,
+                len_bytes: 512,
+                device_offset_bytes: 1 << 20
+            }]
+        );
     }
 
     #[test]

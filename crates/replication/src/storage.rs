@@ -1,0 +1,211 @@
+//! A PG replica's raft log in memory, as raft-rs reads it.
+//!
+//! Like raft-rs's `MemStorage`, but an entry's data may be replaced once it is durable by a
+//! short *reference* to where its payload lies on the device ([`PgStorage::replace_data`]),
+//! so that memory holds metadata, not client data. When raft reads entries to send them to
+//! a follower, a [`Hydrate`] function turns references back into whole entries; entries read
+//! to be applied stay references (applying needs only where the payload is).
+//!
+//! The log is never compacted yet: it starts at index 1, and raft never needs a snapshot.
+
+use std::sync::Arc;
+
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft::{GetEntriesContext, RaftState, Storage, StorageError};
+
+/// Turns an entry's data back into what was proposed, if the data is a reference; `None`
+/// leaves it as it is. A failure to read the device is fatal (the OSD stops and replays).
+pub type Hydrate = Arc<dyn Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync>;
+
+/// One PG replica's raft log.
+#[derive(Clone, Default)]
+pub struct PgStorage {
+    hard_state: HardState,
+    conf_state: ConfState,
+    /// Entries from index 1.
+    entries: Vec<Entry>,
+    hydrate: Option<Hydrate>,
+}
+
+impl PgStorage {
+    /// An empty log with these voters.
+    pub fn new(conf_state: ConfState, hydrate: Option<Hydrate>) -> Self {
+        Self {
+            conf_state,
+            hydrate,
+            ..Self::default()
+        }
+    }
+
+    /// Appends entries; any from the first new index on are replaced (a truncated log).
+    pub fn append(&mut self, entries: &[Entry]) -> raft::Result<()> {
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let last = self.entries.len() as u64;
+        if first.index == 0 || first.index > last + 1 {
+            return Err(raft::Error::Store(StorageError::Other(
+                format!(
+                    "entries from index {} do not follow the log's last index {last}",
+                    first.index
+                )
+                .into(),
+            )));
+        }
+        self.entries.truncate((first.index - 1) as usize);
+        self.entries.extend_from_slice(entries);
+        Ok(())
+    }
+
+    /// Records the hard state.
+    pub fn set_hard_state(&mut self, hard_state: HardState) {
+        self.hard_state = hard_state;
+    }
+
+    /// Replaces the data of entry `index` if it is still of `term`: `replace` gets the
+    /// current data and returns the new, or `None` to leave it.
+    pub fn replace_data(
+        &mut self,
+        index: u64,
+        term: u64,
+        replace: impl FnOnce(&[u8]) -> Option<Vec<u8>>,
+    ) {
+        let Some(entry) = index
+            .checked_sub(1)
+            .and_then(|at| self.entries.get_mut(at as usize))
+        else {
+            return;
+        };
+        if entry.term != term {
+            return;
+        }
+        if let Some(data) = replace(&entry.data) {
+            entry.data = data.into();
+        }
+    }
+
+    fn last(&self) -> u64 {
+        self.entries.len() as u64
+    }
+}
+
+impl Storage for PgStorage {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        Ok(RaftState::new(
+            self.hard_state.clone(),
+            self.conf_state.clone(),
+        ))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        if low < 1 {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > self.last() + 1 || low > high {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let max_size = max_size.into();
+        let mut entries = Vec::new();
+        let mut size = 0u64;
+        for entry in &self.entries[(low - 1) as usize..(high - 1) as usize] {
+            let mut entry = entry.clone();
+            // Raft reads with an asynchronous context only to send entries to a follower:
+            // those must carry their payload.
+            if context.can_async()
+                && let Some(hydrate) = &self.hydrate
+                && let Some(data) = hydrate(&entry.data)
+            {
+                entry.data = data.into();
+            }
+            size += u64::from(protobuf::Message::compute_size(&entry));
+            if !entries.is_empty() && max_size.is_some_and(|max| size > max) {
+                break;
+            }
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
+
+    fn term(&self, index: u64) -> raft::Result<u64> {
+        if index == 0 {
+            return Ok(0);
+        }
+        match self.entries.get((index - 1) as usize) {
+            Some(entry) => Ok(entry.term),
+            None => Err(raft::Error::Store(StorageError::Unavailable)),
+        }
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(1)
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.last())
+    }
+
+    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        // The log is never compacted, so raft never needs one.
+        Err(raft::Error::Store(
+            StorageError::SnapshotTemporarilyUnavailable,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(index: u64, term: u64, data: &[u8]) -> Entry {
+        Entry {
+            index,
+            term,
+            data: data.to_vec().into(),
+            ..Entry::default()
+        }
+    }
+
+    #[test]
+    fn appends_truncate_and_references_hydrate_only_for_sending() {
+        let hydrate: Hydrate = Arc::new(|data: &[u8]| {
+            data.strip_prefix(b"ref:")
+                .map(|rest| [b"full:", rest].concat())
+        });
+        let mut storage = PgStorage::new(ConfState::default(), Some(hydrate));
+        storage
+            .append(&[entry(1, 1, b"a"), entry(2, 1, b"b"), entry(3, 1, b"c")])
+            .expect("append");
+        storage
+            .append(&[entry(2, 2, b"x")])
+            .expect("truncating append");
+        assert_eq!(storage.last_index().expect("last"), 2);
+        assert_eq!(storage.term(2).expect("term"), 2);
+        assert!(storage.append(&[entry(5, 2, b"gap")]).is_err());
+        storage.replace_data(2, 1, |_| Some(b"ref:stale term".to_vec()));
+        storage.replace_data(2, 2, |_| Some(b"ref:x".to_vec()));
+        let applied = storage
+            .entries(1, 3, None, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(&applied[1].data[..], b"ref:x");
+        let sent = storage
+            .entries(1, 3, None, GetEntriesContext::empty(true))
+            .expect("entries");
+        assert_eq!(&sent[1].data[..], b"full:x");
+        assert_eq!(&sent[0].data[..], b"a");
+        let limited = storage
+            .entries(1, 3, 1, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(limited.len(), 1, "at least one entry, then the size limit");
+        assert!(
+            storage
+                .entries(1, 4, None, GetEntriesContext::empty(false))
+                .is_err()
+        );
+    }
+}
