@@ -462,6 +462,19 @@ fn health(
             warnings.push(format!("{count} pgs {state}"));
         }
     }
+    let full: Vec<String> = status
+        .reports
+        .iter()
+        .filter(|(_, r)| r.full)
+        .map(|(osd, _)| osd.to_string())
+        .collect();
+    if !full.is_empty() {
+        warnings.push(format!(
+            "{} osds full, writes refused: {}",
+            full.len(),
+            full.join(", ")
+        ));
+    }
     let used: u64 = status.reports.iter().map(|(_, r)| r.used_bytes).sum();
     let capacity: u64 = status.reports.iter().map(|(_, r)| r.capacity_bytes).sum();
     if capacity > 0 && used * 100 >= capacity * 85 {

@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -299,6 +300,51 @@ fn three_monitors_survive_the_loss_of_their_leader() {
             let output = run(basalt().args(["image", "ls", "rbd", "--json", "--mon", &leader]));
             serde_json::from_slice::<serde_json::Value>(&output.stdout)
                 .is_ok_and(|images| images.as_array().map(Vec::len) == Some(2))
+        },
+    );
+}
+
+#[test]
+fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-full");
+    let small = vec!["--device-size".to_string(), "40MiB".to_string()];
+    let cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![(None, small.clone()), (None, small.clone()), (None, small)],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "64MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0xab 0 8M"]);
+
+    // More than the devices can take: refused with ENOSPC, not an OSD crash.
+    let output =
+        run(Command::new("qemu-io").args(["-f", "raw", &uri, "-c", "write -P 0xcd 8M 56M"]));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(text.contains("No space left on device"), "{text}");
+    let osds = cluster.cli_json(&["osd", "ls"]);
+    assert!(
+        osds.as_array()
+            .expect("osds")
+            .iter()
+            .all(|osd| osd["up"] == true),
+        "every osd is still up: {osds:#}"
+    );
+    qemu_io_ok(&uri, true, &["read -P 0xab 0 8M"]);
+    wait_for(
+        "status to name the full osds",
+        Duration::from_secs(10),
+        || {
+            cluster
+                .cli_ok(&["status"])
+                .contains("osds full, writes refused")
         },
     );
 }

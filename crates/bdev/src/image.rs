@@ -9,7 +9,7 @@ use std::sync::Arc;
 use basalt_client::{ClientError, Cluster, Image};
 use basalt_io::DmaBuf;
 
-use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent};
+use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, libc_errno};
 
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
@@ -33,6 +33,11 @@ impl ImageBdev {
 }
 
 fn io_error(info: &BdevInfo, error: ClientError) -> BdevError {
+    if let ClientError::NoSpace(message) = &error {
+        // The frontend reports ENOSPC; the reason goes to the log.
+        tracing::warn!(bdev = %info.name, %message, "write refused: no space");
+        return info.io_error(std::io::Error::from_raw_os_error(libc_errno::ENOSPC));
+    }
     let kind = match error {
         ClientError::Invalid(_) => std::io::ErrorKind::InvalidInput,
         ClientError::Timeout { .. } => std::io::ErrorKind::TimedOut,

@@ -48,6 +48,9 @@ pub enum ClientError {
     /// An OSD failed the request.
     #[error("{0}")]
     Io(String),
+    /// An OSD has no space left for the write.
+    #[error("{0}")]
+    NoSpace(String),
     /// No answer within the deadline.
     #[error("{what}: no answer within {seconds} s (last: {last})")]
     Timeout {
@@ -277,6 +280,7 @@ impl Cluster {
                     Status::Io { message } => {
                         return Err(ClientError::Io(format!("{target}: {message}")));
                     }
+                    Status::NoSpace { message } => return Err(ClientError::NoSpace(message)),
                 },
                 Ok(Ok(other)) => {
                     last = format!("{target} answered kind {}", other.kind());

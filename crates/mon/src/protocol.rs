@@ -29,6 +29,9 @@ pub struct OsdReport {
     pub leading: Vec<PgId>,
     /// The map epoch it runs.
     pub epoch: Epoch,
+    /// Its log is too full to take writes (they are refused with "no space").
+    #[serde(default)]
+    pub full: bool,
 }
 
 /// A request to the monitor.

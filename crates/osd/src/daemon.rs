@@ -50,6 +50,10 @@ use crate::superblock::Superblock;
 
 /// The log device's file in the data directory.
 pub const DEVICE_FILE: &str = "osd.log";
+/// Log space kept free for raft's own entries and for followers that are a little fuller:
+/// writes are refused with `NoSpace` below it, rather than letting the log fill (a full log
+/// stops the OSD).
+pub const LOG_RESERVE_BYTES: u64 = 16 << 20;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
 /// Between heartbeats to the monitor.
@@ -180,6 +184,8 @@ enum Event {
     },
     /// The log device failed: stop.
     Failed(String),
+    /// The log is full: no persist completes any more.
+    Full,
     /// A newer map.
     Map(Arc<ClusterMap>),
 }
@@ -202,6 +208,8 @@ struct PendingPersist {
 
 struct Proposal {
     term: u64,
+    /// Log bytes this write was counted for until it is durable.
+    log_bytes: u64,
     arrived: std::time::Instant,
     reply: oneshot::Sender<Message>,
     write_bytes: u64,
@@ -257,6 +265,10 @@ struct Core {
     hard_states: HashMap<PgId, basalt_replication::HardState>,
     /// PGs whose last hard state (a commit index change) is not written yet.
     lazy_commit: std::collections::HashSet<PgId>,
+    /// Log bytes of the writes proposed here and not yet answered.
+    pending_bytes: u64,
+    /// The log took no more appends: writes are refused.
+    full: bool,
 }
 
 impl Core {
@@ -331,6 +343,19 @@ impl Core {
                 }
             }
             Event::Failed(reason) => return Err(OsdError::Internal(reason)),
+            Event::Full => {
+                tracing::error!(
+                    "the log is full: this osd serves reads and refuses writes until space is reclaimed (not built yet)"
+                );
+                self.full = true;
+                let message = format!("{} is full: its log takes no more writes", self.id);
+                for (_, proposal) in self.proposals.drain() {
+                    let _ = proposal.reply.send(reply(Status::NoSpace {
+                        message: message.clone(),
+                    }));
+                }
+                self.pending_bytes = 0;
+            }
             Event::Map(map) => self.adopt_map(map),
         }
         Ok(())
@@ -405,6 +430,16 @@ impl Core {
                 if let Err(answer) = self.check(pg, epoch, object, offset_bytes, data.len() as u64)
                 {
                     let _ = reply_to.send(answer);
+                    return;
+                }
+                let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+                if self.full || free < LOG_RESERVE_BYTES + data.len() as u64 {
+                    let _ = reply_to.send(reply(Status::NoSpace {
+                        message: format!(
+                            "{} is full: {free} bytes left in its log, {LOG_RESERVE_BYTES} kept in reserve (log space is not reclaimed yet)",
+                            self.id
+                        ),
+                    }));
                     return;
                 }
                 (
@@ -487,14 +522,24 @@ impl Core {
             ObjectOp::Write { data, .. } => data.len() as u64,
             ObjectOp::Discard { .. } => 0,
         };
+        let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
+            + batch::DESCRIPTOR_SIZE as u64;
+        if self.full {
+            let _ = reply_to.send(reply(Status::NoSpace {
+                message: format!("{} is full: its log takes no more writes", self.id),
+            }));
+            return;
+        }
         match self.raft.propose(pg, op.encode()) {
             Ok(()) => {
+                self.pending_bytes += log_bytes;
                 let index = self.raft.last_index(pg).unwrap_or(0);
                 let term = self.raft.term(pg).unwrap_or(0);
                 self.proposals.insert(
                     (pg, index),
                     Proposal {
                         term,
+                        log_bytes,
                         arrived: std::time::Instant::now(),
                         reply: reply_to,
                         write_bytes,
@@ -647,6 +692,7 @@ impl Core {
             let is_write =
                 reference.is_some() || op.as_ref().is_some_and(|op| op.kind() == kind::WRITE);
             if let Some(proposal) = self.proposals.remove(&(pg, entry.index)) {
+                self.pending_bytes = self.pending_bytes.saturating_sub(proposal.log_bytes);
                 let answer = if proposal.term == entry.term {
                     if is_write {
                         self.counters.writes.fetch_add(1, Ordering::Relaxed);
@@ -790,6 +836,7 @@ impl Core {
                 .collect();
             for key in keys {
                 if let Some(proposal) = self.proposals.remove(&key) {
+                    self.pending_bytes = self.pending_bytes.saturating_sub(proposal.log_bytes);
                     let leader = raft.leader(key.0).filter(|leader| *leader != self.id);
                     let _ = proposal.reply.send(reply(Status::NotLeader { leader }));
                 }
@@ -821,6 +868,7 @@ impl Core {
             write_bytes: c.write_bytes.load(Ordering::Relaxed),
             leading,
             epoch: self.map.epoch,
+            full: self.full || self.log.free_bytes() < LOG_RESERVE_BYTES + (1 << 20),
         };
     }
 }
@@ -1072,6 +1120,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                             (index, term, appended.data_offsets_bytes[at])
                         }))
                     }
+                    Err(LogDeviceError::Full) => {
+                        // Nothing after this persist is reported durable: the OSD goes on
+                        // serving reads, and refuses writes.
+                        let _ = completion_events.send(Event::Full);
+                        return;
+                    }
                     Err(error) => {
                         let _ = completion_events.send(Event::Failed(error.to_string()));
                         return;
@@ -1282,6 +1336,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         actions: Vec::new(),
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
+        pending_bytes: 0,
+        full: false,
     };
     core.adopt_map(Arc::new(map));
     let core = tokio::spawn(async move {

@@ -67,7 +67,8 @@ pub enum LogDeviceError {
         /// Data bytes in the append.
         data_bytes: usize,
     },
-    /// The log region is full (segments and their cleaning are still to come).
+    /// The log region is full (segments and their cleaning are still to come); once an
+    /// append is refused so, every later one is too.
     #[error("the log is full")]
     Full,
     /// An earlier write failed; nothing more is written until the OSD restarts.
@@ -123,6 +124,8 @@ struct Counters {
     entries: AtomicU64,
     device_bytes: AtomicU64,
     data_bytes: AtomicU64,
+    /// Bytes left between the log's head and the end of its region.
+    free_bytes: AtomicU64,
 }
 
 struct Append {
@@ -231,7 +234,14 @@ impl LogDevice {
         );
         let (queue, appends) = mpsc::unbounded_channel();
         let counters = Arc::new(Counters::default());
-        let task = tokio::spawn(write_loop(engine, writer, appends, counters.clone()));
+        counters.free_bytes.store(
+            superblock
+                .log_end_bytes
+                .saturating_sub(replayed.next_offset_bytes),
+            Ordering::Relaxed,
+        );
+        let end = superblock.log_end_bytes;
+        let task = tokio::spawn(write_loop(engine, writer, appends, counters.clone(), end));
         Ok(Opened {
             device: LogDevice {
                 queue,
@@ -267,6 +277,11 @@ impl LogDevice {
             }
             answer.await.unwrap_or(Err(LogDeviceError::Closed))
         }
+    }
+
+    /// Bytes the log can still take (space is not reclaimed yet: this only shrinks).
+    pub fn free_bytes(&self) -> u64 {
+        self.counters.free_bytes.load(Ordering::Relaxed)
     }
 
     /// What has been written so far.
@@ -323,9 +338,14 @@ async fn write_loop(
     mut writer: LogWriter,
     mut appends: mpsc::UnboundedReceiver<Append>,
     counters: Arc<Counters>,
+    end_bytes: u64,
 ) {
     let mut waiting: VecDeque<Append> = VecDeque::new();
     let mut failed: Option<String> = None;
+    // Once an append did not fit, none after it is written either: a later, smaller one
+    // would land where the refused one should have been, and replay would take the log
+    // for whole without it.
+    let mut full = false;
     loop {
         if waiting.is_empty() {
             match appends.recv().await {
@@ -341,6 +361,12 @@ async fn write_loop(
                 let _ = append.done.send(Err(LogDeviceError::Failed {
                     reason: reason.clone(),
                 }));
+            }
+            continue;
+        }
+        if full {
+            for append in waiting.drain(..) {
+                let _ = append.done.send(Err(LogDeviceError::Full));
             }
             continue;
         }
@@ -375,6 +401,8 @@ async fn write_loop(
         let placed = match writer.append(&entries) {
             Ok(placed) => placed,
             Err(_) => {
+                tracing::error!("the log is full; it takes no more appends");
+                full = true;
                 for (done, _, _) in callers {
                     let _ = done.send(Err(LogDeviceError::Full));
                 }
@@ -382,6 +410,10 @@ async fn write_loop(
             }
         };
         let device_bytes = placed.bytes.len() as u64;
+        counters.free_bytes.store(
+            end_bytes.saturating_sub(placed.offset_bytes + device_bytes),
+            Ordering::Relaxed,
+        );
         let written = engine
             .write(placed.offset_bytes, DmaBuf::from_slice(&placed.bytes), true)
             .await;

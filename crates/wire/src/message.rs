@@ -50,6 +50,11 @@ pub enum Status {
         /// Why.
         message: String,
     },
+    /// The OSD has no space left for the write.
+    NoSpace {
+        /// Why.
+        message: String,
+    },
 }
 
 /// A message.
@@ -282,6 +287,10 @@ impl Message {
                         body.push(4);
                         put_bytes(&mut body, message.as_bytes());
                     }
+                    Status::NoSpace { message } => {
+                        body.push(5);
+                        put_bytes(&mut body, message.as_bytes());
+                    }
                 }
                 put_bytes(&mut body, data);
             }
@@ -351,6 +360,9 @@ impl Message {
                     4 => Status::Io {
                         message: r.string()?,
                     },
+                    5 => Status::NoSpace {
+                        message: r.string()?,
+                    },
                     _ => return None,
                 };
                 Some(Message::Reply {
@@ -401,6 +413,7 @@ mod tests {
             any::<u64>().prop_map(|e| Status::StaleEpoch { current: Epoch(e) }),
             "[a-z ]{0,20}".prop_map(|message| Status::Invalid { message }),
             "[a-z ]{0,20}".prop_map(|message| Status::Io { message }),
+            "[a-z ]{0,20}".prop_map(|message| Status::NoSpace { message }),
         ];
         prop_oneof![
             (

@@ -385,15 +385,12 @@ impl ClusterProcesses {
             }
             None => basalt(),
         };
+        command.arg("osd");
+        if !self.osd_extra[n].iter().any(|arg| arg == "--device-size") {
+            command.args(["--device-size", "256MiB"]);
+        }
         let child = command
-            .args([
-                "osd",
-                "--device-size",
-                "256MiB",
-                "--mon",
-                &self.mon_address,
-                "--data-dir",
-            ])
+            .args(["--mon", &self.mon_address, "--data-dir"])
             .arg(self.dir.join(&name))
             .args(&self.osd_extra[n])
             .stdout(self.log(&name))
