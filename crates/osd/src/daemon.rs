@@ -58,6 +58,8 @@ pub const LOG_RESERVE_BYTES: u64 = 16 << 20;
 pub const TICK: Duration = Duration::from_millis(100);
 /// Between heartbeats to the monitor.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// The most raft message bytes put in one frame to a peer (frames carry 4 MiB at most).
+const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
 /// How long a map subscription waits per request.
 const MAP_WAIT: Duration = Duration::from_secs(20);
 
@@ -225,7 +227,7 @@ struct ReadRequest {
 
 /// A connection to a peer OSD, (re)made when there is something to send.
 struct Peer {
-    queue: mpsc::UnboundedSender<(PgId, RaftMessage)>,
+    queue: mpsc::UnboundedSender<Vec<(PgId, RaftMessage)>>,
     address: Arc<Mutex<Option<SocketAddr>>>,
 }
 
@@ -269,6 +271,8 @@ struct Core {
     pending_bytes: u64,
     /// The log took no more appends: writes are refused.
     full: bool,
+    /// Raft messages of this loop turn, by peer.
+    outbox: BTreeMap<OsdId, Vec<(PgId, RaftMessage)>>,
 }
 
 impl Core {
@@ -361,12 +365,21 @@ impl Core {
         Ok(())
     }
 
+    /// Queues a raft message for a peer; [`Core::flush`] sends each peer's queue as one frame.
     fn send(&mut self, to: OsdId, pg: PgId, message: RaftMessage) {
-        match self.peers.get(&to) {
-            Some(peer) => {
-                let _ = peer.queue.send((pg, message));
+        self.outbox.entry(to).or_default().push((pg, message));
+    }
+
+    /// Sends what this turn of the loop produced for each peer, one frame per peer: the
+    /// heartbeats of every PG led here and shared with that peer travel together.
+    fn flush(&mut self) {
+        for (to, messages) in std::mem::take(&mut self.outbox) {
+            match self.peers.get(&to) {
+                Some(peer) => {
+                    let _ = peer.queue.send(messages);
+                }
+                None => tracing::debug!(%to, "no address for peer; raft messages dropped"),
             }
-            None => tracing::debug!(%to, %pg, "no address for peer; raft message dropped"),
         }
     }
 
@@ -817,6 +830,7 @@ impl Core {
         }
         self.actions = actions;
         self.fail_deposed();
+        self.flush();
         Ok(())
     }
 
@@ -906,13 +920,13 @@ async fn read_pieces(
 /// A peer's sending task: connects on demand, drops messages it cannot deliver (raft
 /// resends what matters).
 fn spawn_peer(id: OsdId) -> Peer {
-    let (queue, mut messages) = mpsc::unbounded_channel::<(PgId, RaftMessage)>();
+    let (queue, mut messages) = mpsc::unbounded_channel::<Vec<(PgId, RaftMessage)>>();
     let address: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
     let target = address.clone();
     tokio::spawn(async move {
         let mut connection: Option<(SocketAddr, Client)> = None;
         let mut failed_at: Option<tokio::time::Instant> = None;
-        while let Some((pg, message)) = messages.recv().await {
+        while let Some(batch) = messages.recv().await {
             let Some(want) = *target.lock().unwrap_or_else(|p| p.into_inner()) else {
                 continue;
             };
@@ -935,14 +949,31 @@ fn spawn_peer(id: OsdId) -> Peer {
                     }
                 }
             }
-            let wire = Message::Raft {
-                pg,
-                message: encode_message(&message),
-            };
-            if let Some((_, client)) = &connection
-                && client.send(&wire).is_err()
-            {
-                connection = None;
+            // One frame per peer and loop turn, unless the messages (appends of up to
+            // 1 MiB each while a replica catches up) would not fit one frame.
+            let mut frames: Vec<Vec<(PgId, Vec<u8>)>> = vec![Vec::new()];
+            let mut frame_bytes = 0usize;
+            for (pg, message) in &batch {
+                let bytes = encode_message(message);
+                if frame_bytes + bytes.len() + 16 > BATCH_FRAME_BYTES_MAX
+                    && frames.last().is_some_and(|frame| !frame.is_empty())
+                {
+                    frames.push(Vec::new());
+                    frame_bytes = 0;
+                }
+                frame_bytes += bytes.len() + 16;
+                frames
+                    .last_mut()
+                    .expect("one frame at least")
+                    .push((*pg, bytes));
+            }
+            for messages in frames {
+                let wire = Message::RaftBatch { messages };
+                if let Some((_, client)) = &connection
+                    && client.send(&wire).is_err()
+                {
+                    connection = None;
+                }
             }
         }
     });
@@ -1056,6 +1087,17 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                             let _ = events.send(Event::Raft { pg, message });
                         }
                         None => tracing::debug!(%pg, "undecodable raft message dropped"),
+                    }
+                    None
+                }
+                Message::RaftBatch { messages } => {
+                    for (pg, message) in messages {
+                        match decode_message(&message) {
+                            Some(message) => {
+                                let _ = events.send(Event::Raft { pg, message });
+                            }
+                            None => tracing::debug!(%pg, "undecodable raft message dropped"),
+                        }
                     }
                     None
                 }
@@ -1338,6 +1380,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         lazy_commit: std::collections::HashSet::new(),
         pending_bytes: 0,
         full: false,
+        outbox: BTreeMap::new(),
     };
     core.adopt_map(Arc::new(map));
     let core = tokio::spawn(async move {

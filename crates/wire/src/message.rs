@@ -23,6 +23,8 @@ pub mod kind {
     pub const RAFT: u16 = 5;
     /// A control-plane message (monitor requests and replies), opaque to this crate.
     pub const CONTROL: u16 = 6;
+    /// Raft messages of many PGs for one peer, sent together.
+    pub const RAFT_BATCH: u16 = 7;
 }
 
 /// How a request ended.
@@ -112,6 +114,12 @@ pub enum Message {
         pg: PgId,
         /// The raft-rs message bytes.
         message: Vec<u8>,
+    },
+    /// Raft messages of many PGs for one OSD, in one frame: what one turn of the sender's
+    /// raft loop produced for that peer (heartbeats of every PG it leads there, appends).
+    RaftBatch {
+        /// Each PG and its raft-rs message bytes.
+        messages: Vec<(PgId, Vec<u8>)>,
     },
     /// A control-plane message; its body is the monitor protocol's business.
     Control {
@@ -230,6 +238,7 @@ impl Message {
             Message::Reply { .. } => kind::REPLY,
             Message::Raft { .. } => kind::RAFT,
             Message::Control { .. } => kind::CONTROL,
+            Message::RaftBatch { .. } => kind::RAFT_BATCH,
         }
     }
 
@@ -299,6 +308,17 @@ impl Message {
                 put_bytes(&mut body, message);
             }
             Message::Control { body: control } => body.extend_from_slice(control),
+            Message::RaftBatch { messages } => {
+                body.extend_from_slice(
+                    &u32::try_from(messages.len())
+                        .expect("batches are small")
+                        .to_le_bytes(),
+                );
+                for (pg, message) in messages {
+                    put_pg(&mut body, *pg);
+                    put_bytes(&mut body, message);
+                }
+            }
         }
         frame::encode(self.kind(), request_id, &body)
     }
@@ -375,6 +395,18 @@ impl Message {
                     pg: r.pg()?,
                     message: r.bytes()?,
                 })
+            })(),
+            kind::RAFT_BATCH => (|| {
+                let count = r.u32()? as usize;
+                // Each item takes at least 12 bytes: refuse counts the body cannot hold.
+                if count > r.bytes.len() / 12 {
+                    return None;
+                }
+                let mut messages = Vec::with_capacity(count);
+                for _ in 0..count {
+                    messages.push((r.pg()?, r.bytes()?));
+                }
+                Some(Message::RaftBatch { messages })
             })(),
             kind::CONTROL => {
                 let body = r.bytes.to_vec();
@@ -454,8 +486,10 @@ mod tests {
                 }
             ),
             (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
-            (pg, data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
-            data.prop_map(|body| Message::Control { body }),
+            (pg.clone(), data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
+            data.clone().prop_map(|body| Message::Control { body }),
+            proptest::collection::vec((pg, data), 0..4)
+                .prop_map(|messages| Message::RaftBatch { messages }),
         ]
     }
 
