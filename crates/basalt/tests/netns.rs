@@ -189,11 +189,30 @@ fn a_partitioned_leader_acknowledges_nothing_and_the_majority_goes_on() {
     // Cut off the host that leads the most PGs.
     let leader = cluster.busiest_leader();
     let n = cluster.osd_process(leader);
+    let led: Vec<String> = cluster
+        .cli_json(&["pg", "ls"])
+        .as_array()
+        .expect("pgs")
+        .iter()
+        .filter(|pg| pg["leader"].as_u64() == Some(u64::from(leader)))
+        .map(|pg| pg["pg"].as_str().expect("pg").to_string())
+        .collect();
     let metrics = format!("{}:9100", hosts.address(n));
     eprintln!("cutting off host{n} (osd.{leader})");
     hosts.cut(n, true);
     std::thread::sleep(Duration::from_millis(500));
     let acknowledged = metric(&metrics, "basalt_osd_writes_total");
+    // Asked directly, the cut-off leader serves no read: it cannot confirm its leadership.
+    let answer = read_from(&mon, leader, &led);
+    let status = answer.map(|message| match message {
+        basalt_wire::Message::Reply { status, .. } => format!("{status:?}"),
+        other => format!("kind {}", other.kind()),
+    });
+    assert_ne!(
+        status.as_deref(),
+        Some("Ok"),
+        "the isolated osd served a read"
+    );
     let started = Instant::now();
     let report = fio_run(&uri, &fio_args("32M", &[]));
     eprintln!(
@@ -230,4 +249,45 @@ fn a_partitioned_leader_acknowledges_nothing_and_the_majority_goes_on() {
     fio_run(&uri, &fio_args("32M", &["--verify_only"]));
     drop(target);
     drop(cluster);
+}
+
+/// Sends a 4 KiB read of an object of `rbd/vol` in one of the PGs `led` (as `pg ls` names
+/// them) straight to `osd`; its answer, or `None` after 3 s.
+fn read_from(mon: &str, osd: u32, led: &[String]) -> Option<basalt_wire::Message> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = basalt_mon::MonClient::new(vec![mon.parse().expect("mon address")]);
+        let map = client.map().await.expect("map");
+        let pool = map.pool_by_name("rbd").expect("pool");
+        let image = map.image_by_name("rbd", "vol").expect("image");
+        let (pg, object) = (0..1024)
+            .map(|number| basalt_common::ObjectKey {
+                image: image.id,
+                number,
+            })
+            .map(|object| (pool.pg_of(object), object))
+            .find(|(pg, _)| led.contains(&pg.to_string()))
+            .expect("an object in a pg the osd led");
+        let address = map.osds[&basalt_common::OsdId(osd)]
+            .address
+            .parse()
+            .expect("osd address");
+        let connection = basalt_wire::tcp::Client::connect(address)
+            .await
+            .expect("connect");
+        let read = basalt_wire::Message::Read {
+            pg,
+            epoch: map.epoch,
+            object,
+            offset_bytes: 0,
+            len_bytes: 4096,
+        };
+        tokio::time::timeout(Duration::from_secs(3), connection.call(&read))
+            .await
+            .ok()
+            .and_then(Result::ok)
+    })
 }

@@ -525,6 +525,7 @@ impl Core {
                         self.send(to, message);
                     }
                 }
+                Action::ReadIndex { .. } => {}
                 Action::Apply { entries, .. } => {
                     for entry in entries {
                         let proposal = self.proposals.remove(&entry.index);

@@ -15,9 +15,9 @@
 //!   the payload in the log: the data is written once), and the client that proposed the
 //!   entry is answered.
 //!
-//! Reads are served by the leader once it has committed an entry of its own term and
-//! applied everything committed when the read arrived (raft's read barrier), straight from
-//! the log device through the index; holes read as zeroes.
+//! Reads are served by the leader once a quorum confirmed its leadership after the read
+//! arrived (raft's read index) and it has applied everything committed at that point,
+//! straight from the log device through the index; holes read as zeroes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -273,6 +273,9 @@ struct Core {
     full: bool,
     /// Raft messages of this loop turn, by peer.
     outbox: BTreeMap<OsdId, Vec<(PgId, RaftMessage)>>,
+    /// Reads waiting for raft to confirm leadership, by the id given to raft.
+    confirming: HashMap<u64, (PgId, ReadRequest)>,
+    next_read: u64,
 }
 
 impl Core {
@@ -499,12 +502,14 @@ impl Core {
                     let _ = reply_to.send(answer);
                     return;
                 }
-                let Some(barrier) = self.raft.read_barrier(pg) else {
+                // Raft drops read-index requests of a leader that has not committed an entry
+                // of its term yet: such a leader sends the client elsewhere for now.
+                if self.raft.read_barrier(pg).is_none() {
                     let _ = reply_to.send(reply(Status::NotLeader {
                         leader: self.raft.leader(pg).filter(|l| *l != self.id),
                     }));
                     return;
-                };
+                }
                 let read = ReadRequest {
                     arrived: std::time::Instant::now(),
                     object,
@@ -512,11 +517,13 @@ impl Core {
                     len_bytes: u64::from(len_bytes),
                     reply: reply_to,
                 };
-                if self.applied.get(&pg).copied().unwrap_or(0) >= barrier {
-                    self.serve_read(pg, read);
-                } else {
-                    self.reads.entry(pg).or_default().push((barrier, read));
-                }
+                // A quorum confirms this replica still leads before the read is served:
+                // a leader cut off from its peers could otherwise serve a stale read while
+                // a new leader already accepts writes.
+                let id = self.next_read;
+                self.next_read += 1;
+                self.raft.read_index(pg, id.to_le_bytes().to_vec());
+                self.confirming.insert(id, (pg, read));
                 return;
             }
             Message::Control { body } => {
@@ -825,6 +832,7 @@ impl Core {
                     number,
                     then_send,
                 } => self.persist(pg, entries, hard_state, number, then_send),
+                Action::ReadIndex { pg, reads } => self.confirmed(pg, reads),
                 Action::Apply { pg, entries } => self.apply(pg, entries)?,
             }
         }
@@ -832,6 +840,24 @@ impl Core {
         self.fail_deposed();
         self.flush();
         Ok(())
+    }
+
+    /// Reads whose leadership check came back: served once the PG applied up to the index.
+    fn confirmed(&mut self, pg: PgId, reads: Vec<(Vec<u8>, u64)>) {
+        let applied = self.applied.get(&pg).copied().unwrap_or(0);
+        for (context, index) in reads {
+            let Some(id) = context.try_into().ok().map(u64::from_le_bytes) else {
+                continue;
+            };
+            let Some((_, read)) = self.confirming.remove(&id) else {
+                continue;
+            };
+            if applied >= index {
+                self.serve_read(pg, read);
+            } else {
+                self.reads.entry(pg).or_default().push((index, read));
+            }
+        }
     }
 
     /// Answers the requests waiting on PGs this replica no longer leads, so that their
@@ -853,6 +879,20 @@ impl Core {
                     self.pending_bytes = self.pending_bytes.saturating_sub(proposal.log_bytes);
                     let leader = raft.leader(key.0).filter(|leader| *leader != self.id);
                     let _ = proposal.reply.send(reply(Status::NotLeader { leader }));
+                }
+            }
+        }
+        if self.confirming.values().any(|(pg, _)| deposed(pg)) {
+            let ids: Vec<u64> = self
+                .confirming
+                .iter()
+                .filter(|(_, (pg, _))| deposed(pg))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                if let Some((pg, read)) = self.confirming.remove(&id) {
+                    let leader = raft.leader(pg).filter(|leader| *leader != self.id);
+                    let _ = read.reply.send(reply(Status::NotLeader { leader }));
                 }
             }
         }
@@ -1381,6 +1421,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         pending_bytes: 0,
         full: false,
         outbox: BTreeMap::new(),
+        confirming: HashMap::new(),
+        next_read: 0,
     };
     core.adopt_map(Arc::new(map));
     let core = tokio::spawn(async move {

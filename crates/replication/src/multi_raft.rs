@@ -48,6 +48,14 @@ pub enum Action {
         /// Messages that may leave only once this is durable (acknowledgements, votes).
         then_send: Vec<(OsdId, Message)>,
     },
+    /// Reads asked for with [`MultiRaft::read_index`] may be served once the PG has applied
+    /// up to `index`: leadership was confirmed by a quorum after they were asked.
+    ReadIndex {
+        /// The PG.
+        pg: PgId,
+        /// Each read's context (as given) and the index it must wait for.
+        reads: Vec<(Vec<u8>, u64)>,
+    },
     /// Apply committed entries to the PG's state, in order.
     Apply {
         /// The PG.
@@ -274,6 +282,16 @@ impl MultiRaft {
         (raft.raft_log.term(committed).ok()? == raft.term).then_some(committed)
     }
 
+    /// Asks raft to confirm this replica's leadership of `pg` with a quorum (raft's read
+    /// index); the answer comes as [`Action::ReadIndex`] with `context`. Raft drops the
+    /// request silently if leadership is lost meanwhile, or if the leader has not committed
+    /// an entry of its term ([`MultiRaft::read_barrier`] tells).
+    pub fn read_index(&mut self, pg: PgId, context: Vec<u8>) {
+        if let Some(group) = self.groups.get_mut(&pg) {
+            group.node.read_index(context);
+        }
+    }
+
     /// This replica's current term of `pg`.
     pub fn term(&self, pg: PgId) -> Option<u64> {
         self.groups.get(&pg).map(|group| group.node.raft.term)
@@ -340,6 +358,14 @@ impl MultiRaft {
                     pg,
                     message,
                 });
+            }
+            let reads: Vec<(Vec<u8>, u64)> = ready
+                .take_read_states()
+                .into_iter()
+                .map(|state| (state.request_ctx, state.index))
+                .collect();
+            if !reads.is_empty() {
+                actions.push(Action::ReadIndex { pg, reads });
             }
             let committed = ready.take_committed_entries();
             if !committed.is_empty() {
@@ -447,6 +473,7 @@ mod tests {
                         applied.extend(entries.into_iter().map(|e| e.data))
                     }
                     Action::Send { .. } => panic!("a single replica sends nothing"),
+                    Action::ReadIndex { .. } => panic!("no read was asked for"),
                 }
             }
         }

@@ -358,6 +358,7 @@ impl Cluster {
                         };
                         self.osds[index].in_flight.push_back((at, record));
                     }
+                    Action::ReadIndex { .. } => {}
                     Action::Apply { pg, entries } => {
                         for entry in entries {
                             self.osds[index].applied_index.insert(pg, entry.index);
