@@ -47,6 +47,7 @@ const LAYERS: &[&str] = &[
     "bench",
     "target",
     "nbd",
+    "nvmf",
     "bdev",
     "client",
     "osd",
