@@ -37,26 +37,33 @@ fio --name=durable --filename="$BASE_DIR/fio.dat" --size=1G --rw=randwrite --bs=
     --output-format=json --output="$BASE_DIR/fio.json"
 rm -f "$BASE_DIR/fio.dat"
 
-MON=127.0.0.1:$((20000 + RANDOM % 20000))
+die() { echo "bench/cluster.sh: $*" >&2; exit 1; }
+free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+MON=127.0.0.1:$(free_port)
 "$BASALT" mon --data-dir "$BASE_DIR/mon" --listen "$MON" >"$BASE_DIR/mon.log" 2>&1 & pids+=($!)
+metric_ports=()
 for n in 0 1 2; do
+    metric_ports+=("$(free_port)")
     "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size 6GiB \
-        --metrics-addr "127.0.0.1:$((40000 + RANDOM % 20000))" >"$BASE_DIR/osd.$n.log" 2>&1 & pids+=($!)
+        --metrics-addr "127.0.0.1:${metric_ports[$n]}" >"$BASE_DIR/osd.$n.log" 2>&1 & pids+=($!)
 done
+up=0
 for _ in $(seq 300); do
     up=$("$BASALT" osd ls --json --mon "$MON" 2>/dev/null | python3 -c "import json,sys;print(sum(o['up'] for o in json.load(sys.stdin)))" 2>/dev/null || echo 0)
     [ "$up" = 3 ] && break; sleep 0.2
 done
+[ "$up" = 3 ] || die "only $up of 3 OSDs came up; see $BASE_DIR/*.log (KEEP=1 keeps them)"
 "$BASALT" pool create bench --pg-count "$PGS" --size 3 --mon "$MON" >/dev/null
 "$BASALT" image create bench/img --size 1GiB --mon "$MON" >/dev/null
+clean=no
 for _ in $(seq 300); do
-    "$BASALT" status --mon "$MON" | grep -q "$PGS active+clean" && break; sleep 0.2
+    "$BASALT" status --mon "$MON" | grep -q "$PGS active+clean" && { clean=yes; break; }; sleep 0.2
 done
+[ "$clean" = yes ] || die "the PGs did not all become active+clean"
 
 metrics() {  # sum of a counter over the three OSDs
     local total=0
-    for n in 0 1 2; do
-        port=$(ps -o args= -p "${pids[$((n + 1))]}" | sed -n 's/.*--metrics-addr 127.0.0.1:\([0-9]*\).*/\1/p')
+    for port in "${metric_ports[@]}"; do
         value=$(curl -s "127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}')
         total=$(python3 -c "print($total + ${value:-0})")
     done
@@ -72,7 +79,7 @@ r1=$(bench randread 1); r32=$(bench randread 32)
 python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" <<'PY' | tee "${REPORT:-/dev/null}"
 import json, sys
 disk = json.load(open(sys.argv[1]))["jobs"][0]["write"]
-disk_iops = disk["iops"]; disk_us = disk["clat_ns"]["mean"] / 1000 + disk.get("slat_ns", {}).get("mean", 0) / 1000
+disk_iops = disk["iops"]
 disk_us = 1e6 / disk_iops  # one write + fsync per I/O at QD1: the time per I/O
 w1, w32, r1, r32 = (json.loads(a) for a in sys.argv[2:6])
 device = float(sys.argv[7]) - float(sys.argv[6])

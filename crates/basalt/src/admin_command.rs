@@ -534,7 +534,7 @@ pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
         println!();
         println!("  services:");
         println!(
-            "    mon: {} daemons, quorum {} (leader {})",
+            "    mon: {} daemons: {}; leader {}",
             status.monitors.len(),
             status.monitors.join(","),
             status.leader

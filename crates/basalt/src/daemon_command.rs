@@ -88,7 +88,8 @@ pub fn read_config(path: &Path) -> anyhow::Result<ConfigFile> {
         .with_context(|| format!("{} is not a valid basalt config", path.display()))
 }
 
-/// Resolves monitor addresses (`host:port`).
+/// Resolves monitor addresses (`host:port`, comma-separated or one per entry), one address
+/// per monitor.
 pub fn resolve_mons(mons: &[String]) -> anyhow::Result<Vec<SocketAddr>> {
     use std::net::ToSocketAddrs;
     let mut addresses = Vec::new();
@@ -97,10 +98,14 @@ pub fn resolve_mons(mons: &[String]) -> anyhow::Result<Vec<SocketAddr>> {
         .flat_map(|m| m.split(','))
         .filter(|m| !m.is_empty())
     {
-        addresses.extend(
-            mon.to_socket_addrs()
-                .with_context(|| format!("monitor address {mon:?} (expected host:port)"))?,
-        );
+        // One address per monitor: a name that resolves to both IPv4 and IPv6 must not
+        // count as two monitors (as raft peers, it would double the group).
+        let address = mon
+            .to_socket_addrs()
+            .with_context(|| format!("monitor address {mon:?} (expected host:port)"))?
+            .next()
+            .with_context(|| format!("monitor address {mon:?} resolves to nothing"))?;
+        addresses.push(address);
     }
     anyhow::ensure!(!addresses.is_empty(), "no monitor address given");
     Ok(addresses)
@@ -155,10 +160,10 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
                 .unwrap_or(600),
         ),
         metrics_addr: args.metrics_addr.or(section.metrics_addr),
-        peers: if args.peers.is_empty() {
-            resolve_mons(&section.peers).unwrap_or_default()
-        } else {
-            resolve_mons(&args.peers)?
+        peers: match (args.peers.is_empty(), section.peers.is_empty()) {
+            (false, _) => resolve_mons(&args.peers).context("--peers")?,
+            (true, false) => resolve_mons(&section.peers).context("[mon] peers")?,
+            (true, true) => Vec::new(),
         },
     };
     crate::control_runtime()?.block_on(async move {

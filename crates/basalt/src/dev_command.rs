@@ -86,6 +86,19 @@ impl Children {
                 _ => None,
             })
     }
+
+    /// The children that exited since the last call, each reported once.
+    fn newly_exited(&mut self) -> Vec<String> {
+        let mut exited = Vec::new();
+        self.0.retain_mut(|(name, child)| match child.try_wait() {
+            Ok(Some(status)) => {
+                exited.push(format!("{name} exited ({status})"));
+                false
+            }
+            _ => true,
+        });
+        exited
+    }
 }
 
 impl Drop for Children {
@@ -265,22 +278,22 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         .args(["status", "--conf"])
         .arg(&conf)
         .status();
+    // Reports daemons that exit, and goes on serving: the cluster survives one.
     let watch = async {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            if let Some(exited) = children.exited() {
+            for exited in children.newly_exited() {
                 eprintln!(
                     "basalt dev: {exited}; the cluster goes on without it (see its log in {})",
                     dir.display()
                 );
-                return;
             }
         }
     };
     tokio::select! {
         result = server.run(target.clone()) => result.context("JSON-RPC server failed")?,
         result = crate::shutdown_signal() => result?,
-        () = watch => { crate::shutdown_signal().await?; }
+        () = watch => {}
     }
     target.nbd.stop();
     drop(children);

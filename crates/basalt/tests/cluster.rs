@@ -69,6 +69,10 @@ fn fio_verifies_through_an_image_while_the_busiest_leader_is_killed() {
     std::thread::sleep(Duration::from_secs(1));
     let victim = cluster.busiest_leader();
     let process = cluster.osd_process(victim);
+    assert!(
+        !fio_run.is_finished(),
+        "fio finished before the kill: nothing was tested"
+    );
     eprintln!(
         "killing osd.{victim} (process {process}) after {:?}",
         started.elapsed()

@@ -4,9 +4,7 @@
 //! nothing to wait for beyond the writes in flight (which the frontend already waits for);
 //! write zeroes and discard both discard, since discarded ranges read as zeroes.
 
-use std::sync::Arc;
-
-use basalt_client::{ClientError, Cluster, Image};
+use basalt_client::{ClientError, Image};
 use basalt_io::DmaBuf;
 
 use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, libc_errno};
@@ -17,18 +15,14 @@ pub const PRODUCT_NAME: &str = "Basalt image";
 /// A bdev over a Basalt image.
 pub struct ImageBdev {
     info: BdevInfo,
+    /// Holds the cluster connection alive as well.
     image: Image,
-    _cluster: Arc<Cluster>,
 }
 
 impl ImageBdev {
-    /// A bdev of `info` over `image` of `cluster`.
-    pub fn new(info: BdevInfo, cluster: Arc<Cluster>, image: Image) -> Self {
-        Self {
-            info,
-            image,
-            _cluster: cluster,
-        }
+    /// A bdev of `info` over `image`.
+    pub fn new(info: BdevInfo, image: Image) -> Self {
+        Self { info, image }
     }
 }
 

@@ -127,7 +127,7 @@ async fn image_create(
     };
     params.uuid = Some(uuid);
     let construct = ConfigCall::new("bdev_basalt_create", &params);
-    let bdev = crate::image::ImageBdev::new(info, cluster, image);
+    let bdev = crate::image::ImageBdev::new(info, image);
     registry.insert(Box::new(bdev), BdevKind::Image, construct)?;
     Ok(json!(params.name))
 }

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// The largest piece of a request sent to an OSD at once.
-pub const PIECE_BYTES_MAX: u64 = 1 << 20;
+pub const PIECE_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// How long a request may take, retries included, by default.
 pub const DEADLINE_DEFAULT: Duration = Duration::from_secs(60);
 /// How long one attempt may wait for an OSD's answer.
@@ -193,18 +193,27 @@ impl Cluster {
     }
 
     /// Sends one object request to its PG's leader until it is answered.
+    /// `request` is a write, read or discard; each attempt addresses it to the PG under the
+    /// map of the moment.
     async fn object_call(
         &self,
         what: &str,
         pool: PoolId,
-        object: ObjectKey,
-        build: &(dyn Fn(PgId, Epoch) -> Message + Sync),
+        mut request: Message,
     ) -> Result<Vec<u8>, ClientError> {
+        let Some(range) = request.object_range() else {
+            return Err(ClientError::Invalid(format!(
+                "message kind {} is not an object request",
+                request.kind()
+            )));
+        };
+        let object = range.object;
         let deadline = Instant::now() + self.deadline;
         let mut last = String::from("nothing tried");
         let mut next_member = 0usize;
         let mut backoff = Duration::from_millis(5);
         let mut pause = false;
+        let mut redirected: Option<OsdId> = None;
         loop {
             if pause {
                 tokio::time::sleep(backoff).await;
@@ -250,7 +259,7 @@ impl Cluster {
                     continue;
                 }
             };
-            let request = build(pg, map.epoch);
+            request.route(pg, map.epoch);
             let answer = tokio::time::timeout(ATTEMPT_TIMEOUT, client.call(&request)).await;
             match answer {
                 Ok(Ok(Message::Reply { status, data })) => match status {
@@ -262,8 +271,14 @@ impl Cluster {
                         last = format!("{target} does not lead pg {pg}");
                         match leader.filter(|leader| *leader != target) {
                             Some(leader) => {
+                                // Follow a redirect at once, but only the first time: OSDs that
+                                // name each other during an election get the backoff.
+                                pause = redirected == Some(leader);
+                                redirected = Some(leader);
+                                if !members.contains(&leader) {
+                                    next_member += 1;
+                                }
                                 lock(&self.leaders).insert(pg, leader);
-                                pause = false;
                             }
                             None => {
                                 lock(&self.leaders).remove(&pg);
@@ -374,24 +389,27 @@ impl Image {
         Ok(())
     }
 
-    async fn run_pieces<F>(
+    /// Sends each piece's request and returns the answers in order. One piece (the common
+    /// case) runs here; several run as tasks, side by side.
+    async fn run_pieces(
         &self,
-        pieces: Vec<Piece>,
-        run: F,
-    ) -> Result<Vec<(Piece, Vec<u8>)>, ClientError>
-    where
-        F: Fn(Arc<Cluster>, Piece) -> tokio::task::JoinHandle<Result<Vec<u8>, ClientError>>,
-    {
-        if let [piece] = pieces.as_slice() {
-            let piece = *piece;
-            let data = run(self.cluster.clone(), piece)
-                .await
-                .map_err(|error| ClientError::Io(error.to_string()))??;
+        what: &'static str,
+        requests: Vec<(Piece, Message)>,
+    ) -> Result<Vec<(Piece, Vec<u8>)>, ClientError> {
+        let pool = self.pool;
+        if requests.len() == 1 {
+            let (piece, request) = requests.into_iter().next().expect("one request");
+            let data = self.cluster.object_call(what, pool, request).await?;
             return Ok(vec![(piece, data)]);
         }
-        let handles: Vec<_> = pieces
-            .iter()
-            .map(|piece| (*piece, run(self.cluster.clone(), *piece)))
+        let handles: Vec<_> = requests
+            .into_iter()
+            .map(|(piece, request)| {
+                let cluster = self.cluster.clone();
+                let task =
+                    tokio::spawn(async move { cluster.object_call(what, pool, request).await });
+                (piece, task)
+            })
             .collect();
         let mut results = Vec::with_capacity(handles.len());
         for (piece, handle) in handles {
@@ -403,37 +421,43 @@ impl Image {
         Ok(results)
     }
 
+    /// Where a request goes before it is routed: the object's PG is found per attempt.
+    fn unrouted(&self) -> (PgId, Epoch) {
+        (
+            PgId {
+                pool: self.pool,
+                index: 0,
+            },
+            Epoch(0),
+        )
+    }
+
     /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
         self.check(offset, len)?;
-        let pieces = split(self.id, self.object_size_bytes, offset, len);
-        let pool = self.pool;
-        let results = self
-            .run_pieces(pieces, |cluster, piece| {
-                tokio::spawn(async move {
-                    let build = |pg, epoch| Message::Read {
-                        pg,
-                        epoch,
-                        object: piece.object,
-                        offset_bytes: piece.offset_in_object,
-                        len_bytes: piece.len_bytes,
-                    };
-                    let data = cluster
-                        .object_call("read", pool, piece.object, &build)
-                        .await?;
-                    if data.len() != piece.len_bytes as usize {
-                        return Err(ClientError::Io(format!(
-                            "osd answered {} bytes for a {}-byte read",
-                            data.len(),
-                            piece.len_bytes
-                        )));
-                    }
-                    Ok(data)
-                })
+        let (pg, epoch) = self.unrouted();
+        let requests = split(self.id, self.object_size_bytes, offset, len)
+            .into_iter()
+            .map(|piece| {
+                let request = Message::Read {
+                    pg,
+                    epoch,
+                    object: piece.object,
+                    offset_bytes: piece.offset_in_object,
+                    len_bytes: piece.len_bytes,
+                };
+                (piece, request)
             })
-            .await?;
+            .collect();
         let mut out = vec![0u8; len as usize];
-        for (piece, data) in results {
+        for (piece, data) in self.run_pieces("read", requests).await? {
+            if data.len() != piece.len_bytes as usize {
+                return Err(ClientError::Io(format!(
+                    "osd answered {} bytes for a {}-byte read",
+                    data.len(),
+                    piece.len_bytes
+                )));
+            }
             out[piece.at..piece.at + data.len()].copy_from_slice(&data);
         }
         Ok(out)
@@ -442,47 +466,42 @@ impl Image {
     /// Writes `data` at `offset`; durable on a majority of replicas when it returns.
     pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), ClientError> {
         self.check(offset, data.len() as u64)?;
-        let pieces = split(self.id, self.object_size_bytes, offset, data.len() as u64);
-        let pool = self.pool;
-        self.run_pieces(pieces, |cluster, piece| {
-            let bytes = data[piece.at..piece.at + piece.len_bytes as usize].to_vec();
-            tokio::spawn(async move {
-                let build = |pg, epoch| Message::Write {
+        let (pg, epoch) = self.unrouted();
+        let requests = split(self.id, self.object_size_bytes, offset, data.len() as u64)
+            .into_iter()
+            .map(|piece| {
+                let request = Message::Write {
                     pg,
                     epoch,
                     object: piece.object,
                     offset_bytes: piece.offset_in_object,
-                    data: bytes.clone(),
+                    data: data[piece.at..piece.at + piece.len_bytes as usize].to_vec(),
                 };
-                cluster
-                    .object_call("write", pool, piece.object, &build)
-                    .await
+                (piece, request)
             })
-        })
-        .await?;
+            .collect();
+        self.run_pieces("write", requests).await?;
         Ok(())
     }
 
     /// Discards `len` bytes at `offset`: they read as zeroes and their space is freed.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
         self.check(offset, len)?;
-        let pieces = split(self.id, self.object_size_bytes, offset, len);
-        let pool = self.pool;
-        self.run_pieces(pieces, |cluster, piece| {
-            tokio::spawn(async move {
-                let build = |pg, epoch| Message::Discard {
+        let (pg, epoch) = self.unrouted();
+        let requests = split(self.id, self.object_size_bytes, offset, len)
+            .into_iter()
+            .map(|piece| {
+                let request = Message::Discard {
                     pg,
                     epoch,
                     object: piece.object,
                     offset_bytes: piece.offset_in_object,
                     len_bytes: piece.len_bytes,
                 };
-                cluster
-                    .object_call("discard", pool, piece.object, &build)
-                    .await
+                (piece, request)
             })
-        })
-        .await?;
+            .collect();
+        self.run_pieces("discard", requests).await?;
         Ok(())
     }
 }

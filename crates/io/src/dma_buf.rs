@@ -1,7 +1,7 @@
 //! A heap buffer aligned to [`DMA_ALIGN`] bytes, as O_DIRECT requires of memory.
 #![allow(unsafe_code)]
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::alloc::{Layout, alloc, alloc_zeroed, dealloc};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
@@ -33,11 +33,27 @@ impl DmaBuf {
         Self { ptr, len, capacity }
     }
 
-    /// A buffer holding a copy of `data`.
+    /// A buffer holding a copy of `data` (its bytes are written once: no zeroing first).
     pub fn from_slice(data: &[u8]) -> Self {
-        let mut buf = Self::zeroed(data.len());
-        buf.copy_from_slice(data);
-        buf
+        let capacity = data.len().max(1).next_multiple_of(DMA_ALIGN);
+        let layout = Self::layout(capacity);
+        // SAFETY: the layout has a non-zero size (capacity >= DMA_ALIGN).
+        let raw = unsafe { alloc(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        // SAFETY: the allocation holds capacity >= data.len() bytes and cannot overlap data;
+        // the bytes past data.len() up to capacity are zeroed so that every byte is
+        // initialised, as the zeroed constructor guarantees.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.as_ptr(), data.len());
+            std::ptr::write_bytes(ptr.as_ptr().add(data.len()), 0, capacity - data.len());
+        }
+        Self {
+            ptr,
+            len: data.len(),
+            capacity,
+        }
     }
 
     /// Shortens the buffer to `len` bytes; the allocation is kept.

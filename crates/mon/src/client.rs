@@ -60,11 +60,6 @@ impl MonClient {
         self
     }
 
-    /// The monitors' addresses.
-    pub fn addresses(&self) -> &[SocketAddr] {
-        &self.addresses
-    }
-
     fn unreachable(&self, last_error: String) -> MonClientError {
         MonClientError::Unreachable {
             addresses: self

@@ -7,7 +7,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use basalt_replication::{EntryType, HardState, RaftEntry, Restored};
 use serde::{Deserialize, Serialize};
@@ -26,7 +26,6 @@ struct Record {
 /// An open journal, appending after what replay found.
 pub struct Journal {
     file: File,
-    path: PathBuf,
 }
 
 fn entry_type(value: i32) -> EntryType {
@@ -54,13 +53,25 @@ impl Journal {
             let len = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes")) as usize;
             let crc = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
             let Some(body) = bytes.get(at + 8..at + 8 + len) else {
-                break;
+                break; // cut short: the torn tail of a crash mid-append
             };
-            if len > RECORD_SIZE_MAX || crc32c::crc32c(body) != crc {
-                break;
-            }
-            let Ok(record) = serde_json::from_slice::<Record>(body) else {
-                break;
+            let record = (len <= RECORD_SIZE_MAX && crc32c::crc32c(body) == crc)
+                .then(|| serde_json::from_slice::<Record>(body).ok())
+                .flatten();
+            let Some(record) = record else {
+                if at + 8 + len < bytes.len() {
+                    // Records follow a bad one: this is not a torn tail but damage, and
+                    // cutting here would drop acknowledged changes.
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!(
+                            "{}: the record at byte {at} is corrupt and {} bytes follow it",
+                            path.display(),
+                            bytes.len() - at - 8 - len
+                        ),
+                    ));
+                }
+                break; // the last record, written in part: the torn tail
             };
             let entries: Vec<RaftEntry> = record
                 .entries
@@ -93,10 +104,7 @@ impl Journal {
         // Cut a torn tail so that new records follow the last intact one.
         file.set_len(at as u64)?;
         file.sync_all()?;
-        let mut journal = Self {
-            file,
-            path: path.to_path_buf(),
-        };
+        let mut journal = Self { file };
         use std::io::Seek;
         journal.file.seek(std::io::SeekFrom::End(0))?;
         Ok((journal, restored))
@@ -122,11 +130,6 @@ impl Journal {
         framed.extend_from_slice(&body);
         self.file.write_all(&framed)?;
         self.file.sync_data()
-    }
-
-    /// Where it is.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 

@@ -101,7 +101,7 @@ pub enum MonReply {
 pub struct ClusterStatus {
     /// The map.
     pub map: ClusterMap,
-    /// The monitors, by address, and which one leads.
+    /// The monitors configured, by address (whether each is alive is not tracked yet).
     pub monitors: Vec<String>,
     /// The monitor that answered, which leads.
     pub leader: String,

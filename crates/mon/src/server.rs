@@ -122,7 +122,6 @@ pub struct Monitor {
     leader: watch::Receiver<Option<usize>>,
     rank: usize,
     peers: Vec<SocketAddr>,
-    address: SocketAddr,
     forward: tokio::sync::Mutex<Option<(SocketAddr, Arc<Client>)>>,
 }
 
@@ -364,7 +363,7 @@ impl Monitor {
         ClusterStatus {
             map: state.map.clone(),
             monitors: self.peers.iter().map(ToString::to_string).collect(),
-            leader: self.address.to_string(),
+            leader: self.peers[self.rank].to_string(),
             reports,
             ops_per_second: ops,
             bytes_per_second: bytes,
@@ -638,9 +637,8 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
         Journal::open(&journal_path).map_err(io_error(&journal_path))?;
     tracing::info!(entries = restored.entries.len(), "journal replayed");
     let members: Vec<OsdId> = (0..peers.len()).map(|rank| OsdId(rank as u32)).collect();
-    let seed = u64::from(std::process::id())
-        ^ (Instant::now().elapsed().as_nanos() as u64)
-        ^ ((rank as u64) << 32);
+    // Only election timeouts depend on it: distinct per process and rank is enough.
+    let seed = u64::from(std::process::id()) ^ ((rank as u64) << 32);
     let mut raft = MultiRaft::new(OsdId(rank as u32), seed);
     raft.create_group(MON_GROUP, &members, restored)
         .map_err(|error| MonError::Config(format!("the journal does not restore: {error}")))?;
@@ -660,7 +658,6 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
         leader,
         rank,
         peers: peers.clone(),
-        address: config.listen,
         forward: tokio::sync::Mutex::new(None),
     });
     let handler_monitor = monitor.clone();

@@ -39,16 +39,28 @@ impl FromStr for NbdUri {
             format!("{text:?} is not an nbd:// URI (expected nbd://HOST[:PORT]/EXPORT)")
         })?;
         let (authority, export) = rest.split_once('/').unwrap_or((rest, ""));
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((host, port)) if !host.ends_with(']') || authority.starts_with('[') => {
-                let port = port
-                    .parse()
-                    .map_err(|_| format!("{text:?}: port {port:?} is not a number"))?;
-                (host, port)
+        // An IPv6 host is bracketed, `[::1]`, so that its colons are not taken for a port.
+        let (host, port) = match authority.strip_prefix('[') {
+            Some(bracketed) => {
+                let (host, after) = bracketed
+                    .split_once(']')
+                    .ok_or_else(|| format!("{text:?}: '[' without ']'"))?;
+                (host, after.strip_prefix(':'))
             }
-            _ => (authority, DEFAULT_PORT),
+            None => match authority.split_once(':') {
+                Some((host, port)) if !port.contains(':') => (host, Some(port)),
+                Some(_) => {
+                    return Err(format!("{text:?}: an IPv6 host goes in brackets, [::1]"));
+                }
+                None => (authority, None),
+            },
         };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let port = match port {
+            Some(port) => port
+                .parse()
+                .map_err(|_| format!("{text:?}: port {port:?} is not a number"))?,
+            None => DEFAULT_PORT,
+        };
         if host.is_empty() {
             return Err(format!("{text:?} has no host"));
         }
@@ -367,6 +379,12 @@ mod tests {
         assert_eq!((uri.port, uri.export.as_str()), (DEFAULT_PORT, ""));
         let uri: NbdUri = "nbd://[::1]:99/x".parse().expect("uri");
         assert_eq!((uri.host.as_str(), uri.port), ("::1", 99));
+        let uri: NbdUri = "nbd://[::1]/x".parse().expect("uri");
+        assert_eq!((uri.host.as_str(), uri.port), ("::1", DEFAULT_PORT));
+        let uri: NbdUri = "nbd://[fe80::1]".parse().expect("uri");
+        assert_eq!((uri.host.as_str(), uri.port), ("fe80::1", DEFAULT_PORT));
+        assert!("nbd://::1/x".parse::<NbdUri>().is_err(), "unbracketed IPv6");
+        assert!("nbd://[::1/x".parse::<NbdUri>().is_err());
         assert!("http://x".parse::<NbdUri>().is_err());
         assert!("nbd://:1/x".parse::<NbdUri>().is_err());
         assert!("nbd://h:port/x".parse::<NbdUri>().is_err());

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use basalt_common::{Epoch, ObjectKey, OsdId, PgId};
+use basalt_common::{ObjectKey, OsdId, PgId};
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
@@ -41,10 +41,10 @@ use basalt_store::extent_map::Piece;
 use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
 use basalt_wire::metrics::{self, Exposition};
 use basalt_wire::tcp::{Client, Handler, Server};
-use basalt_wire::{Message, Status};
+use basalt_wire::{Message, ObjectRange, Status};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::log_device::{Appended, LogDevice, LogDeviceError, LogStats};
+use crate::log_device::{Appended, LogDevice, LogDeviceError};
 use crate::pg_log::{self, RestoredPgs};
 use crate::superblock::Superblock;
 
@@ -54,6 +54,8 @@ pub const DEVICE_FILE: &str = "osd.log";
 /// writes are refused with `NoSpace` below it, rather than letting the log fill (a full log
 /// stops the OSD).
 pub const LOG_RESERVE_BYTES: u64 = 16 << 20;
+/// The largest write or read one request may carry: it fits one log batch and one frame.
+pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
 /// Between heartbeats to the monitor.
@@ -252,8 +254,6 @@ struct Core {
     restored: BTreeMap<PgId, Restored>,
     objects: HashMap<PgId, PgObjects>,
     applied: HashMap<PgId, u64>,
-    /// Where durable, not yet applied write payloads lie, by PG and raft index.
-    payloads: HashMap<(PgId, u64), u64>,
     proposals: HashMap<(PgId, u64), Proposal>,
     reads: HashMap<PgId, Vec<(u64, ReadRequest)>>,
     log: Arc<LogDevice>,
@@ -333,15 +333,9 @@ impl Core {
                 payloads,
             } => {
                 for (index, term, offset) in payloads {
-                    self.payloads.insert((pg, index), offset);
-                    // Memory keeps where the payload is, not the payload.
+                    // Memory keeps where the payload is, not the payload; apply uses it.
                     self.raft.replace_entry_data(pg, index, term, |data| {
-                        match ObjectOp::decode(data).ok()? {
-                            write @ ObjectOp::Write { .. } => {
-                                Some(PayloadRef::from_meta(&write.meta(), offset).encode())
-                            }
-                            ObjectOp::Discard { .. } => None,
-                        }
+                        PayloadRef::of_write(data, offset).map(|reference| reference.encode())
                     });
                 }
                 self.raft.on_persisted(pg, number);
@@ -387,23 +381,33 @@ impl Core {
     }
 
     /// Checks a client request against the map; `Err` is the reply.
-    fn check(
-        &self,
-        pg: PgId,
-        epoch: Epoch,
-        object: ObjectKey,
-        offset_bytes: u32,
-        len_bytes: u64,
-    ) -> Result<(), Message> {
-        let Some(pool) = self.map.pools.get(&pg.pool) else {
-            return Err(if epoch > self.map.epoch {
+    fn check(&self, range: &ObjectRange) -> Result<(), Message> {
+        let ObjectRange {
+            pg,
+            epoch,
+            object,
+            offset_bytes,
+            len_bytes,
+        } = *range;
+        // A client whose map is newer than ours may know a pool or image we do not yet:
+        // anything we cannot find is then "ask again", not a final refusal.
+        let unknown = |what: String| {
+            if epoch > self.map.epoch {
                 reply(Status::NotLeader { leader: None })
             } else {
-                invalid(format!("pool {} does not exist", pg.pool))
-            });
+                invalid(what)
+            }
+        };
+        if len_bytes == 0 || len_bytes > REQUEST_BYTES_MAX {
+            return Err(invalid(format!(
+                "a request of {len_bytes} bytes: from 1 byte to {REQUEST_BYTES_MAX}"
+            )));
+        }
+        let Some(pool) = self.map.pools.get(&pg.pool) else {
+            return Err(unknown(format!("pool {} does not exist", pg.pool)));
         };
         let Some(entry) = self.map.pg(pg) else {
-            return Err(invalid(format!("pg {pg} does not exist")));
+            return Err(unknown(format!("pg {pg} does not exist")));
         };
         if epoch < entry.epoch {
             return Err(reply(Status::StaleEpoch {
@@ -411,16 +415,15 @@ impl Core {
             }));
         }
         let Some(image) = self.map.images.get(&object.image) else {
-            return Err(invalid(format!("image {} does not exist", object.image.0)));
+            return Err(unknown(format!("image {} does not exist", object.image.0)));
         };
         if image.pool != pg.pool || pool.pg_of(object) != pg {
-            return Err(invalid(format!(
+            return Err(unknown(format!(
                 "object {}.{} is not in pg {pg}",
                 object.image.0, object.number
             )));
         }
-        let end = u64::from(offset_bytes) + len_bytes;
-        if len_bytes == 0 || end > image.object_size_bytes {
+        if u64::from(offset_bytes) + len_bytes > image.object_size_bytes {
             return Err(invalid(format!(
                 "range {offset_bytes}+{len_bytes} is outside the {}-byte object",
                 image.object_size_bytes
@@ -435,118 +438,49 @@ impl Core {
     }
 
     fn request(&mut self, message: Message, reply_to: oneshot::Sender<Message>) {
-        let (pg, op) = match message {
-            Message::Write {
-                pg,
-                epoch,
+        let Some(range) = message.object_range() else {
+            match message {
+                Message::Control { body } => self.control(&body, reply_to),
+                other => {
+                    let _ = reply_to.send(invalid(format!(
+                        "message kind {} is not a client request",
+                        other.kind()
+                    )));
+                }
+            }
+            return;
+        };
+        if let Err(answer) = self.check(&range) {
+            let _ = reply_to.send(answer);
+            return;
+        }
+        let (pg, object, offset_bytes) = (range.pg, range.object, range.offset_bytes);
+        let op = match message {
+            Message::Write { data, .. } => ObjectOp::Write {
                 object,
                 offset_bytes,
                 data,
-            } => {
-                if let Err(answer) = self.check(pg, epoch, object, offset_bytes, data.len() as u64)
-                {
-                    let _ = reply_to.send(answer);
-                    return;
-                }
-                let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
-                if self.full || free < LOG_RESERVE_BYTES + data.len() as u64 {
-                    let _ = reply_to.send(reply(Status::NoSpace {
-                        message: format!(
-                            "{} is full: {free} bytes left in its log, {LOG_RESERVE_BYTES} kept in reserve (log space is not reclaimed yet)",
-                            self.id
-                        ),
-                    }));
-                    return;
-                }
-                (
-                    pg,
-                    ObjectOp::Write {
-                        object,
-                        offset_bytes,
-                        data,
-                    },
-                )
-            }
-            Message::Discard {
-                pg,
-                epoch,
+            },
+            Message::Discard { len_bytes, .. } => ObjectOp::Discard {
                 object,
                 offset_bytes,
                 len_bytes,
-            } => {
-                if let Err(answer) =
-                    self.check(pg, epoch, object, offset_bytes, u64::from(len_bytes))
-                {
-                    let _ = reply_to.send(answer);
-                    return;
-                }
-                (
-                    pg,
-                    ObjectOp::Discard {
-                        object,
-                        offset_bytes,
-                        len_bytes,
-                    },
-                )
-            }
-            Message::Read {
-                pg,
-                epoch,
-                object,
-                offset_bytes,
-                len_bytes,
-            } => {
-                if let Err(answer) =
-                    self.check(pg, epoch, object, offset_bytes, u64::from(len_bytes))
-                {
-                    let _ = reply_to.send(answer);
-                    return;
-                }
-                // Raft drops read-index requests of a leader that has not committed an entry
-                // of its term yet: such a leader sends the client elsewhere for now.
-                if self.raft.read_barrier(pg).is_none() {
-                    let _ = reply_to.send(reply(Status::NotLeader {
-                        leader: self.raft.leader(pg).filter(|l| *l != self.id),
-                    }));
-                    return;
-                }
-                let read = ReadRequest {
-                    arrived: std::time::Instant::now(),
-                    object,
-                    offset_bytes: u64::from(offset_bytes),
-                    len_bytes: u64::from(len_bytes),
-                    reply: reply_to,
-                };
-                // A quorum confirms this replica still leads before the read is served:
-                // a leader cut off from its peers could otherwise serve a stale read while
-                // a new leader already accepts writes.
-                let id = self.next_read;
-                self.next_read += 1;
-                self.raft.read_index(pg, id.to_le_bytes().to_vec());
-                self.confirming.insert(id, (pg, read));
-                return;
-            }
-            Message::Control { body } => {
-                self.control(&body, reply_to);
-                return;
-            }
-            other => {
-                let _ = reply_to.send(invalid(format!(
-                    "message kind {} is not a client request",
-                    other.kind()
-                )));
+            },
+            _ => {
+                self.start_read(range, reply_to);
                 return;
             }
         };
-        let write_bytes = match &op {
-            ObjectOp::Write { data, .. } => data.len() as u64,
-            ObjectOp::Discard { .. } => 0,
-        };
+        let write_bytes = op.payload().len() as u64;
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;
-        if self.full {
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        if self.full || (write_bytes > 0 && free < LOG_RESERVE_BYTES + write_bytes) {
             let _ = reply_to.send(reply(Status::NoSpace {
-                message: format!("{} is full: its log takes no more writes", self.id),
+                message: format!(
+                    "{} is full: {free} bytes left in its log, {LOG_RESERVE_BYTES} kept in reserve (log space is not reclaimed yet)",
+                    self.id
+                ),
             }));
             return;
         }
@@ -574,6 +508,33 @@ impl Core {
                 tracing::debug!(%error, "proposal refused");
             }
         }
+    }
+
+    /// Starts a read: raft's read barrier, then its read index.
+    fn start_read(&mut self, range: ObjectRange, reply_to: oneshot::Sender<Message>) {
+        let pg = range.pg;
+        // Raft drops read-index requests of a leader that has not committed an entry of its
+        // term yet: such a leader sends the client elsewhere for now.
+        if self.raft.read_barrier(pg).is_none() {
+            let _ = reply_to.send(reply(Status::NotLeader {
+                leader: self.raft.leader(pg).filter(|l| *l != self.id),
+            }));
+            return;
+        }
+        let read = ReadRequest {
+            arrived: std::time::Instant::now(),
+            object: range.object,
+            offset_bytes: u64::from(range.offset_bytes),
+            len_bytes: range.len_bytes,
+            reply: reply_to,
+        };
+        // A quorum confirms this replica still leads before the read is served: a leader
+        // cut off from its peers could otherwise serve a stale read while a new leader
+        // already accepts writes.
+        let id = self.next_read;
+        self.next_read += 1;
+        self.raft.read_index(pg, id.to_le_bytes().to_vec());
+        self.confirming.insert(id, (pg, read));
     }
 
     fn control(&self, body: &[u8], reply_to: oneshot::Sender<Message>) {
@@ -606,39 +567,35 @@ impl Core {
             state.objects = objects.object_count();
             state.mapped_bytes = objects.mapped_bytes();
             for key in objects.keys() {
-                let size = self
-                    .map
-                    .images
-                    .get(&key.image)
-                    .map_or(u64::from(u32::MAX), |image| image.object_size_bytes);
-                plans.push((key, size, objects.plan_read(key, 0, size)));
+                // Offsets in an object fit a u32: this spans any object, as metadata only.
+                plans.push((key, objects.plan_read(key, 0, u64::from(u32::MAX))));
             }
         }
         let engine = self.engine.clone();
         tokio::spawn(async move {
             let mut digest = 0u32;
-            for (key, size, pieces) in plans {
-                let data = match read_pieces(&engine, 0, size, &pieces).await {
-                    Ok(data) => data,
-                    Err(error) => {
-                        let _ = reply_to.send(answer(Err(format!("reading the device: {error}"))));
-                        return;
-                    }
-                };
+            for (key, pieces) in plans {
                 digest = crc32c::crc32c_append(digest, &key.image.0.to_le_bytes());
                 digest = crc32c::crc32c_append(digest, &key.number.to_le_bytes());
                 for piece in pieces {
-                    if let Piece::Mapped {
+                    let Piece::Mapped {
                         offset_bytes,
                         len_bytes,
                         ..
                     } = piece
-                    {
-                        digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
-                        digest = crc32c::crc32c_append(
-                            digest,
-                            &data[offset_bytes as usize..(offset_bytes + len_bytes) as usize],
-                        );
+                    else {
+                        continue;
+                    };
+                    match read_pieces(&engine, offset_bytes, len_bytes, &[piece]).await {
+                        Ok(data) => {
+                            digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
+                            digest = crc32c::crc32c_append(digest, &data);
+                        }
+                        Err(error) => {
+                            let _ =
+                                reply_to.send(answer(Err(format!("reading the device: {error}"))));
+                            return;
+                        }
                     }
                 }
             }
@@ -692,22 +649,20 @@ impl Core {
                 .then(|| ObjectOp::decode(&entry.data).ok())
                 .flatten();
             if let Some(reference) = &reference {
-                self.payloads.remove(&(pg, entry.index));
                 self.objects.entry(pg).or_default().apply_ref(reference);
             }
-            if let Some(op) = &op {
-                let offset = match op {
-                    ObjectOp::Write { .. } => {
-                        self.payloads.remove(&(pg, entry.index)).ok_or_else(|| {
-                            OsdError::Internal(format!(
-                                "pg {pg}: committed write {} has no payload on the device",
-                                entry.index
-                            ))
-                        })?
-                    }
-                    ObjectOp::Discard { .. } => 0,
-                };
-                self.objects.entry(pg).or_default().apply(op, offset);
+            match &op {
+                // A write is applied only once durable here, and then refers to its payload.
+                Some(ObjectOp::Write { .. }) => {
+                    return Err(OsdError::Internal(format!(
+                        "pg {pg}: committed write {} is not known to be durable here",
+                        entry.index
+                    )));
+                }
+                Some(discard @ ObjectOp::Discard { .. }) => {
+                    self.objects.entry(pg).or_default().apply(discard, 0);
+                }
+                None => {}
             }
             let is_write =
                 reference.is_some() || op.as_ref().is_some_and(|op| op.kind() == kind::WRITE);
@@ -906,7 +861,7 @@ impl Core {
         }
     }
 
-    fn update_report(&self, log: LogStats, capacity_bytes: u64, used_before: u64) {
+    fn update_report(&self, capacity_bytes: u64) {
         let leading = self
             .raft
             .pgs()
@@ -915,7 +870,7 @@ impl Core {
         let c = &self.counters;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = OsdReport {
             capacity_bytes,
-            used_bytes: (used_before + log.device_bytes).min(capacity_bytes),
+            used_bytes: capacity_bytes.saturating_sub(self.log.free_bytes()),
             reads: c.reads.load(Ordering::Relaxed),
             writes: c.writes.load(Ordering::Relaxed),
             read_bytes: c.read_bytes.load(Ordering::Relaxed),
@@ -1098,8 +1053,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let superblock = prepare_device(&path, config.device_size_bytes).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
-    let used_before = opened.replayed.next_offset_bytes - superblock.log_start_bytes;
-    let RestoredPgs { groups, payloads } = pg_log::restore(&opened.replayed.batches)?;
+    let RestoredPgs { groups } = pg_log::restore(&opened.replayed.batches)?;
     tracing::info!(
         batches = opened.replayed.batches.len(),
         pgs = groups.len(),
@@ -1406,7 +1360,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         restored: groups,
         objects: HashMap::new(),
         applied: HashMap::new(),
-        payloads: payloads.into_iter().collect(),
         proposals: HashMap::new(),
         reads: HashMap::new(),
         log,
@@ -1442,7 +1395,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     core.raft.tick();
                     ticks += 1;
                     if ticks.is_multiple_of(5) {
-                        core.update_report(core.log.stats(), capacity_bytes, used_before);
+                        core.update_report(capacity_bytes);
                     }
                 }
             }

@@ -31,14 +31,21 @@ pub fn to_log_entries(
             .then(|| ObjectOp::decode(&entry.data).ok())
             .flatten();
         log.push(match object_op {
-            Some(op) => Entry {
-                kind: op.kind(),
-                pg,
-                term: entry.term,
-                index: entry.index,
-                meta: op.meta(),
-                data: op.payload().to_vec(),
-            },
+            Some(op) => {
+                let (kind, meta) = (op.kind(), op.meta());
+                Entry {
+                    kind,
+                    pg,
+                    term: entry.term,
+                    index: entry.index,
+                    meta,
+                    // The decoded payload moves into the log entry: no second copy.
+                    data: match op {
+                        ObjectOp::Write { data, .. } => data,
+                        ObjectOp::Discard { .. } => Vec::new(),
+                    },
+                }
+            }
             None => {
                 let mut meta = [0u8; META_SIZE];
                 meta[0] = entry.get_entry_type() as u8;
@@ -99,9 +106,6 @@ pub enum PgLogError {
 pub struct RestoredPgs {
     /// Each PG's raft state.
     pub groups: BTreeMap<PgId, Restored>,
-    /// Where each object write's payload lies on the device, by PG and raft index (the
-    /// latest write of an index wins, as a truncated log is overwritten).
-    pub payloads: BTreeMap<(PgId, u64), u64>,
 }
 
 /// Rebuilds every PG's raft state from the replayed log.
@@ -136,11 +140,6 @@ pub fn restore(batches: &[ReplayedBatch]) -> Result<RestoredPgs, PgLogError> {
             } else {
                 from_log_entry(entry)?
             };
-            if entry.kind == kind::WRITE {
-                restored
-                    .payloads
-                    .insert((entry.pg, entry.index), *data_offset);
-            }
             group.add(&[raft_entry], None);
         }
     }
@@ -298,8 +297,19 @@ mod tests {
             entries: vec![(log[0].clone(), 4096)],
         };
         let restored = restore(&[batch]).expect("restores");
-        assert_eq!(restored.payloads.get(&(PG, 5)), Some(&4096));
-        assert_eq!(restored.groups[&PG].entries, vec![raft_entry]);
+        assert_eq!(restored.groups[&PG].entries, vec![raft_entry.clone()]);
+        // As the OSD replays: the payload stays on the device, the entry refers to it.
+        let mut trimmed = log[0].clone();
+        trimmed.data.clear();
+        let batch = ReplayedBatch {
+            lsn: Lsn(1),
+            offset_bytes: 0,
+            entries: vec![(trimmed, 4096)],
+        };
+        let restored = restore(&[batch]).expect("restores");
+        let reference = PayloadRef::decode(&restored.groups[&PG].entries[0].data);
+        assert_eq!(reference, PayloadRef::of_write(&raft_entry.data, 4096));
+        assert_eq!(reference.map(|r| r.device_offset_bytes), Some(4096));
     }
 
     #[test]

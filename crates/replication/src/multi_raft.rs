@@ -80,11 +80,11 @@ impl Restored {
     /// with the same or a later index (a follower's log truncated by a new leader).
     pub fn add(&mut self, entries: &[Entry], hard_state: Option<&HardState>) {
         if let Some(first) = entries.first() {
+            // Entries are kept in index order: the cut is a binary search, not a scan, so
+            // replaying a long log stays linear.
             let keep = self
                 .entries
-                .iter()
-                .take_while(|entry| entry.index < first.index)
-                .count();
+                .partition_point(|entry| entry.index < first.index);
             self.entries.truncate(keep);
             self.entries.extend_from_slice(entries);
         }

@@ -72,6 +72,17 @@ impl PayloadRef {
         bytes
     }
 
+    /// The reference for a write's raft entry data (an encoded [`ObjectOp::Write`]) whose
+    /// payload lies at `device_offset_bytes`, read from its header alone; `None` if the data
+    /// is not a write.
+    pub fn of_write(data: &[u8], device_offset_bytes: u64) -> Option<Self> {
+        let (&kind, rest) = data.split_first()?;
+        let meta: &[u8; META_SIZE] = rest.get(..META_SIZE)?.try_into().ok()?;
+        let reference = Self::from_meta(meta, device_offset_bytes);
+        (kind == kind::WRITE && rest.len() - META_SIZE == reference.len_bytes as usize)
+            .then_some(reference)
+    }
+
     /// Decodes raft entry data; `None` if it is not a reference.
     pub fn decode(bytes: &[u8]) -> Option<Self> {
         if bytes.len() != 1 + META_SIZE + 8 || bytes[0] != kind::WRITE_REF {
@@ -415,6 +426,11 @@ mod tests {
             "a reference is not an operation"
         );
         assert_eq!(PayloadRef::decode(&write.encode()), None);
+        assert_eq!(
+            PayloadRef::of_write(&write.encode(), 1 << 20),
+            Some(reference)
+        );
+        assert_eq!(PayloadRef::of_write(&bytes, 1 << 20), None, "not a write");
         assert_eq!(reference.with_payload(vec![7; 512]), write);
         let mut objects = PgObjects::new();
         objects.apply_ref(&reference);

@@ -19,4 +19,4 @@ pub mod metrics;
 pub mod tcp;
 
 pub use frame::{Frame, FrameError};
-pub use message::{Message, MessageError, Status};
+pub use message::{Message, MessageError, ObjectRange, Status};

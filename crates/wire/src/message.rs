@@ -27,6 +27,10 @@ pub mod kind {
     pub const RAFT_BATCH: u16 = 7;
 }
 
+/// The most bytes one write or read carries (a client splits larger requests): a frame,
+/// an OSD log batch and a raft message each hold one with room to spare.
+pub const OBJECT_REQUEST_BYTES_MAX: u64 = 1 << 20;
+
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Status {
@@ -206,17 +210,26 @@ fn put_object(out: &mut Vec<u8>, object: ObjectKey) {
 }
 
 /// The fields every object request starts with: PG, epoch, object, offset.
-fn put_object_request(
-    out: &mut Vec<u8>,
-    pg: PgId,
-    epoch: Epoch,
-    object: ObjectKey,
-    offset_bytes: u32,
-) {
-    put_pg(out, pg);
-    out.extend_from_slice(&epoch.0.to_le_bytes());
-    put_object(out, object);
-    out.extend_from_slice(&offset_bytes.to_le_bytes());
+fn put_object_request(out: &mut Vec<u8>, range: ObjectRange) {
+    put_pg(out, range.pg);
+    out.extend_from_slice(&range.epoch.0.to_le_bytes());
+    put_object(out, range.object);
+    out.extend_from_slice(&range.offset_bytes.to_le_bytes());
+}
+
+/// What a write, read or discard addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectRange {
+    /// The PG.
+    pub pg: PgId,
+    /// The client's map epoch.
+    pub epoch: Epoch,
+    /// The object.
+    pub object: ObjectKey,
+    /// Offset in the object.
+    pub offset_bytes: u32,
+    /// Length (a write's data length).
+    pub len_bytes: u64,
 }
 
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
@@ -229,6 +242,53 @@ fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
 }
 
 impl Message {
+    /// What an object request (write, read, discard) addresses; `None` for other messages.
+    pub fn object_range(&self) -> Option<ObjectRange> {
+        let (pg, epoch, object, offset_bytes, len_bytes) = match self {
+            Message::Write {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                data,
+            } => (pg, epoch, object, offset_bytes, data.len() as u64),
+            Message::Read {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                len_bytes,
+            }
+            | Message::Discard {
+                pg,
+                epoch,
+                object,
+                offset_bytes,
+                len_bytes,
+            } => (pg, epoch, object, offset_bytes, u64::from(*len_bytes)),
+            _ => return None,
+        };
+        Some(ObjectRange {
+            pg: *pg,
+            epoch: *epoch,
+            object: *object,
+            offset_bytes: *offset_bytes,
+            len_bytes,
+        })
+    }
+
+    /// Addresses an object request to `pg` under map `epoch` (a client routing an attempt);
+    /// other messages are left as they are.
+    pub fn route(&mut self, to_pg: PgId, to_epoch: Epoch) {
+        if let Message::Write { pg, epoch, .. }
+        | Message::Read { pg, epoch, .. }
+        | Message::Discard { pg, epoch, .. } = self
+        {
+            *pg = to_pg;
+            *epoch = to_epoch;
+        }
+    }
+
     /// The frame kind.
     pub fn kind(&self) -> u16 {
         match self {
@@ -245,32 +305,12 @@ impl Message {
     /// The whole frame for this message.
     pub fn encode(&self, request_id: u64) -> Vec<u8> {
         let mut body = Vec::new();
+        if let Some(range) = self.object_range() {
+            put_object_request(&mut body, range);
+        }
         match self {
-            Message::Write {
-                pg,
-                epoch,
-                object,
-                offset_bytes,
-                data,
-            } => {
-                put_object_request(&mut body, *pg, *epoch, *object, *offset_bytes);
-                put_bytes(&mut body, data);
-            }
-            Message::Read {
-                pg,
-                epoch,
-                object,
-                offset_bytes,
-                len_bytes,
-            }
-            | Message::Discard {
-                pg,
-                epoch,
-                object,
-                offset_bytes,
-                len_bytes,
-            } => {
-                put_object_request(&mut body, *pg, *epoch, *object, *offset_bytes);
+            Message::Write { data, .. } => put_bytes(&mut body, data),
+            Message::Read { len_bytes, .. } | Message::Discard { len_bytes, .. } => {
                 body.extend_from_slice(&len_bytes.to_le_bytes());
             }
             Message::Reply { status, data } => {

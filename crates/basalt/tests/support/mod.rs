@@ -532,6 +532,7 @@ impl ClusterProcesses {
                     replicas.len() >= 2
                         && replicas.iter().all(|r| {
                             r["error"].is_null()
+                                && r["hosted"] == true
                                 && r["applied"] == replicas[0]["applied"]
                                 && r["digest"] == replicas[0]["digest"]
                                 && r["mapped_bytes"] == replicas[0]["mapped_bytes"]
