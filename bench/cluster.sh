@@ -11,11 +11,13 @@
 # Usage: bench/cluster.sh [REPORT.md]
 # Environment: BASE_DIR (default /var/tmp/basalt-bench-cluster; disk-backed), RUNTIME
 # (seconds per case, default 10), PGS (default 32), BASALT (default target/release/basalt),
-# KEEP=1 keeps the cluster's directory.
+# DEVICE_SIZE (each OSD's device, default 6GiB; 512MiB makes the cleaner work during the
+# QD32 writes, over the 256 MiB they cover), KEEP=1 keeps the cluster's directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_DIR=${BASE_DIR:-/var/tmp/basalt-bench-cluster}
 RUNTIME=${RUNTIME:-10}
+DEVICE_SIZE=${DEVICE_SIZE:-6GiB}
 PGS=${PGS:-32}
 BASALT=${BASALT:-target/release/basalt}
 REPORT=${1:-}
@@ -44,7 +46,7 @@ MON=127.0.0.1:$(free_port)
 metric_ports=()
 for n in 0 1 2; do
     metric_ports+=("$(free_port)")
-    "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size 6GiB \
+    "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size "$DEVICE_SIZE" \
         --metrics-addr "127.0.0.1:${metric_ports[$n]}" >"$BASE_DIR/osd.$n.log" 2>&1 & pids+=($!)
 done
 up=0
@@ -75,8 +77,10 @@ bench() { "$BASALT" bench --image bench/img --mon "$MON" --rw "$1" --iodepth "$2
 device0=$(metrics basalt_osd_log_device_bytes_total)
 w1=$(bench randwrite 1); w32=$(bench randwrite 32)
 device1=$(metrics basalt_osd_log_device_bytes_total)
+relocated=$(metrics basalt_osd_relocated_bytes_total)
+checkpoints=$(metrics basalt_osd_checkpoints_total)
 r1=$(bench randread 1); r32=$(bench randread 32)
-python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" <<'PY' | tee "${REPORT:-/dev/null}"
+python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" "$DEVICE_SIZE" "$relocated" "$checkpoints" <<'PY' | tee "${REPORT:-/dev/null}"
 import json, sys
 disk = json.load(open(sys.argv[1]))["jobs"][0]["write"]
 disk_iops = disk["iops"]
@@ -84,7 +88,7 @@ disk_us = 1e6 / disk_iops  # one write + fsync per I/O at QD1: the time per I/O
 w1, w32, r1, r32 = (json.loads(a) for a in sys.argv[2:6])
 device = float(sys.argv[7]) - float(sys.argv[6])
 client = w1["write"]["bytes"] + w32["write"]["bytes"]
-print(f"# A 3-replica image vs the disk's durable write (commit {sys.argv[8]}, {sys.argv[9]} s per case, {sys.argv[10]} PGs)\n")
+print(f"# A 3-replica image vs the disk's durable write (commit {sys.argv[8]}, {sys.argv[9]} s per case, {sys.argv[10]} PGs, {sys.argv[11]} OSD devices)\n")
 print("| case | IOPS | mean µs | p99 µs |")
 print("|---|---:|---:|---:|")
 print(f"| disk: fio 4k randwrite QD1, direct=1, fsync=1 | {disk_iops:.0f} | {disk_us:.1f} | |")
@@ -97,6 +101,7 @@ qd1 = w1["write"]["latency"]["mean_us"]
 print(f"\nQD1 write latency: {qd1:.0f} µs = {qd1/disk_us:.2f}x the disk's durable write ({disk_us:.0f} µs); aim ≤ 2x + 100 µs = {2*disk_us+100:.0f} µs")
 print(f"QD32/QD1 write IOPS: {w32['write']['iops']/w1['write']['iops']:.1f}x (aim ≥ 5x)")
 print(f"Write amplification: {device/client:.2f} device bytes per client byte over 3 replicas ({device/client/3:.2f} per replica)")
+print(f"Log reuse: {float(sys.argv[12])/2**20:.0f} MiB relocated by the cleaners, {float(sys.argv[13]):.0f} checkpoints (three OSDs, whole run)")
 print("\nSummary lines (block_bench format):")
 for name, r in (("randwrite QD1", w1), ("randwrite QD32", w32), ("randread QD1", r1), ("randread QD32", r32)):
     side = 'write' if 'write' in name else 'read'

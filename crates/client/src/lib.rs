@@ -296,6 +296,11 @@ impl Cluster {
                         return Err(ClientError::Io(format!("{target}: {message}")));
                     }
                     Status::NoSpace { message } => return Err(ClientError::NoSpace(message)),
+                    Status::Busy { message } => {
+                        // The same OSD, after the backoff: its cleaner is freeing space.
+                        last = format!("{target}: {message}");
+                        backoff = backoff.max(Duration::from_millis(20));
+                    }
                 },
                 Ok(Ok(other)) => {
                     last = format!("{target} answered kind {}", other.kind());

@@ -9,7 +9,9 @@ use serde::{Deserialize, Serialize};
 pub struct OsdId(pub u32);
 
 /// A pool's number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct PoolId(pub u32);
 
 /// An image's number, unique in the cluster and never reused.
@@ -26,7 +28,9 @@ pub struct ObjectKey {
 }
 
 /// A placement group: a pool and an index below the pool's `pg_count`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct PgId {
     /// The pool.
     pub pool: PoolId,

@@ -18,6 +18,9 @@
 //! Reads are served by the leader once a quorum confirmed its leadership after the read
 //! arrived (raft's read index) and it has applied everything committed at that point,
 //! straight from the log device through the index; holes read as zeroes.
+//!
+//! The core also reuses the log ([`crate::reclaim`]): it cuts checkpoints, compacts raft
+//! logs behind them, and cleans the ring's tail.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -27,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use basalt_common::{ObjectKey, OsdId, PgId};
+use basalt_common::{Lsn, ObjectKey, OsdId, PgId};
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
@@ -37,7 +40,9 @@ use basalt_replication::{
     encode_message,
 };
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX};
+use basalt_store::checkpoint::Checkpoint;
 use basalt_store::extent_map::Piece;
+use basalt_store::log::Replayed;
 use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
 use basalt_wire::metrics::{self, Exposition};
 use basalt_wire::tcp::{Client, Handler, Server};
@@ -46,14 +51,20 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::log_device::{Appended, LogDevice, LogDeviceError};
 use crate::pg_log::{self, RestoredPgs};
+use crate::reclaim::{self, Durable, Move, Retention};
 use crate::superblock::Superblock;
 
 /// The log device's file in the data directory.
 pub const DEVICE_FILE: &str = "osd.log";
-/// Log space kept free for raft's own entries and for followers that are a little fuller:
-/// writes are refused with `NoSpace` below it, rather than letting the log fill (a full log
-/// stops the OSD).
+/// Log space kept free for raft's own entries and for followers that are a little fuller
+/// (at most a sixteenth of the ring), besides the log device's reserve for the cleaner:
+/// client writes wait (`Busy`) or are refused (`NoSpace`) below it.
 pub const LOG_RESERVE_BYTES: u64 = 16 << 20;
+/// How long writes wait (`Busy`) for the cleaner without it freeing any space, before they
+/// are refused with `NoSpace`.
+const BUSY_WITHOUT_PROGRESS: Duration = Duration::from_secs(10);
+/// Raft entries kept in memory behind the applied index, for followers a little behind.
+const RETAINED_ENTRIES: usize = 4096;
 /// The largest write or read one request may carry: it fits one log batch and one frame.
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
@@ -167,6 +178,12 @@ struct Counters {
     write_nanos: AtomicU64,
     /// Nanoseconds from a read's arrival to its answer, summed.
     read_nanos: AtomicU64,
+    /// Checkpoints written.
+    checkpoints: AtomicU64,
+    /// Index bytes the cleaner moved.
+    relocated_bytes: AtomicU64,
+    /// Bytes the object indexes map (refreshed on ticks).
+    live_bytes: AtomicU64,
 }
 
 /// What the core hears.
@@ -179,17 +196,31 @@ enum Event {
     /// A raft message from a peer.
     Raft { pg: PgId, message: RaftMessage },
     /// A persist is durable; its write payloads (raft index, term) lie at these device
-    /// offsets.
+    /// offsets. `end` is the ring position and LSN after its last batch, if it wrote one.
     Persisted {
         pg: PgId,
         number: u64,
         then_send: Vec<(OsdId, RaftMessage)>,
         payloads: Vec<(u64, u64, u64)>,
+        hard_state: Option<basalt_replication::HardState>,
+        last_index: Option<u64>,
+        end: Option<(u64, Lsn)>,
     },
     /// The log device failed: stop.
     Failed(String),
-    /// The log is full: no persist completes any more.
-    Full,
+    /// The cleaner read batches from the tail, up to (position, LSN).
+    Cleaned(std::io::Result<Replayed>),
+    /// The cleaner's relocations are durable: each move's new device offset. The cleaner
+    /// has then gone through the ring up to `next`.
+    Relocated {
+        moves: Vec<(Move, u64)>,
+        next: (u64, Lsn),
+    },
+    /// A checkpoint was written (or not): the ring before its tail is free.
+    Checkpointed {
+        result: Result<(), LogDeviceError>,
+        checkpoint: CheckpointMark,
+    },
     /// A newer map.
     Map(Arc<ClusterMap>),
 }
@@ -201,11 +232,51 @@ type AppendFuture =
 /// An object write in an append: raft index, term, position among the append's entries.
 type WriteAt = (u64, u64, usize);
 
+/// What a written checkpoint lets the core do.
+#[derive(Debug, Clone, Copy)]
+struct CheckpointMark {
+    sequence: u64,
+    replay_position: u64,
+    tail: (u64, Lsn),
+}
+
+/// The state of log reuse.
+struct Reclaim {
+    /// The ring position and LSN after the last batch whose persist the core processed:
+    /// where a checkpoint cut now lets replay start.
+    durable_end: (u64, Lsn),
+    /// The cleaner has gone through the ring up to here.
+    cleaned_to: (u64, Lsn),
+    /// A cleaner step is under way.
+    cleaning: bool,
+    /// Free space fell below the low mark: the cleaner runs until it is above the high one.
+    pressed: bool,
+    /// When the cleaner last started, or a checkpoint last freed space: writes that find no
+    /// room wait (`Busy`) only while this is recent.
+    progress_at: std::time::Instant,
+    /// When the cleaner may look again after finding nothing to read.
+    clean_after: std::time::Instant,
+    /// The last checkpoint's sequence number (0: none yet).
+    sequence: u64,
+    /// Where the last checkpoint's replay starts.
+    replay_position: u64,
+    /// A checkpoint is being written.
+    writing: bool,
+    /// Checkpoints stopped (one did not fit its area).
+    stopped: bool,
+    /// Bytes the object index maps, refreshed on ticks.
+    live_bytes: u64,
+    /// Payload bytes of the raft entries kept in memory, refreshed on ticks.
+    retained_bytes: u64,
+}
+
 /// One persist on its way to the device: its appends, in order.
 struct PendingPersist {
     pg: PgId,
     number: u64,
     then_send: Vec<(OsdId, RaftMessage)>,
+    hard_state: Option<basalt_replication::HardState>,
+    last_index: Option<u64>,
     /// Each append's completion, and (raft index, position in the append) of its writes.
     appends: Vec<(AppendFuture, Vec<WriteAt>)>,
 }
@@ -269,8 +340,13 @@ struct Core {
     lazy_commit: std::collections::HashSet<PgId>,
     /// Log bytes of the writes proposed here and not yet answered.
     pending_bytes: u64,
-    /// The log took no more appends: writes are refused.
-    full: bool,
+    /// The core's own queue, for the tasks it starts.
+    events: mpsc::UnboundedSender<Event>,
+    /// What of each PG's raft log is durable.
+    durable: HashMap<PgId, Durable>,
+    /// Object indexes from the checkpoint, for PGs whose groups are not created yet.
+    restored_objects: BTreeMap<PgId, PgObjects>,
+    reclaim: Reclaim,
     /// Raft messages of this loop turn, by peer.
     outbox: BTreeMap<OsdId, Vec<(PgId, RaftMessage)>>,
     /// Reads waiting for raft to confirm leadership, by the id given to raft.
@@ -301,11 +377,23 @@ impl Core {
                     continue;
                 }
                 let restored = self.restored.remove(&pg).unwrap_or_default();
+                let durable = Durable {
+                    hard_state: restored.hard_state.clone(),
+                    last_index: restored
+                        .entries
+                        .last()
+                        .map_or(restored.compacted.0, |entry| entry.index),
+                    ..Durable::default()
+                };
+                let applied = restored.applied;
                 if let Err(error) = self.raft.create_group(pg, &entry.members, restored) {
                     tracing::error!(%pg, %error, "cannot host pg");
                     continue;
                 }
-                self.objects.entry(pg).or_default();
+                self.durable.insert(pg, durable);
+                self.applied.insert(pg, applied);
+                let objects = self.restored_objects.remove(&pg).unwrap_or_default();
+                self.objects.insert(pg, objects);
             }
         }
         for osd in map.osds.values() {
@@ -331,7 +419,21 @@ impl Core {
                 number,
                 then_send,
                 payloads,
+                hard_state,
+                last_index,
+                end,
             } => {
+                let durable = self.durable.entry(pg).or_default();
+                durable.in_flight.pop_front();
+                if let Some(last_index) = last_index {
+                    durable.last_index = last_index;
+                }
+                if let Some(hard_state) = hard_state {
+                    durable.hard_state = hard_state;
+                }
+                if let Some(end) = end {
+                    self.reclaim.durable_end = end;
+                }
                 for (index, term, offset) in payloads {
                     // Memory keeps where the payload is, not the payload; apply uses it.
                     self.raft.replace_entry_data(pg, index, term, |data| {
@@ -344,18 +446,36 @@ impl Core {
                 }
             }
             Event::Failed(reason) => return Err(OsdError::Internal(reason)),
-            Event::Full => {
-                tracing::error!(
-                    "the log is full: this osd serves reads and refuses writes until space is reclaimed (not built yet)"
-                );
-                self.full = true;
-                let message = format!("{} is full: its log takes no more writes", self.id);
-                for (_, proposal) in self.proposals.drain() {
-                    let _ = proposal.reply.send(reply(Status::NoSpace {
-                        message: message.clone(),
-                    }));
+            Event::Cleaned(result) => self.cleaned(result),
+            Event::Relocated { moves, next } => {
+                let mut bytes = 0;
+                for (moved, to) in &moves {
+                    bytes += reclaim::apply_move(moved, *to, &mut self.raft, &mut self.objects);
                 }
-                self.pending_bytes = 0;
+                self.counters
+                    .relocated_bytes
+                    .fetch_add(bytes, Ordering::Relaxed);
+                self.reclaim.cleaned_to = next;
+                self.reclaim.cleaning = false;
+            }
+            Event::Checkpointed { result, checkpoint } => {
+                self.reclaim.writing = false;
+                match result {
+                    Ok(()) => {
+                        if checkpoint.tail.0 > self.log.tail_position() {
+                            self.reclaim.progress_at = std::time::Instant::now();
+                        }
+                        self.reclaim.sequence = checkpoint.sequence;
+                        self.reclaim.replay_position = checkpoint.replay_position;
+                        self.log.set_tail(checkpoint.tail.0);
+                        self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(error @ LogDeviceError::CheckpointTooLarge { .. }) => {
+                        tracing::error!(%error, "checkpoints stop: the log is not reused any more");
+                        self.reclaim.stopped = true;
+                    }
+                    Err(error) => return Err(OsdError::Internal(error.to_string())),
+                }
             }
             Event::Map(map) => self.adopt_map(map),
         }
@@ -474,14 +594,9 @@ impl Core {
         let write_bytes = op.payload().len() as u64;
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
-        if self.full || (write_bytes > 0 && free < LOG_RESERVE_BYTES + write_bytes) {
-            let _ = reply_to.send(reply(Status::NoSpace {
-                message: format!(
-                    "{} is full: {free} bytes left in its log, {LOG_RESERVE_BYTES} kept in reserve (log space is not reclaimed yet)",
-                    self.id
-                ),
-            }));
+        if write_bytes > 0 && self.space_for(log_bytes).is_err() {
+            let message = self.space_for(log_bytes).expect_err("just checked");
+            let _ = reply_to.send(reply(message));
             return;
         }
         match self.raft.propose(pg, op.encode()) {
@@ -507,6 +622,241 @@ impl Core {
                 let _ = reply_to.send(reply(Status::NotLeader { leader: None }));
                 tracing::debug!(%error, "proposal refused");
             }
+        }
+    }
+
+    /// Log space kept free besides the cleaner's reserve.
+    fn headroom(&self) -> u64 {
+        LOG_RESERVE_BYTES.min(self.log.ring().len_bytes / 16)
+    }
+
+    /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
+    /// while the cleaner can free space, `NoSpace` once live data fills the log.
+    fn space_for(&self, log_bytes: u64) -> Result<(), Status> {
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        let keep = self.log.reserve_bytes() + self.headroom();
+        if free >= keep + log_bytes {
+            return Ok(());
+        }
+        // Waiting makes sense while cleaning frees space; once it has freed nothing for a
+        // while, what is left is live.
+        let progressing = self.reclaim.progress_at.elapsed() < BUSY_WITHOUT_PROGRESS;
+        if self.reclaimable_bytes() > 0 && progressing {
+            Err(Status::Busy {
+                message: format!("{}: the log is being cleaned ({free} bytes free)", self.id),
+            })
+        } else {
+            Err(Status::NoSpace {
+                message: format!(
+                    "{} is full: {} bytes of live data, {free} bytes free in its log, {keep} kept in reserve",
+                    self.id, self.reclaim.live_bytes
+                ),
+            })
+        }
+    }
+
+    /// Bytes of the ring that cleaning could free (an estimate that errs low: used minus
+    /// live data, minus the payloads of retained raft entries, minus some slack for batch
+    /// headers and partly live payloads).
+    fn reclaimable_bytes(&self) -> u64 {
+        if !self.restored.is_empty() || self.reclaim.stopped {
+            return 0;
+        }
+        let ring = self.log.ring().len_bytes;
+        let used = ring - self.log.free_bytes();
+        used.saturating_sub(self.reclaim.live_bytes + self.reclaim.retained_bytes + ring / 32)
+    }
+
+    /// Bytes of log one cleaner step reads (besides one batch past them): the largest
+    /// batch, so that its moves fit the log device's floor.
+    fn clean_step_bytes(&self) -> u64 {
+        crate::log_device::MAX_BATCH_BYTES
+    }
+
+    /// Starts a cleaner step when free space runs low and cleaning can free some.
+    fn maybe_clean(&mut self) {
+        let reclaim = &self.reclaim;
+        if reclaim.cleaning || std::time::Instant::now() < reclaim.clean_after {
+            return;
+        }
+        // Clean only when space runs low (live data moved costs writes), and then a little
+        // more, counting what the next checkpoint frees of what was cleaned already.
+        let ring = self.log.ring().len_bytes;
+        let free = self.log.free_bytes()
+            + reclaim
+                .cleaned_to
+                .0
+                .saturating_sub(self.log.tail_position());
+        let low = self.log.reserve_bytes() + self.headroom() + ring / 16;
+        let high = low + ring / 16;
+        if free >= high || (free >= low && !reclaim.pressed) || self.reclaimable_bytes() == 0 {
+            self.reclaim.pressed = false;
+            return;
+        }
+        if !self.reclaim.pressed {
+            self.reclaim.pressed = true;
+            self.reclaim.progress_at = std::time::Instant::now();
+        }
+        let reclaim = &self.reclaim;
+        // The cleaner runs ahead of the checkpoints by at most a quarter of the ring: what
+        // it moved is freed only by the next one.
+        let tail = self.log.tail_position();
+        let (from, lsn) = reclaim.cleaned_to;
+        // One largest batch more than the step: the writer may have skipped the end of a
+        // lap (less than a batch), and the batch after the skip must be read whole.
+        let step = self.clean_step_bytes() + crate::log_device::MAX_BATCH_BYTES;
+        let limit = reclaim
+            .durable_end
+            .0
+            .min(from + step)
+            .min(tail + ring / 4 + crate::log_device::MAX_BATCH_BYTES);
+        if limit <= from {
+            return;
+        }
+        self.reclaim.cleaning = true;
+        let read = self.log.read_batches(from, lsn, limit);
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let _ = events.send(Event::Cleaned(read.await));
+        });
+    }
+
+    /// The batches a cleaner step read: relocate what is live.
+    fn cleaned(&mut self, result: std::io::Result<Replayed>) {
+        let replayed = match result {
+            Ok(replayed) => replayed,
+            Err(error) => {
+                tracing::error!(%error, "the cleaner cannot read the log; it pauses");
+                self.reclaim.cleaning = false;
+                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(5);
+                return;
+            }
+        };
+        let next = (replayed.next_position, replayed.next_lsn);
+        if replayed.batches.is_empty() {
+            if let Some(error) = &replayed.stopped_by {
+                tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
+            }
+            self.reclaim.cleaning = false;
+            self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(1);
+            return;
+        }
+        let (appends, moves) =
+            reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects);
+        if appends.is_empty() {
+            self.reclaim.cleaned_to = next;
+            self.reclaim.cleaning = false;
+            return;
+        }
+        let pending: Vec<_> = appends
+            .into_iter()
+            .map(|entries| self.log.submit_relocation(entries))
+            .collect();
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let mut offsets = Vec::with_capacity(moves.len());
+            for append in pending {
+                match append.await {
+                    Ok(appended) => offsets.extend(appended.data_offsets_bytes),
+                    Err(error) => {
+                        let _ = events.send(Event::Failed(format!("relocating: {error}")));
+                        return;
+                    }
+                }
+            }
+            let moves = moves.into_iter().zip(offsets).collect();
+            let _ = events.send(Event::Relocated { moves, next });
+        });
+    }
+
+    /// Cuts a checkpoint when the log since the last one, or what the cleaner went through,
+    /// calls for one.
+    fn maybe_checkpoint(&mut self) {
+        let reclaim = &self.reclaim;
+        if reclaim.writing || reclaim.stopped || !self.restored.is_empty() {
+            return;
+        }
+        let ring = self.log.ring().len_bytes;
+        let since = reclaim.durable_end.0 - reclaim.replay_position;
+        let cleaned = reclaim
+            .cleaned_to
+            .0
+            .saturating_sub(self.log.tail_position());
+        // What the cleaner moved takes free space until the next checkpoint frees what it
+        // went through: with little free space, a checkpoint follows every step.
+        let trigger = if self.log.free_bytes() < self.log.reserve_bytes() {
+            BLOCK_SIZE as u64
+        } else {
+            (ring / 16).min(self.log.reserve_bytes() / 2)
+        };
+        if since < ring / 8 && cleaned < trigger {
+            return;
+        }
+        let checkpoint = self.cut_checkpoint();
+        let mark = CheckpointMark {
+            sequence: checkpoint.sequence,
+            replay_position: checkpoint.replay_position,
+            tail: (checkpoint.tail_position, checkpoint.tail_lsn),
+        };
+        self.reclaim.writing = true;
+        let write = self
+            .log
+            .write_checkpoint((checkpoint.sequence % 2) as usize, &checkpoint);
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let result = write.await;
+            let _ = events.send(Event::Checkpointed {
+                result,
+                checkpoint: mark,
+            });
+        });
+    }
+
+    /// The checkpoint of this moment: every PG's durable raft state and object index, the
+    /// replay start after the last batch processed, and the tail the cleaner reached.
+    /// Raft logs are compacted first, as far as the retention allows.
+    fn cut_checkpoint(&mut self) -> Checkpoint {
+        let pgs: Vec<PgId> = self.raft.pgs().collect();
+        let ring = self.log.ring().len_bytes;
+        let retention = Retention {
+            entries: RETAINED_ENTRIES,
+            bytes: ring / 16 / pgs.len().max(1) as u64,
+            // What a leader keeps for a follower it knows to be behind.
+            behind_bytes: ring / 8,
+        };
+        let mut states = Vec::with_capacity(pgs.len());
+        for pg in pgs {
+            let applied = self.applied.get(&pg).copied().unwrap_or(0);
+            let matched = self.raft.followers_matched(pg);
+            if let Some(storage) = self.raft.storage(pg) {
+                let point = reclaim::compaction_point(storage, applied, matched, retention);
+                self.raft.compact(pg, point);
+            }
+            let Some(storage) = self.raft.storage(pg) else {
+                continue;
+            };
+            let durable = self.durable.get(&pg).cloned().unwrap_or_default();
+            states.push(reclaim::pg_checkpoint(
+                pg,
+                storage,
+                &durable,
+                applied,
+                self.objects.get(&pg),
+            ));
+        }
+        let reclaim = &self.reclaim;
+        let tail = if reclaim.cleaned_to.0 <= reclaim.durable_end.0 {
+            reclaim.cleaned_to
+        } else {
+            reclaim.durable_end
+        };
+        Checkpoint {
+            sequence: reclaim.sequence + 1,
+            replay_position: reclaim.durable_end.0,
+            replay_lsn: reclaim.durable_end.1,
+            tail_position: tail.0,
+            tail_lsn: tail.1,
+            pgs: states,
         }
     }
 
@@ -738,6 +1088,12 @@ impl Core {
             }
             None => None,
         };
+        let last_index = entries.last().map(|entry| entry.index);
+        self.durable
+            .entry(pg)
+            .or_default()
+            .in_flight
+            .push_back(entries.first().map(|entry| entry.index));
         let log_entries = pg_log::to_log_entries(pg, &entries, hard_state.as_ref());
         let mut appends = Vec::new();
         let mut chunk: Vec<batch::Entry> = Vec::new();
@@ -769,6 +1125,8 @@ impl Core {
             pg,
             number,
             then_send,
+            hard_state,
+            last_index,
             appends,
         });
     }
@@ -861,6 +1219,21 @@ impl Core {
         }
     }
 
+    fn refresh_live_bytes(&mut self) {
+        self.reclaim.live_bytes = self.objects.values().map(PgObjects::mapped_bytes).sum();
+        self.reclaim.retained_bytes = self
+            .raft
+            .pgs()
+            .filter_map(|pg| self.raft.storage(pg))
+            .flat_map(|storage| storage.retained())
+            .filter_map(|entry| PayloadRef::decode(&entry.data))
+            .map(|reference| u64::from(reference.len_bytes))
+            .sum();
+        self.counters
+            .live_bytes
+            .store(self.reclaim.live_bytes, Ordering::Relaxed);
+    }
+
     fn update_report(&self, capacity_bytes: u64) {
         let leading = self
             .raft
@@ -868,16 +1241,17 @@ impl Core {
             .filter(|pg| self.raft.read_barrier(*pg).is_some())
             .collect();
         let c = &self.counters;
+        let full = self.space_for(1 << 20).is_err() && self.reclaimable_bytes() == 0;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = OsdReport {
             capacity_bytes,
-            used_bytes: capacity_bytes.saturating_sub(self.log.free_bytes()),
+            used_bytes: self.reclaim.live_bytes,
             reads: c.reads.load(Ordering::Relaxed),
             writes: c.writes.load(Ordering::Relaxed),
             read_bytes: c.read_bytes.load(Ordering::Relaxed),
             write_bytes: c.write_bytes.load(Ordering::Relaxed),
             leading,
             epoch: self.map.epoch,
-            full: self.full || self.log.free_bytes() < LOG_RESERVE_BYTES + (1 << 20),
+            full,
         };
     }
 }
@@ -1053,14 +1427,24 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let superblock = prepare_device(&path, config.device_size_bytes).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
-    let RestoredPgs { groups } = pg_log::restore(&opened.replayed.batches)?;
+    let RestoredPgs {
+        groups,
+        objects: restored_objects,
+    } = pg_log::restore(opened.checkpoint.as_ref(), &opened.replayed.batches)?;
     tracing::info!(
+        checkpoint = opened.checkpoint.as_ref().map(|c| c.sequence),
         batches = opened.replayed.batches.len(),
         pgs = groups.len(),
         stopped_by = ?opened.replayed.stopped_by,
         "log replayed"
     );
+    let replay_end = (opened.replayed.next_position, opened.replayed.next_lsn);
+    let (sequence, replay_position, tail) = match &opened.checkpoint {
+        Some(c) => (c.sequence, c.replay_position, (c.tail_position, c.tail_lsn)),
+        None => (0, 0, (0, superblock.first_lsn)),
+    };
     drop(opened.replayed);
+    drop(opened.checkpoint);
     let log = Arc::new(opened.device);
     let engine = Arc::new(
         FileEngine::open(&path, &OpenOptions::default()).map_err(|error| OsdError::Io {
@@ -1070,6 +1454,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     );
 
     let (events, mut inbox) = mpsc::unbounded_channel::<Event>();
+    let core_events = events.clone();
     let handler_events = events.clone();
     let handler: Handler = Arc::new(move |message| {
         let events = handler_events.clone();
@@ -1149,18 +1534,14 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let mut tasks = vec![tokio::spawn(async move {
         while let Some(persist) = pending.recv().await {
             let mut payloads = Vec::new();
+            let mut end = None;
             for (append, writes) in persist.appends {
                 match append.await {
                     Ok(appended) => {
                         payloads.extend(writes.into_iter().map(|(index, term, at)| {
                             (index, term, appended.data_offsets_bytes[at])
-                        }))
-                    }
-                    Err(LogDeviceError::Full) => {
-                        // Nothing after this persist is reported durable: the OSD goes on
-                        // serving reads, and refuses writes.
-                        let _ = completion_events.send(Event::Full);
-                        return;
+                        }));
+                        end = Some((appended.end_position, appended.lsn.next()));
                     }
                     Err(error) => {
                         let _ = completion_events.send(Event::Failed(error.to_string()));
@@ -1173,6 +1554,9 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 number: persist.number,
                 then_send: persist.then_send,
                 payloads,
+                hard_state: persist.hard_state,
+                last_index: persist.last_index,
+                end,
             });
         }
     })];
@@ -1260,6 +1644,30 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 "counter",
                 "Time from the arrival of client reads to their answers, summed.",
                 load(&counters.read_nanos) / 1e9,
+            );
+            e.single(
+                "basalt_osd_checkpoints_total",
+                "counter",
+                "Checkpoints of the index and raft state written.",
+                load(&counters.checkpoints),
+            );
+            e.single(
+                "basalt_osd_relocated_bytes_total",
+                "counter",
+                "Live bytes the cleaner moved out of the log's tail.",
+                load(&counters.relocated_bytes),
+            );
+            e.single(
+                "basalt_osd_live_bytes",
+                "gauge",
+                "Bytes the object index maps.",
+                load(&counters.live_bytes),
+            );
+            e.single(
+                "basalt_osd_log_free_bytes",
+                "gauge",
+                "Bytes of the log ring not in use.",
+                log.free_bytes() as f64,
             );
             let stats = log.stats();
             e.single(
@@ -1372,12 +1780,36 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
         pending_bytes: 0,
-        full: false,
+        events: core_events,
+        durable: HashMap::new(),
+        restored_objects,
+        reclaim: Reclaim {
+            durable_end: replay_end,
+            cleaned_to: tail,
+            cleaning: false,
+            pressed: false,
+            progress_at: std::time::Instant::now(),
+            clean_after: std::time::Instant::now(),
+            sequence,
+            replay_position,
+            writing: false,
+            stopped: false,
+            live_bytes: 0,
+            retained_bytes: 0,
+        },
         outbox: BTreeMap::new(),
         confirming: HashMap::new(),
         next_read: 0,
     };
     core.adopt_map(Arc::new(map));
+    core.refresh_live_bytes();
+    if !core.restored.is_empty() {
+        let orphans: Vec<String> = core.restored.keys().map(ToString::to_string).collect();
+        tracing::warn!(
+            ?orphans,
+            "the log holds pgs the map does not give this osd; their data is kept, and the log is not reused while it is"
+        );
+    }
     let core = tokio::spawn(async move {
         let mut ticker = tokio::time::interval(TICK);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1395,11 +1827,14 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     core.raft.tick();
                     ticks += 1;
                     if ticks.is_multiple_of(5) {
+                        core.refresh_live_bytes();
                         core.update_report(capacity_bytes);
                     }
                 }
             }
             core.drive()?;
+            core.maybe_clean();
+            core.maybe_checkpoint();
         }
     });
     drop(events);

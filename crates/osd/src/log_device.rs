@@ -1,10 +1,19 @@
-//! The OSD's log on its device, with group commit.
+//! The OSD's log on its device, with group commit, used as a ring.
 //!
 //! Callers submit appends (entries of any PGs); one task writes them. While a batch is being
 //! written, new appends wait in the queue; when the write completes, everything queued (up
 //! to what one batch holds) goes out as the next batch, in one durable write (O_DIRECT with
 //! `RWF_DSYNC`). One sync thus covers the writes of many PGs, and an append is answered
 //! only once its batch is durable.
+//!
+//! The log region is a ring (`basalt_store::log`): the OSD frees its tail
+//! ([`LogDevice::set_tail`]) once a checkpoint no longer needs it and the cleaner moved its
+//! live data. Appends wait while the ring is full. The last [`FLOOR_BYTES`] of free space
+//! are kept for the cleaner's relocations ([`LogDevice::submit_relocation`]), which may
+//! overtake waiting appends: they free space, and their order does not matter.
+//!
+//! Two checkpoint areas sit between the superblock and the log; [`LogDevice::open`] takes
+//! the newest valid checkpoint and replays the log from where it says.
 //!
 //! A failed write leaves the device in an unknown state: the log device then refuses every
 //! later append rather than guess (the OSD must restart and replay).
@@ -17,15 +26,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use basalt_common::Lsn;
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
-use basalt_store::log::{LogWriter, Replayed, replay_trimmed};
+use basalt_store::checkpoint::Checkpoint;
+use basalt_store::log::{LogWriter, Replayed, Ring, replay_trimmed};
 use basalt_store::object_op::kind;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::superblock::{Superblock, SuperblockError};
 
+/// The largest batch: a header block and the most data.
+pub const MAX_BATCH_BYTES: u64 = (BLOCK_SIZE + DATA_SIZE_MAX) as u64;
+/// Free space only the cleaner's relocations may use: what one cleaner step moves (at most
+/// two of the largest batches: see the OSD's cleaner).
+pub const FLOOR_BYTES: u64 = 2 * MAX_BATCH_BYTES + BLOCK_SIZE as u64;
+
 /// Bytes zeroed per write while formatting.
 const FORMAT_CHUNK_BYTES: usize = 1 << 20;
+
+/// Kind of a log entry that moves live data out of the ring's tail (local to one replica,
+/// never replicated; replay skips it, see `docs/internals/store.md`). Meta as a write's;
+/// term and index are the raft entry's whose payload it carries, or 0.
+pub const RELOCATE: u8 = 5;
 
 /// Why the log device failed.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +68,7 @@ pub enum LogDeviceError {
         /// What is wrong.
         source: SuperblockError,
     },
-    /// The device is too small for a superblock and a log.
+    /// The device is too small for a superblock, checkpoints and a log.
     #[error("{path}: {size_bytes} bytes is too small for an osd log (at least {min_bytes})")]
     TooSmall {
         /// The device.
@@ -67,10 +88,14 @@ pub enum LogDeviceError {
         /// Data bytes in the append.
         data_bytes: usize,
     },
-    /// The log region is full (segments and their cleaning are still to come); once an
-    /// append is refused so, every later one is too.
-    #[error("the log is full")]
-    Full,
+    /// A checkpoint does not fit its area.
+    #[error("a checkpoint of {bytes} bytes exceeds its area of {area_bytes} bytes")]
+    CheckpointTooLarge {
+        /// Its size.
+        bytes: u64,
+        /// The area's.
+        area_bytes: u64,
+    },
     /// An earlier write failed; nothing more is written until the OSD restarts.
     #[error("the log device failed earlier and refuses writes: {reason}")]
     Failed {
@@ -87,6 +112,9 @@ pub enum LogDeviceError {
 pub struct Appended {
     /// The batch that carried it.
     pub lsn: Lsn,
+    /// The ring position just after that batch: with the next LSN, where a replay that
+    /// must see everything up to this append may start at the latest.
+    pub end_position: u64,
     /// Where each of its entries' data lies on the device.
     pub data_offsets_bytes: Vec<u64>,
 }
@@ -124,12 +152,16 @@ struct Counters {
     entries: AtomicU64,
     device_bytes: AtomicU64,
     data_bytes: AtomicU64,
-    /// Bytes left between the log's head and the end of its region.
-    free_bytes: AtomicU64,
+    /// The position after the last batch placed.
+    head_position: AtomicU64,
+    /// The ring is free before this position.
+    tail_position: AtomicU64,
 }
 
 struct Append {
     entries: Vec<Entry>,
+    /// A relocation may use the reserve and overtake waiting appends.
+    relocation: bool,
     done: oneshot::Sender<Result<Appended, LogDeviceError>>,
 }
 
@@ -137,6 +169,12 @@ struct Append {
 pub struct LogDevice {
     queue: mpsc::UnboundedSender<Append>,
     counters: Arc<Counters>,
+    tail_moved: Arc<Notify>,
+    ring: Ring,
+    reserve_bytes: u64,
+    superblock: Superblock,
+    engine: Arc<FileEngine>,
+    path: String,
     task: JoinHandle<()>,
 }
 
@@ -144,7 +182,9 @@ pub struct LogDevice {
 pub struct Opened {
     /// The log device, appending after the replayed log.
     pub device: LogDevice,
-    /// The intact batches found.
+    /// The newest valid checkpoint, if any: replay started where it says.
+    pub checkpoint: Option<Checkpoint>,
+    /// The intact batches found after the checkpoint (or from the start).
     pub replayed: Replayed,
 }
 
@@ -155,19 +195,39 @@ fn io_error(path: &Path) -> impl Fn(std::io::Error) -> LogDeviceError + '_ {
     }
 }
 
+fn open_engine(path: &Path) -> Result<FileEngine, LogDeviceError> {
+    FileEngine::open(path, &OpenOptions::default()).map_err(|error| LogDeviceError::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(error.to_string()),
+    })
+}
+
+/// The layout of a device of `size` bytes: checkpoint areas of a 64th of it each (at least
+/// 1 MiB; an extent of the index takes 24 bytes), then the log.
+fn layout(size: u64, uuid: [u8; 16]) -> Superblock {
+    let block = BLOCK_SIZE as u64;
+    let area = (size / 64).max(1 << 20).div_ceil(block) * block;
+    Superblock {
+        log_start_bytes: block + 2 * area,
+        log_end_bytes: size / block * block,
+        first_lsn: Lsn::FIRST,
+        uuid,
+        checkpoint_start_bytes: block,
+        checkpoint_size_bytes: area,
+    }
+}
+
 impl LogDevice {
     /// Formats the device at `path` (an existing file or block device): writes a superblock
-    /// and zeroes the log region, so nothing from an earlier life can be read as log.
+    /// and zeroes the checkpoint areas and the log region, so nothing from an earlier life
+    /// can be read as log or checkpoint (and the ring is allocated space, overwritten in
+    /// place from then on).
     pub async fn format(path: &Path, uuid: [u8; 16]) -> Result<(), LogDeviceError> {
-        let engine = FileEngine::open(path, &OpenOptions::default()).map_err(|error| {
-            LogDeviceError::Io {
-                path: path.display().to_string(),
-                source: std::io::Error::other(error.to_string()),
-            }
-        })?;
-        let block = BLOCK_SIZE as u64;
-        let size = engine.size_bytes() / block * block;
-        let min_bytes = block + batch::batch_size(&[]) as u64 + (DATA_SIZE_MAX + BLOCK_SIZE) as u64;
+        let engine = open_engine(path)?;
+        let superblock = layout(engine.size_bytes(), uuid);
+        let size = superblock.log_end_bytes;
+        // Room for client writes besides the reserve.
+        let min_bytes = superblock.log_start_bytes + 6 * MAX_BATCH_BYTES;
         if size < min_bytes {
             return Err(LogDeviceError::TooSmall {
                 path: path.display().to_string(),
@@ -175,13 +235,7 @@ impl LogDevice {
                 min_bytes,
             });
         }
-        let superblock = Superblock {
-            log_start_bytes: block,
-            log_end_bytes: size,
-            first_lsn: Lsn::FIRST,
-            uuid,
-        };
-        let mut offset = block;
+        let mut offset = BLOCK_SIZE as u64;
         let mut zeroes = DmaBuf::zeroed(FORMAT_CHUNK_BYTES);
         while offset < size {
             let len = (size - offset).min(FORMAT_CHUNK_BYTES as u64) as usize;
@@ -201,14 +255,10 @@ impl LogDevice {
         Ok(())
     }
 
-    /// Opens a formatted device, replays its log, and starts the writer after it.
+    /// Opens a formatted device, loads its newest checkpoint, replays the log after it, and
+    /// starts the writer after that.
     pub async fn open(path: &Path) -> Result<Opened, LogDeviceError> {
-        let engine = FileEngine::open(path, &OpenOptions::default()).map_err(|error| {
-            LogDeviceError::Io {
-                path: path.display().to_string(),
-                source: std::io::Error::other(error.to_string()),
-            }
-        })?;
+        let engine = open_engine(path)?;
         let block = engine
             .read(0, DmaBuf::zeroed(BLOCK_SIZE))
             .await
@@ -226,37 +276,66 @@ impl LogDevice {
                 },
             });
         }
-        let replayed = read_log(path, superblock).await.map_err(io_error(path))?;
-        let writer = LogWriter::new(
-            replayed.next_offset_bytes,
-            replayed.next_lsn,
-            superblock.log_end_bytes,
-        );
+        let ring = Ring {
+            start_bytes: superblock.log_start_bytes,
+            len_bytes: superblock.log_end_bytes - superblock.log_start_bytes,
+        };
+        let checkpoint = read_checkpoints(path, superblock)
+            .await
+            .map_err(io_error(path))?;
+        let (start, lsn, tail) = match &checkpoint {
+            Some(c) => (c.replay_position, c.replay_lsn, c.tail_position),
+            None => (0, superblock.first_lsn, 0),
+        };
+        let replayed = read_log(path, ring, start, lsn, tail + ring.len_bytes)
+            .await
+            .map_err(io_error(path))?;
+        let writer = LogWriter::new(ring, replayed.next_position, replayed.next_lsn, tail);
         let (queue, appends) = mpsc::unbounded_channel();
         let counters = Arc::new(Counters::default());
-        counters.free_bytes.store(
-            superblock
-                .log_end_bytes
-                .saturating_sub(replayed.next_offset_bytes),
-            Ordering::Relaxed,
-        );
-        let end = superblock.log_end_bytes;
-        let task = tokio::spawn(write_loop(engine, writer, appends, counters.clone(), end));
+        counters
+            .head_position
+            .store(replayed.next_position, Ordering::Relaxed);
+        counters.tail_position.store(tail, Ordering::Relaxed);
+        let tail_moved = Arc::new(Notify::new());
+        // The OSD keeps the reserve free of client writes: room for raft's own entries on
+        // replicas fuller than their leader (each leader admits writes by its own free
+        // space; the cleaner's moves and checkpoints make replicas differ by a few steps),
+        // and for the cleaner. Appends other than relocations may use all of it but the
+        // floor: what one cleaner step needs.
+        let reserve_bytes = (ring.len_bytes / 8).clamp(2 * FLOOR_BYTES, 256 << 20)
+            / BLOCK_SIZE as u64
+            * BLOCK_SIZE as u64
+            + FLOOR_BYTES;
+        let task = tokio::spawn(write_loop(
+            engine,
+            writer,
+            appends,
+            counters.clone(),
+            tail_moved.clone(),
+            FLOOR_BYTES,
+        ));
         Ok(Opened {
             device: LogDevice {
                 queue,
                 counters,
+                tail_moved,
+                ring,
+                reserve_bytes,
+                superblock,
+                engine: Arc::new(open_engine(path)?),
+                path: path.display().to_string(),
                 task,
             },
+            checkpoint,
             replayed,
         })
     }
 
-    /// Queues an append at once (in submission order) and returns its completion, which
-    /// comes when the batch carrying it is durable.
-    pub fn submit(
+    fn enqueue(
         &self,
         entries: Vec<Entry>,
+        relocation: bool,
     ) -> impl std::future::Future<Output = Result<Appended, LogDeviceError>> + use<> {
         let (done, answer) = oneshot::channel();
         let data_bytes = batch::batch_size(&entries) - BLOCK_SIZE;
@@ -267,7 +346,11 @@ impl LogDevice {
             })
         } else {
             self.queue
-                .send(Append { entries, done })
+                .send(Append {
+                    entries,
+                    relocation,
+                    done,
+                })
                 .err()
                 .map(|_| LogDeviceError::Closed)
         };
@@ -279,9 +362,109 @@ impl LogDevice {
         }
     }
 
-    /// Bytes the log can still take (space is not reclaimed yet: this only shrinks).
+    /// Queues an append at once (in submission order) and returns its completion, which
+    /// comes when the batch carrying it is durable.
+    pub fn submit(
+        &self,
+        entries: Vec<Entry>,
+    ) -> impl std::future::Future<Output = Result<Appended, LogDeviceError>> + use<> {
+        self.enqueue(entries, false)
+    }
+
+    /// Queues the cleaner's relocations: they may use the reserve, and go before appends
+    /// that wait for space.
+    pub fn submit_relocation(
+        &self,
+        entries: Vec<Entry>,
+    ) -> impl std::future::Future<Output = Result<Appended, LogDeviceError>> + use<> {
+        self.enqueue(entries, true)
+    }
+
+    /// Frees the ring before `position` (it only moves forward).
+    pub fn set_tail(&self, position: u64) {
+        self.counters
+            .tail_position
+            .fetch_max(position, Ordering::Relaxed);
+        self.tail_moved.notify_one();
+    }
+
+    /// The ring is free before this position.
+    pub fn tail_position(&self) -> u64 {
+        self.counters.tail_position.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of the ring not in use (the reserve included).
     pub fn free_bytes(&self) -> u64 {
-        self.counters.free_bytes.load(Ordering::Relaxed)
+        (self.tail_position() + self.ring.len_bytes)
+            .saturating_sub(self.counters.head_position.load(Ordering::Relaxed))
+    }
+
+    /// Free bytes kept from client writes (see [`FLOOR_BYTES`] for what only the cleaner
+    /// may use).
+    pub fn reserve_bytes(&self) -> u64 {
+        self.reserve_bytes
+    }
+
+    /// The log region.
+    pub fn ring(&self) -> Ring {
+        self.ring
+    }
+
+    /// Bytes of each checkpoint area.
+    pub fn checkpoint_area_bytes(&self) -> u64 {
+        self.superblock.checkpoint_size_bytes
+    }
+
+    /// Writes a checkpoint durably to area `area` (0 or 1).
+    pub fn write_checkpoint(
+        &self,
+        area: usize,
+        checkpoint: &Checkpoint,
+    ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<> {
+        let bytes = checkpoint.encode();
+        let area_bytes = self.superblock.checkpoint_size_bytes;
+        let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
+        let engine = self.engine.clone();
+        let path = self.path.clone();
+        async move {
+            if bytes.len() as u64 > area_bytes {
+                return Err(LogDeviceError::CheckpointTooLarge {
+                    bytes: bytes.len() as u64,
+                    area_bytes,
+                });
+            }
+            engine
+                .write(offset, DmaBuf::from_slice(&bytes), true)
+                .await
+                .map(|_| ())
+                .map_err(|source| LogDeviceError::Io { path, source })
+        }
+    }
+
+    /// Reads the batches from `position` (whose batch has `lsn`) up to `limit` whole, data
+    /// included: what the cleaner examines.
+    pub fn read_batches(
+        &self,
+        position: u64,
+        lsn: Lsn,
+        limit: u64,
+    ) -> impl std::future::Future<Output = std::io::Result<Replayed>> + use<> {
+        let path = self.path.clone();
+        let ring = self.ring;
+        async move {
+            let file = std::fs::File::open(&path)?;
+            tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt;
+                let read = |offset: u64, len: usize| -> std::io::Result<Vec<u8>> {
+                    let mut bytes = vec![0u8; len];
+                    file.read_exact_at(&mut bytes, offset)?;
+                    Ok(bytes)
+                };
+                basalt_store::log::replay(read, ring, position, lsn, limit)
+            })
+            .await
+            .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
+        }
     }
 
     /// What has been written so far.
@@ -303,11 +486,59 @@ impl Drop for LogDevice {
     }
 }
 
-/// Replays the log region, on the blocking pool (object write payloads are left on the
-/// device; their entries keep where they lie): replay reads a header, then a batch, at a
-/// time, through positioned reads of the file (buffered reads see what O_DIRECT wrote,
-/// since direct writes invalidate the page cache over their range).
-async fn read_log(path: &Path, superblock: Superblock) -> std::io::Result<Replayed> {
+/// Reads both checkpoint areas and returns the valid checkpoint with the higher sequence
+/// number (a torn or damaged one is passed over: the other is still whole).
+async fn read_checkpoints(
+    path: &Path,
+    superblock: Superblock,
+) -> std::io::Result<Option<Checkpoint>> {
+    let file = std::fs::File::open(path)?;
+    tokio::task::spawn_blocking(move || {
+        use std::os::unix::fs::FileExt;
+        let mut best: Option<Checkpoint> = None;
+        for area in 0..2u64 {
+            let offset =
+                superblock.checkpoint_start_bytes + area * superblock.checkpoint_size_bytes;
+            let mut header = vec![0u8; BLOCK_SIZE];
+            file.read_exact_at(&mut header, offset)?;
+            let Ok(len) = Checkpoint::length_from_header(&header) else {
+                continue;
+            };
+            if len as u64 > superblock.checkpoint_size_bytes {
+                tracing::warn!(area, len, "checkpoint longer than its area ignored");
+                continue;
+            }
+            let mut bytes = vec![0u8; len];
+            file.read_exact_at(&mut bytes, offset)?;
+            match Checkpoint::decode(&bytes) {
+                Ok(checkpoint) => {
+                    if best
+                        .as_ref()
+                        .is_none_or(|b| b.sequence < checkpoint.sequence)
+                    {
+                        best = Some(checkpoint);
+                    }
+                }
+                Err(error) => tracing::warn!(area, %error, "checkpoint ignored"),
+            }
+        }
+        Ok(best)
+    })
+    .await
+    .map_err(|error| std::io::Error::other(format!("checkpoint task failed: {error}")))?
+}
+
+/// Replays the log, on the blocking pool (object write payloads are left on the device;
+/// their entries keep where they lie): replay reads a header, then a batch, at a time,
+/// through positioned reads of the file (buffered reads see what O_DIRECT wrote, since
+/// direct writes invalidate the page cache over their range).
+async fn read_log(
+    path: &Path,
+    ring: Ring,
+    start: u64,
+    lsn: Lsn,
+    limit: u64,
+) -> std::io::Result<Replayed> {
     let file = std::fs::File::open(path)?;
     tokio::task::spawn_blocking(move || {
         use std::os::unix::fs::FileExt;
@@ -316,21 +547,54 @@ async fn read_log(path: &Path, superblock: Superblock) -> std::io::Result<Replay
             file.read_exact_at(&mut bytes, offset)?;
             Ok(bytes)
         };
-        // An object write's payload stays on the device: replay keeps where it lies.
-        replay_trimmed(
-            read,
-            superblock.log_start_bytes,
-            superblock.first_lsn,
-            superblock.log_end_bytes,
-            |entry| {
-                if entry.kind == kind::WRITE {
-                    entry.data = Vec::new();
-                }
-            },
-        )
+        // Payloads stay on the device: replay keeps where they lie.
+        replay_trimmed(read, ring, start, lsn, limit, |entry| {
+            if entry.kind == kind::WRITE || entry.kind == RELOCATE {
+                entry.data = Vec::new();
+            }
+        })
     })
     .await
     .map_err(|error| std::io::Error::other(format!("replay task failed: {error}")))?
+}
+
+/// Takes from the front of `waiting` as many whole appends as one batch holds (each fits
+/// alone: submit checks), only relocations if `relocations_only`.
+fn take_group(waiting: &mut VecDeque<Append>, relocations_only: bool) -> Vec<Append> {
+    let mut group: Vec<Append> = Vec::new();
+    let (mut entry_count, mut data_bytes) = (0usize, 0usize);
+    let mut at = 0;
+    while at < waiting.len() {
+        let next = &waiting[at];
+        if relocations_only && !next.relocation {
+            at += 1;
+            continue;
+        }
+        let next_data = batch::batch_size(&next.entries) - BLOCK_SIZE;
+        if !group.is_empty()
+            && (entry_count + next.entries.len() > ENTRY_COUNT_MAX
+                || data_bytes + next_data > DATA_SIZE_MAX)
+        {
+            break;
+        }
+        entry_count += next.entries.len();
+        data_bytes += next_data;
+        group.push(waiting.remove(at).expect("index in range"));
+    }
+    group
+}
+
+/// Whether the batch `group` makes fits at the head with `keep` bytes left free (counting
+/// what it skips at the end of a lap).
+fn fits(group: &[Append], writer: &LogWriter, keep: u64) -> bool {
+    let size = BLOCK_SIZE as u64
+        + group
+            .iter()
+            .flat_map(|append| &append.entries)
+            .map(|entry| entry.data.len().next_multiple_of(BLOCK_SIZE) as u64)
+            .sum::<u64>();
+    let head = writer.next_position();
+    writer.ring().place(head, size) + size - head + keep <= writer.free_bytes()
 }
 
 async fn write_loop(
@@ -338,14 +602,11 @@ async fn write_loop(
     mut writer: LogWriter,
     mut appends: mpsc::UnboundedReceiver<Append>,
     counters: Arc<Counters>,
-    end_bytes: u64,
+    tail_moved: Arc<Notify>,
+    floor_bytes: u64,
 ) {
     let mut waiting: VecDeque<Append> = VecDeque::new();
     let mut failed: Option<String> = None;
-    // Once an append did not fit, none after it is written either: a later, smaller one
-    // would land where the refused one should have been, and replay would take the log
-    // for whole without it.
-    let mut full = false;
     loop {
         if waiting.is_empty() {
             match appends.recv().await {
@@ -364,29 +625,33 @@ async fn write_loop(
             }
             continue;
         }
-        if full {
-            for append in waiting.drain(..) {
-                let _ = append.done.send(Err(LogDeviceError::Full));
+        writer.set_tail(counters.tail_position.load(Ordering::Relaxed));
+        // Appends in order while they leave the floor free; else relocations alone, which
+        // may use it; else wait for the tail to move (or for a relocation to arrive).
+        let mut group = take_group(&mut waiting, false);
+        if !fits(&group, &writer, floor_bytes) {
+            // Put them back, in order, and try the relocations alone.
+            for append in group.into_iter().rev() {
+                waiting.push_front(append);
             }
-            continue;
-        }
-        // Take as many whole appends as one batch holds (each fits alone: submit checks).
-        let mut group: Vec<Append> = Vec::new();
-        let (mut entry_count, mut data_bytes) = (0usize, 0usize);
-        while let Some(next) = waiting.front() {
-            let next_data = batch::batch_size(&next.entries) - BLOCK_SIZE;
-            if !group.is_empty()
-                && (entry_count + next.entries.len() > ENTRY_COUNT_MAX
-                    || data_bytes + next_data > DATA_SIZE_MAX)
-            {
-                break;
+            group = take_group(&mut waiting, true);
+            if group.is_empty() || !fits(&group, &writer, 0) {
+                for append in group.into_iter().rev() {
+                    waiting.push_front(append);
+                }
+                tokio::select! {
+                    () = tail_moved.notified() => {}
+                    append = appends.recv() => match append {
+                        Some(append) => waiting.push_back(append),
+                        None => return,
+                    },
+                }
+                continue;
             }
-            entry_count += next.entries.len();
-            data_bytes += next_data;
-            group.push(waiting.pop_front().expect("front exists"));
         }
         // The entries move into the batch (no copy of their data); each caller keeps its
         // answer channel and how many entries and data bytes were its own.
+        let entry_count = group.iter().map(|a| a.entries.len()).sum();
         let mut entries: Vec<Entry> = Vec::with_capacity(entry_count);
         let mut callers = Vec::with_capacity(group.len());
         for append in group {
@@ -400,20 +665,24 @@ async fn write_loop(
         }
         let placed = match writer.append(&entries) {
             Ok(placed) => placed,
-            Err(_) => {
-                tracing::error!("the log is full; it takes no more appends");
-                full = true;
+            Err(error) => {
+                // `fits` checked the room: this is a bug, not a full log.
+                let reason = format!("placing a batch: {error}");
+                tracing::error!(%reason, "the log device refuses further writes");
                 for (done, _, _) in callers {
-                    let _ = done.send(Err(LogDeviceError::Full));
+                    let _ = done.send(Err(LogDeviceError::Failed {
+                        reason: reason.clone(),
+                    }));
                 }
+                failed = Some(reason);
                 continue;
             }
         };
         let device_bytes = placed.bytes.len() as u64;
-        counters.free_bytes.store(
-            end_bytes.saturating_sub(placed.offset_bytes + device_bytes),
-            Ordering::Relaxed,
-        );
+        let end_position = placed.position + device_bytes;
+        counters
+            .head_position
+            .store(end_position, Ordering::Relaxed);
         let written = engine
             .write(placed.offset_bytes, DmaBuf::from_slice(&placed.bytes), true)
             .await;
@@ -440,6 +709,7 @@ async fn write_loop(
             let data_offsets_bytes = offsets.by_ref().take(count).collect();
             let _ = done.send(Ok(Appended {
                 lsn: placed.lsn,
+                end_position,
                 data_offsets_bytes,
             }));
         }

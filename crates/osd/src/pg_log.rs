@@ -13,8 +13,11 @@ use std::collections::BTreeMap;
 use basalt_common::PgId;
 use basalt_replication::{EntryType, HardState, RaftEntry, Restored};
 use basalt_store::batch::{Entry, META_SIZE};
+use basalt_store::checkpoint::Checkpoint;
 use basalt_store::log::ReplayedBatch;
-use basalt_store::object_op::{ObjectOp, PayloadRef, kind};
+use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
+
+use crate::log_device::RELOCATE;
 
 /// Kind of a log entry holding a PG's raft hard state.
 pub const HARD_STATE: u8 = 16;
@@ -101,18 +104,68 @@ pub enum PgLogError {
     },
 }
 
-/// What replay rebuilds for the PGs of an OSD.
+/// What a checkpoint and replay rebuild for the PGs of an OSD.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RestoredPgs {
     /// Each PG's raft state.
     pub groups: BTreeMap<PgId, Restored>,
+    /// Each PG's object index as of its applied index (from the checkpoint).
+    pub objects: BTreeMap<PgId, PgObjects>,
 }
 
-/// Rebuilds every PG's raft state from the replayed log.
-pub fn restore(batches: &[ReplayedBatch]) -> Result<RestoredPgs, PgLogError> {
+/// Rebuilds every PG's raft state and object index from the checkpoint, if any, and the
+/// log replayed after it.
+pub fn restore(
+    checkpoint: Option<&Checkpoint>,
+    batches: &[ReplayedBatch],
+) -> Result<RestoredPgs, PgLogError> {
     let mut restored = RestoredPgs::default();
+    for pg in checkpoint.map(|c| &c.pgs[..]).unwrap_or_default() {
+        let group = restored.groups.entry(pg.pg).or_default();
+        group.compacted = (pg.compacted_index, pg.compacted_term);
+        group.applied = pg.applied;
+        group.hard_state = HardState {
+            term: pg.term,
+            vote: pg.vote,
+            commit: pg.commit,
+            ..HardState::default()
+        };
+        let entries: Vec<RaftEntry> = pg
+            .entries
+            .iter()
+            .map(|retained| {
+                let mut entry = RaftEntry {
+                    term: retained.term,
+                    index: retained.index,
+                    data: retained.data.clone().into(),
+                    ..RaftEntry::default()
+                };
+                entry.set_entry_type(entry_type_of(retained.entry_type).ok_or_else(|| {
+                    PgLogError::Malformed {
+                        pg: pg.pg,
+                        index: retained.index,
+                        reason: format!("raft entry type {}", retained.entry_type),
+                    }
+                })?);
+                Ok(entry)
+            })
+            .collect::<Result<_, PgLogError>>()?;
+        group.add(&entries, None);
+        let objects = restored.objects.entry(pg.pg).or_default();
+        for (key, extents) in &pg.objects {
+            for (offset, len, device) in extents {
+                objects.insert_extent(*key, *offset, *len, *device);
+            }
+        }
+    }
     for batch in batches {
         for (entry, data_offset) in &batch.entries {
+            if entry.kind == RELOCATE {
+                // A move the checkpoint before it did not see: the old copy is still in
+                // place (a segment is reused only after a later checkpoint), so the index
+                // may keep pointing there.
+                continue;
+            }
             let group = restored.groups.entry(entry.pg).or_default();
             if entry.kind == HARD_STATE {
                 let field = |at: usize| {
@@ -179,8 +232,8 @@ pub fn from_log_entry(entry: &Entry) -> Result<RaftEntry, PgLogError> {
     Ok(raft_entry)
 }
 
-/// The raft entry type stored in a `RAFT_OTHER` entry's meta.
-fn entry_type_of(code: u8) -> Option<EntryType> {
+/// The raft entry type stored in a `RAFT_OTHER` entry's meta (or a checkpoint).
+pub fn entry_type_of(code: u8) -> Option<EntryType> {
     [
         EntryType::EntryNormal,
         EntryType::EntryConfChange,
@@ -261,8 +314,8 @@ mod tests {
             for (entry, raft_entry) in log.iter().zip(&entries) {
                 prop_assert_eq!(&from_log_entry(entry).expect("decodes"), raft_entry);
             }
-            let batch = ReplayedBatch { lsn: Lsn(1), offset_bytes: 4096, entries: log.into_iter().map(|e| (e, 8192)).collect() };
-            let restored = restore(&[batch]).expect("restores");
+            let batch = ReplayedBatch { lsn: Lsn(1), position: 0, offset_bytes: 4096, entries: log.into_iter().map(|e| (e, 8192)).collect() };
+            let restored = restore(None, &[batch]).expect("restores");
             let group = &restored.groups[&PG];
             prop_assert_eq!(&group.hard_state, &hard_state);
         }
@@ -293,20 +346,22 @@ mod tests {
         assert_eq!(log[0].kind, kind::WRITE);
         let batch = ReplayedBatch {
             lsn: Lsn(1),
+            position: 0,
             offset_bytes: 0,
             entries: vec![(log[0].clone(), 4096)],
         };
-        let restored = restore(&[batch]).expect("restores");
+        let restored = restore(None, &[batch]).expect("restores");
         assert_eq!(restored.groups[&PG].entries, vec![raft_entry.clone()]);
         // As the OSD replays: the payload stays on the device, the entry refers to it.
         let mut trimmed = log[0].clone();
         trimmed.data.clear();
         let batch = ReplayedBatch {
             lsn: Lsn(1),
+            position: 0,
             offset_bytes: 0,
             entries: vec![(trimmed, 4096)],
         };
-        let restored = restore(&[batch]).expect("restores");
+        let restored = restore(None, &[batch]).expect("restores");
         let reference = PayloadRef::decode(&restored.groups[&PG].entries[0].data);
         assert_eq!(reference, PayloadRef::of_write(&raft_entry.data, 4096));
         assert_eq!(reference.map(|r| r.device_offset_bytes), Some(4096));

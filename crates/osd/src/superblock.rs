@@ -9,7 +9,9 @@
 //! 24  log end           u64  byte offset one past it
 //! 32  first lsn         u64  LSN of the batch at log start
 //! 40  uuid              16 bytes (the OSD's identity)
-//! 56  crc32c            u32  of bytes 0..56
+//! 56  checkpoint start  u64  byte offset of checkpoint area A; area B follows it
+//! 64  checkpoint size   u64  bytes of each area
+//! 72  crc32c            u32  of bytes 0..72
 //! ```
 //! Little-endian; the rest of the block is zero.
 
@@ -19,7 +21,7 @@ use basalt_store::batch::BLOCK_SIZE;
 /// Marks a Basalt OSD device.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"BSLTSUPR");
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
 
 /// What the superblock says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +34,10 @@ pub struct Superblock {
     pub first_lsn: Lsn,
     /// The OSD's identity.
     pub uuid: [u8; 16],
+    /// Byte offset of checkpoint area A (area B follows).
+    pub checkpoint_start_bytes: u64,
+    /// Bytes of each checkpoint area.
+    pub checkpoint_size_bytes: u64,
 }
 
 /// Why block 0 is not a superblock we can use.
@@ -72,8 +78,10 @@ impl Superblock {
         block[24..32].copy_from_slice(&self.log_end_bytes.to_le_bytes());
         block[32..40].copy_from_slice(&self.first_lsn.0.to_le_bytes());
         block[40..56].copy_from_slice(&self.uuid);
-        let crc = crc32c::crc32c(&block[..56]);
-        block[56..60].copy_from_slice(&crc.to_le_bytes());
+        block[56..64].copy_from_slice(&self.checkpoint_start_bytes.to_le_bytes());
+        block[64..72].copy_from_slice(&self.checkpoint_size_bytes.to_le_bytes());
+        let crc = crc32c::crc32c(&block[..72]);
+        block[72..76].copy_from_slice(&crc.to_le_bytes());
         block
     }
 
@@ -87,13 +95,14 @@ impl Superblock {
         if magic != MAGIC {
             return Err(SuperblockError::NoMagic { found: magic });
         }
-        let stored = u32::from_le_bytes(field(56..60).try_into().unwrap_or([0; 4]));
-        if crc32c::crc32c(&field(0..56)) != stored {
-            return Err(SuperblockError::Checksum);
-        }
+        // The version first: an older format has its checksum elsewhere.
         let version = u16::from_le_bytes(field(8..10).try_into().unwrap_or([0; 2]));
         if version != FORMAT_VERSION {
             return Err(SuperblockError::Version { version });
+        }
+        let stored = u32::from_le_bytes(field(72..76).try_into().unwrap_or([0; 4]));
+        if crc32c::crc32c(&field(0..72)) != stored {
+            return Err(SuperblockError::Checksum);
         }
         let block_size = u32::from_le_bytes(field(12..16).try_into().unwrap_or([0; 4]));
         let superblock = Self {
@@ -101,6 +110,8 @@ impl Superblock {
             log_end_bytes: u64_at(24),
             first_lsn: Lsn(u64_at(32)),
             uuid: field(40..56).try_into().unwrap_or([0; 16]),
+            checkpoint_start_bytes: u64_at(56),
+            checkpoint_size_bytes: u64_at(64),
         };
         let aligned = |offset: u64| offset.is_multiple_of(BLOCK_SIZE as u64);
         if block_size as usize != BLOCK_SIZE {
@@ -117,6 +128,20 @@ impl Superblock {
                 reason: "log region out of order or unaligned",
             });
         }
+        let areas_end = superblock
+            .checkpoint_size_bytes
+            .checked_mul(2)
+            .and_then(|n| n.checked_add(superblock.checkpoint_start_bytes));
+        if superblock.checkpoint_start_bytes < BLOCK_SIZE as u64
+            || superblock.checkpoint_size_bytes < BLOCK_SIZE as u64
+            || !aligned(superblock.checkpoint_start_bytes)
+            || !aligned(superblock.checkpoint_size_bytes)
+            || areas_end.is_none_or(|end| end > superblock.log_start_bytes)
+        {
+            return Err(SuperblockError::Layout {
+                reason: "checkpoint areas unaligned or overlapping the log",
+            });
+        }
         Ok(superblock)
     }
 }
@@ -128,10 +153,12 @@ mod tests {
     #[test]
     fn superblock_round_trips_and_damage_is_detected() {
         let superblock = Superblock {
-            log_start_bytes: 4096,
+            log_start_bytes: 4096 + 2 * 65536,
             log_end_bytes: 1 << 30,
             first_lsn: Lsn(1),
             uuid: [7; 16],
+            checkpoint_start_bytes: 4096,
+            checkpoint_size_bytes: 65536,
         };
         let mut block = superblock.encode();
         assert_eq!(Superblock::decode(&block), Ok(superblock));
@@ -154,5 +181,20 @@ mod tests {
             Superblock::decode(&bad_layout),
             Err(SuperblockError::Layout { .. })
         ));
+        let overlapping = Superblock {
+            checkpoint_size_bytes: 1 << 20,
+            ..superblock
+        }
+        .encode();
+        assert!(matches!(
+            Superblock::decode(&overlapping),
+            Err(SuperblockError::Layout { .. })
+        ));
+        let mut older = superblock.encode();
+        older[8] = 1;
+        assert_eq!(
+            Superblock::decode(&older),
+            Err(SuperblockError::Version { version: 1 })
+        );
     }
 }

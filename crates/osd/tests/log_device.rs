@@ -109,7 +109,7 @@ async fn queued_appends_share_batches_and_replay_in_order() {
 #[tokio::test(flavor = "current_thread")]
 async fn data_offsets_point_at_the_data() {
     use std::os::unix::fs::FileExt;
-    let path = device_file("offsets", 16 << 20);
+    let path = device_file("offsets", 32 << 20);
     LogDevice::format(&path, [2; 16]).await.expect("format");
     let device = LogDevice::open(&path).await.expect("open").device;
     let appended = device
@@ -143,7 +143,7 @@ async fn refusals_are_clear() {
         .expect_err("too small");
     assert!(matches!(error, LogDeviceError::TooSmall { .. }), "{error}");
 
-    let small = device_file("small", (8 << 20) + 8192);
+    let small = device_file("small", 32 << 20);
     LogDevice::format(&small, [3; 16]).await.expect("format");
     let device = LogDevice::open(&small).await.expect("open").device;
     let too_many: Vec<Entry> = (0..ENTRY_COUNT_MAX as u64 + 1)
@@ -153,15 +153,112 @@ async fn refusals_are_clear() {
         device.submit(too_many).await,
         Err(LogDeviceError::TooLarge { .. })
     ));
-    let mut full = None;
-    for n in 0..10_000u64 {
-        if let Err(error) = device.submit(vec![entry(0, n, 1)]).await {
-            full = Some(error);
-            break;
-        }
+    std::fs::remove_file(&small).expect("remove");
+    let small = device_file("small", 32 << 20);
+    LogDevice::format(&small, [3; 16]).await.expect("format");
+    let device = LogDevice::open(&small).await.expect("open").device;
+    // Appends fill the ring down to the cleaner's floor, then wait for the tail to move.
+    let mut last_end = 0;
+    while device.free_bytes() >= basalt_osd::log_device::FLOOR_BYTES + 8192 {
+        last_end = device
+            .submit(vec![entry(0, 1, 1)])
+            .await
+            .expect("room")
+            .end_position;
     }
-    assert!(matches!(full, Some(LogDeviceError::Full)), "{full:?}");
+    let waiting = tokio::spawn(device.submit(vec![entry(0, 2, 2)]));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "an append waits while the ring is full"
+    );
+    // A relocation may use the floor, and overtakes the waiting append.
+    let relocated = device
+        .submit_relocation(vec![entry(0, 3, 3)])
+        .await
+        .expect("the reserve takes relocations");
+    assert!(relocated.end_position > last_end);
+    assert!(!waiting.is_finished());
+    device.set_tail(last_end / 2);
+    let appended = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+        .await
+        .expect("the append goes once the tail moved")
+        .expect("task")
+        .expect("durable");
+    assert!(appended.lsn > relocated.lsn);
     for path in [unformatted, tiny, small] {
         std::fs::remove_file(path).expect("remove");
     }
+}
+
+/// The ring is reused over several laps; a checkpoint says where replay starts and where the
+/// tail is; a torn newer checkpoint leaves the older one in force.
+#[tokio::test(flavor = "current_thread")]
+async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
+    use basalt_store::checkpoint::Checkpoint;
+    let path = device_file("ring", 32 << 20);
+    LogDevice::format(&path, [4; 16]).await.expect("format");
+    let device = LogDevice::open(&path).await.expect("open").device;
+    let ring = device.ring().len_bytes;
+    // Write three laps' worth, freeing all but the last few MiB behind the head.
+    let mut index = 0u64;
+    let mut written = 0u64;
+    let mut ends = Vec::new();
+    while written < 3 * ring {
+        index += 1;
+        let appended = device
+            .submit(vec![entry(1, index, (index % 251) as u8)])
+            .await
+            .expect("room");
+        ends.push((appended.end_position, appended.lsn.next(), index));
+        written += 8192;
+        device.set_tail(appended.end_position.saturating_sub(4 << 20));
+    }
+    // A checkpoint 100 appends back, then one newer but torn.
+    let (position, lsn, from_index) = ends[ends.len() - 101];
+    let checkpoint = Checkpoint {
+        sequence: 7,
+        replay_position: position,
+        replay_lsn: lsn,
+        tail_position: position - (2 << 20),
+        tail_lsn: basalt_common::Lsn(1),
+        pgs: Vec::new(),
+    };
+    device
+        .write_checkpoint(1, &checkpoint)
+        .await
+        .expect("checkpoint");
+    let newer = Checkpoint {
+        sequence: 8,
+        ..checkpoint.clone()
+    };
+    device
+        .write_checkpoint(0, &newer)
+        .await
+        .expect("checkpoint");
+    drop(device);
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        // Area 0 starts after the superblock: tear its header.
+        file.write_all_at(&[0xFF; 16], 4096 + 20).expect("tear");
+    }
+    let reopened = LogDevice::open(&path).await.expect("reopen");
+    assert_eq!(reopened.checkpoint.as_ref(), Some(&checkpoint));
+    let indexes: Vec<u64> = reopened
+        .replayed
+        .batches
+        .iter()
+        .flat_map(|b| b.entries.iter().map(|(e, _)| e.index))
+        .collect();
+    assert_eq!(indexes, ((from_index + 1)..=index).collect::<Vec<_>>());
+    for batch in &reopened.replayed.batches {
+        for (entry, _) in &batch.entries {
+            assert_eq!(entry.data, vec![(entry.index % 251) as u8; 4096]);
+        }
+    }
+    std::fs::remove_file(path).expect("remove");
 }

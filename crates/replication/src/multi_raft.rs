@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use basalt_common::{OsdId, PgId};
 use raft::eraftpb::{ConfState, Entry, HardState, Message};
-use raft::{Config, RawNode, StateRole};
+use raft::{Config, RawNode, StateRole, Storage};
 
 use crate::storage::{Hydrate, PgStorage};
 
@@ -70,15 +70,24 @@ pub enum Action {
 pub struct Restored {
     /// The last hard state persisted.
     pub hard_state: HardState,
-    /// Every persisted entry, in log order (later ones overwrite earlier ones at the same
-    /// index, as they did when written).
+    /// Every persisted entry after the compaction point, in log order (later ones
+    /// overwrite earlier ones at the same index, as they did when written).
     pub entries: Vec<Entry>,
+    /// The last compacted entry (index, term), from a checkpoint; (0, 0) for none.
+    pub compacted: (u64, u64),
+    /// The index the PG's state was applied up to, from a checkpoint (0: nothing).
+    pub applied: u64,
 }
 
 impl Restored {
     /// Adds a persisted record, as replay finds them in log order: entries overwrite any
     /// with the same or a later index (a follower's log truncated by a new leader).
     pub fn add(&mut self, entries: &[Entry], hard_state: Option<&HardState>) {
+        let skip = entries
+            .iter()
+            .take_while(|entry| entry.index <= self.compacted.0)
+            .count();
+        let entries = &entries[skip..];
         if let Some(first) = entries.first() {
             // Entries are kept in index order: the cut is a binary search, not a scan, so
             // replaying a long log stays linear.
@@ -220,9 +229,23 @@ impl MultiRaft {
         restored: Restored,
     ) -> Result<(), raft::Error> {
         let voters: Vec<u64> = members.iter().map(|osd| raft_id(*osd)).collect();
-        let mut storage = PgStorage::new(ConfState::from((voters, vec![])), self.hydrate.clone());
+        let mut storage = PgStorage::restored(
+            ConfState::from((voters, vec![])),
+            self.hydrate.clone(),
+            restored.compacted,
+        );
         storage.append(&restored.entries)?;
-        storage.set_hard_state(restored.hard_state);
+        let mut hard_state = restored.hard_state;
+        let last = storage.last_index()?;
+        // What was applied was committed; a commit index learnt since may be newer than the
+        // last one written (commit-only hard states are written lazily).
+        let applied = restored.applied.min(last);
+        hard_state.commit = hard_state
+            .commit
+            .max(applied)
+            .max(restored.compacted.0)
+            .min(last);
+        storage.set_hard_state(hard_state);
         let config = Config {
             id: raft_id(self.osd),
             election_tick: ELECTION_TICKS,
@@ -231,6 +254,7 @@ impl MultiRaft {
             check_quorum: true,
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
+            applied,
             ..Config::default()
         };
         let node = RawNode::new(&config, storage, &self.logger)?;
@@ -238,6 +262,32 @@ impl MultiRaft {
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
         Ok(())
+    }
+
+    /// Compacts `pg`'s log in memory up to `index` (see [`PgStorage::compact`]).
+    pub fn compact(&mut self, pg: PgId, index: u64) {
+        if let Some(group) = self.groups.get_mut(&pg) {
+            group.node.mut_store().compact(index);
+        }
+    }
+
+    /// `pg`'s log and state as kept in memory.
+    pub fn storage(&self, pg: PgId) -> Option<&PgStorage> {
+        self.groups.get(&pg).map(|group| group.node.store())
+    }
+
+    /// If this replica leads `pg`: the lowest index every other voter is known to hold.
+    pub fn followers_matched(&self, pg: PgId) -> Option<u64> {
+        let group = self.groups.get(&pg)?;
+        let raft = &group.node.raft;
+        if raft.state != StateRole::Leader {
+            return None;
+        }
+        raft.prs()
+            .iter()
+            .filter(|(id, _)| **id != raft.id)
+            .map(|(_, progress)| progress.matched)
+            .min()
     }
 
     /// The leader this replica knows of.

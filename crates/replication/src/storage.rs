@@ -6,7 +6,9 @@
 //! a follower, a [`Hydrate`] function turns references back into whole entries; entries read
 //! to be applied stay references (applying needs only where the payload is).
 //!
-//! The log is never compacted yet: it starts at index 1, and raft never needs a snapshot.
+//! The log is compacted behind the applied index ([`PgStorage::compact`]) once a checkpoint
+//! holds the state it led to. A follower that needs compacted entries would need a snapshot
+//! of the PG; those are not built yet, so such a follower waits (raft asks again).
 
 use std::sync::Arc;
 
@@ -22,7 +24,9 @@ pub type Hydrate = Arc<dyn Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync>;
 pub struct PgStorage {
     hard_state: HardState,
     conf_state: ConfState,
-    /// Entries from index 1.
+    /// Index of the last compacted entry (0: none), and its term.
+    compacted: (u64, u64),
+    /// Entries from index `compacted.0 + 1`.
     entries: Vec<Entry>,
     hydrate: Option<Hydrate>,
 }
@@ -37,12 +41,32 @@ impl PgStorage {
         }
     }
 
+    /// A log restored from a checkpoint: compacted up to `compacted` (index, term).
+    pub fn restored(
+        conf_state: ConfState,
+        hydrate: Option<Hydrate>,
+        compacted: (u64, u64),
+    ) -> Self {
+        Self {
+            conf_state,
+            hydrate,
+            compacted,
+            ..Self::default()
+        }
+    }
+
     /// Appends entries; any from the first new index on are replaced (a truncated log).
+    /// Entries at or before the compaction point are skipped (they are applied already).
     pub fn append(&mut self, entries: &[Entry]) -> raft::Result<()> {
+        let skip = entries
+            .iter()
+            .take_while(|e| e.index <= self.compacted.0)
+            .count();
+        let entries = &entries[skip..];
         let Some(first) = entries.first() else {
             return Ok(());
         };
-        let last = self.entries.len() as u64;
+        let last = self.last();
         if first.index == 0 || first.index > last + 1 {
             return Err(raft::Error::Store(StorageError::Other(
                 format!(
@@ -52,9 +76,37 @@ impl PgStorage {
                 .into(),
             )));
         }
-        self.entries.truncate((first.index - 1) as usize);
+        self.entries
+            .truncate((first.index - self.compacted.0 - 1) as usize);
         self.entries.extend_from_slice(entries);
         Ok(())
+    }
+
+    /// Drops the entries up to `index` (at most the last one): the state they led to is
+    /// kept elsewhere (a checkpoint).
+    pub fn compact(&mut self, index: u64) {
+        let index = index.min(self.last());
+        if index <= self.compacted.0 {
+            return;
+        }
+        let term = self.term(index).unwrap_or(0);
+        self.entries.drain(..(index - self.compacted.0) as usize);
+        self.compacted = (index, term);
+    }
+
+    /// The last compacted entry's index and term ((0, 0): none).
+    pub fn compacted(&self) -> (u64, u64) {
+        self.compacted
+    }
+
+    /// The entries kept, from the one after the compaction point.
+    pub fn retained(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The configuration.
+    pub fn conf_state(&self) -> &ConfState {
+        &self.conf_state
     }
 
     /// Records the hard state.
@@ -71,7 +123,7 @@ impl PgStorage {
         replace: impl FnOnce(&[u8]) -> Option<Vec<u8>>,
     ) {
         let Some(entry) = index
-            .checked_sub(1)
+            .checked_sub(self.compacted.0 + 1)
             .and_then(|at| self.entries.get_mut(at as usize))
         else {
             return;
@@ -85,7 +137,7 @@ impl PgStorage {
     }
 
     fn last(&self) -> u64 {
-        self.entries.len() as u64
+        self.compacted.0 + self.entries.len() as u64
     }
 }
 
@@ -104,7 +156,7 @@ impl Storage for PgStorage {
         max_size: impl Into<Option<u64>>,
         context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
-        if low < 1 {
+        if low <= self.compacted.0 {
             return Err(raft::Error::Store(StorageError::Compacted));
         }
         if high > self.last() + 1 || low > high {
@@ -113,7 +165,8 @@ impl Storage for PgStorage {
         let max_size = max_size.into();
         let mut entries = Vec::new();
         let mut size = 0u64;
-        for entry in &self.entries[(low - 1) as usize..(high - 1) as usize] {
+        let base = self.compacted.0 + 1;
+        for entry in &self.entries[(low - base) as usize..(high - base) as usize] {
             let mut entry = entry.clone();
             // Raft reads with an asynchronous context only to send entries to a follower:
             // those must carry their payload.
@@ -133,17 +186,20 @@ impl Storage for PgStorage {
     }
 
     fn term(&self, index: u64) -> raft::Result<u64> {
-        if index == 0 {
-            return Ok(0);
+        if index == self.compacted.0 {
+            return Ok(self.compacted.1);
         }
-        match self.entries.get((index - 1) as usize) {
+        if index < self.compacted.0 {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        match self.entries.get((index - self.compacted.0 - 1) as usize) {
             Some(entry) => Ok(entry.term),
             None => Err(raft::Error::Store(StorageError::Unavailable)),
         }
     }
 
     fn first_index(&self) -> raft::Result<u64> {
-        Ok(1)
+        Ok(self.compacted.0 + 1)
     }
 
     fn last_index(&self) -> raft::Result<u64> {
@@ -151,7 +207,7 @@ impl Storage for PgStorage {
     }
 
     fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // The log is never compacted, so raft never needs one.
+        // PG snapshots are not built yet: a follower behind the compaction point waits.
         Err(raft::Error::Store(
             StorageError::SnapshotTemporarilyUnavailable,
         ))
@@ -198,6 +254,26 @@ mod tests {
             .expect("entries");
         assert_eq!(&sent[1].data[..], b"full:x");
         assert_eq!(&sent[0].data[..], b"a");
+        let mut compacted = storage.clone();
+        compacted.compact(1);
+        assert_eq!(compacted.first_index().expect("first"), 2);
+        assert_eq!(compacted.term(1).expect("term of the compaction point"), 1);
+        assert!(compacted.term(0).is_err());
+        assert!(
+            compacted
+                .entries(1, 3, None, GetEntriesContext::empty(false))
+                .is_err()
+        );
+        let kept = compacted
+            .entries(2, 3, None, GetEntriesContext::empty(false))
+            .expect("kept");
+        assert_eq!(&kept[0].data[..], b"ref:x");
+        compacted
+            .append(&[entry(1, 1, b"old"), entry(2, 2, b"x"), entry(3, 2, b"y")])
+            .expect("append over the compaction point");
+        assert_eq!(compacted.last_index().expect("last"), 3);
+        compacted.replace_data(3, 2, |_| Some(b"ref:y".to_vec()));
+        assert_eq!(&compacted.retained()[1].data[..], b"ref:y");
         let limited = storage
             .entries(1, 3, 1, GetEntriesContext::empty(false))
             .expect("entries");

@@ -157,6 +157,56 @@ impl ExtentMap {
         pieces
     }
 
+    /// The extents, in order: (offset in the object, length, device offset).
+    pub fn extents(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.extents
+            .iter()
+            .map(|(&start, m)| (start, m.len_bytes, m.device_offset_bytes))
+    }
+
+    /// Bytes of `[offset, offset + len)` that still map to the data written at
+    /// `device_offset` for that range (byte `offset + i` at `device_offset + i`): what of a
+    /// log entry's payload is live.
+    pub fn live_bytes(&self, offset_bytes: u64, len_bytes: u64, device_offset_bytes: u64) -> u64 {
+        self.lookup(offset_bytes, len_bytes)
+            .into_iter()
+            .map(|piece| match piece {
+                Piece::Mapped {
+                    offset_bytes: at,
+                    len_bytes: len,
+                    device_offset_bytes: device,
+                } if device == device_offset_bytes + (at - offset_bytes) => len,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Compare-and-swap of a move: every part of `[offset, offset + len)` that still maps
+    /// to `old_device_offset` (byte `offset + i` at `old + i`) maps to `new + i` instead;
+    /// any other part is left alone. Returns the bytes moved.
+    pub fn relocate(
+        &mut self,
+        offset_bytes: u64,
+        len_bytes: u64,
+        old_device_offset_bytes: u64,
+        new_device_offset_bytes: u64,
+    ) -> u64 {
+        let mut moved = 0;
+        for piece in self.lookup(offset_bytes, len_bytes) {
+            if let Piece::Mapped {
+                offset_bytes: at,
+                len_bytes: len,
+                device_offset_bytes: device,
+            } = piece
+                && device == old_device_offset_bytes + (at - offset_bytes)
+            {
+                self.insert(at, len, new_device_offset_bytes + (at - offset_bytes));
+                moved += len;
+            }
+        }
+        moved
+    }
+
     /// Extents are non-empty and do not overlap.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut previous_end = 0;

@@ -1,26 +1,73 @@
-//! The log: batches laid out one after another in a region of the device, and replay.
+//! The log: a ring of batches in a region of the device, and replay.
 //!
-//! Replay reads batch after batch from where the log starts and stops at the first one
-//! that is not intact or not the next in sequence: that is the end of the log. A batch is
-//! acknowledged only after it was synced, and batches are written in order, so everything
-//! acknowledged lies before that point and everything after it is a torn tail that the next
-//! append overwrites.
+//! Every batch has a *position*: a byte count that grows forever; it lies at device offset
+//! `start + position % len`. A batch never crosses the end of the region: one that does not
+//! fit before it goes to the start of the next lap. Space before the *tail* position is
+//! free (its contents moved elsewhere or dead, and a checkpoint no longer needs it), so the
+//! head may run up to `tail + len`.
+//!
+//! Replay reads batch after batch from a start position and LSN. Where a position holds no
+//! intact batch with the expected LSN, the writer may have skipped to the next lap: replay
+//! looks there, for exactly that LSN, and otherwise stops: that is the end of the log. A
+//! batch is acknowledged only after it was synced, and one write is in flight at a time, so
+//! everything acknowledged lies before that point. An LSN is never written twice, so stale
+//! batches of earlier laps (older LSNs) are never taken for the next one.
 
 use basalt_common::Lsn;
 
 use crate::batch::{self, BLOCK_SIZE, BatchError, Entry};
 
+/// The log region of a device, `[start, start + len)`, used as a ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ring {
+    /// Device offset of the region.
+    pub start_bytes: u64,
+    /// Its length, a multiple of the block size.
+    pub len_bytes: u64,
+}
+
+impl Ring {
+    /// The device offset of a position.
+    pub fn device_offset(&self, position: u64) -> u64 {
+        self.start_bytes + position % self.len_bytes
+    }
+
+    /// Where a batch of `size` bytes goes if the head is at `position`: there, or at the
+    /// start of the next lap if it would cross the end of the region.
+    pub fn place(&self, position: u64, size: u64) -> u64 {
+        let in_lap = position % self.len_bytes;
+        if in_lap + size > self.len_bytes {
+            position - in_lap + self.len_bytes
+        } else {
+            position
+        }
+    }
+
+    /// The start of the lap after the one `position` is in.
+    fn next_lap(&self, position: u64) -> u64 {
+        position - position % self.len_bytes + self.len_bytes
+    }
+}
+
 /// Why an append was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LogError {
-    /// The region has no room for the batch.
-    #[error("log full: batch of {needed} bytes, {available} bytes left")]
+    /// The ring has no free room for the batch until its tail moves on.
+    #[error("log full: batch of {needed} bytes, {available} bytes free")]
     Full {
+        /// Bytes the batch needs (with what it skips at the end of a lap).
+        needed: u64,
+        /// Bytes free.
+        available: u64,
+    },
+    /// The batch is larger than the region.
+    #[error("a batch of {needed} bytes exceeds the {region} bytes of the log region")]
+    TooLarge {
         /// Bytes the batch needs.
         needed: u64,
-        /// Bytes left in the region.
-        available: u64,
+        /// Bytes of the region.
+        region: u64,
     },
 }
 
@@ -29,6 +76,8 @@ pub enum LogError {
 pub struct PlacedBatch {
     /// Its LSN.
     pub lsn: Lsn,
+    /// Its position in the ring.
+    pub position: u64,
     /// Where it goes on the device.
     pub offset_bytes: u64,
     /// What to write there (a multiple of the block size).
@@ -37,52 +86,97 @@ pub struct PlacedBatch {
     pub data_offsets_bytes: Vec<u64>,
 }
 
-/// Lays out batches in the region `[start, end)` of a device.
+/// Lays out batches in a ring.
 #[derive(Debug, Clone)]
 pub struct LogWriter {
-    next_offset_bytes: u64,
+    ring: Ring,
+    next_position: u64,
     next_lsn: Lsn,
-    end_offset_bytes: u64,
+    tail_position: u64,
 }
 
 impl LogWriter {
-    /// A writer that appends at `next_offset_bytes` with `next_lsn` (from [`replay`], or
-    /// the region's start and [`Lsn::FIRST`] for a new log).
-    pub fn new(next_offset_bytes: u64, next_lsn: Lsn, end_offset_bytes: u64) -> Self {
+    /// A writer that appends at `next_position` with `next_lsn` (from [`replay`]), with the
+    /// ring free before `tail_position`.
+    pub fn new(ring: Ring, next_position: u64, next_lsn: Lsn, tail_position: u64) -> Self {
         assert!(
-            next_offset_bytes.is_multiple_of(BLOCK_SIZE as u64),
-            "log offset {next_offset_bytes} not block-aligned"
+            ring.len_bytes.is_multiple_of(BLOCK_SIZE as u64)
+                && ring.start_bytes.is_multiple_of(BLOCK_SIZE as u64)
+                && ring.len_bytes > 0,
+            "log region {ring:?} not block-aligned"
         );
         assert!(
-            next_offset_bytes <= end_offset_bytes,
-            "log starts at {next_offset_bytes} past its end {end_offset_bytes}"
+            next_position.is_multiple_of(BLOCK_SIZE as u64),
+            "log position {next_position} not block-aligned"
+        );
+        assert!(
+            tail_position <= next_position && next_position <= tail_position + ring.len_bytes,
+            "log head {next_position} outside its tail {tail_position} + {}",
+            ring.len_bytes
         );
         Self {
-            next_offset_bytes,
+            ring,
+            next_position,
             next_lsn,
-            end_offset_bytes,
+            tail_position,
         }
+    }
+
+    /// The ring it writes.
+    pub fn ring(&self) -> Ring {
+        self.ring
+    }
+
+    /// The position the next batch starts from (before any skip to the next lap).
+    pub fn next_position(&self) -> u64 {
+        self.next_position
+    }
+
+    /// The LSN of the next batch.
+    pub fn next_lsn(&self) -> Lsn {
+        self.next_lsn
+    }
+
+    /// Bytes between the head and the end of the free space.
+    pub fn free_bytes(&self) -> u64 {
+        self.tail_position + self.ring.len_bytes - self.next_position
+    }
+
+    /// Frees the ring up to `tail_position` (it only moves forward).
+    pub fn set_tail(&mut self, tail_position: u64) {
+        self.tail_position = self
+            .tail_position
+            .max(tail_position.min(self.next_position));
     }
 
     /// Places `entries` as the next batch.
     pub fn append(&mut self, entries: &[Entry]) -> Result<PlacedBatch, LogError> {
-        let needed = batch::batch_size(entries) as u64;
-        let available = self.end_offset_bytes - self.next_offset_bytes;
+        let size = batch::batch_size(entries) as u64;
+        if size > self.ring.len_bytes {
+            return Err(LogError::TooLarge {
+                needed: size,
+                region: self.ring.len_bytes,
+            });
+        }
+        let position = self.ring.place(self.next_position, size);
+        let needed = position + size - self.next_position;
+        let available = self.free_bytes();
         if needed > available {
             return Err(LogError::Full { needed, available });
         }
         let lsn = self.next_lsn;
         let bytes = batch::encode(lsn, entries);
         let header = batch::decode_header(&bytes, lsn).expect("a batch we encoded decodes");
-        let offset_bytes = self.next_offset_bytes;
+        let offset_bytes = self.ring.device_offset(position);
         let data_offsets_bytes = header
             .data_offsets()
             .map(|at| offset_bytes + at as u64)
             .collect();
-        self.next_offset_bytes += needed;
+        self.next_position = position + size;
         self.next_lsn = lsn.next();
         Ok(PlacedBatch {
             lsn,
+            position,
             offset_bytes,
             bytes,
             data_offsets_bytes,
@@ -95,6 +189,8 @@ impl LogWriter {
 pub struct ReplayedBatch {
     /// Its LSN.
     pub lsn: Lsn,
+    /// Its position in the ring.
+    pub position: u64,
     /// Where it lies on the device.
     pub offset_bytes: u64,
     /// Its entries, with where each entry's data lies on the device.
@@ -106,84 +202,125 @@ pub struct ReplayedBatch {
 pub struct Replayed {
     /// The intact batches, in order.
     pub batches: Vec<ReplayedBatch>,
-    /// Where the next batch goes.
-    pub next_offset_bytes: u64,
+    /// Where the next batch goes (before any skip to the next lap).
+    pub next_position: u64,
     /// The LSN the next batch gets.
     pub next_lsn: Lsn,
-    /// Why replay stopped before the end of the region (the torn tail), if it did.
+    /// Why replay stopped before the end of the free space (the torn tail), if it did.
     pub stopped_by: Option<BatchError>,
 }
 
-/// Replays the log that starts at `start_offset_bytes` with `first_lsn`, up to
-/// `end_offset_bytes`. `read(offset, len)` reads from the device; its errors (a failing
-/// disk) abort replay, since they say nothing about where the log ends.
+/// Replays the log from `start_position` with `first_lsn`, reading no further than
+/// `limit_position` (the tail plus the ring's length: beyond it lies live older data).
+/// `read(offset, len)` reads from the device; its errors (a failing disk) abort replay,
+/// since they say nothing about where the log ends.
 pub fn replay<E>(
     read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
-    start_offset_bytes: u64,
+    ring: Ring,
+    start_position: u64,
     first_lsn: Lsn,
-    end_offset_bytes: u64,
+    limit_position: u64,
 ) -> Result<Replayed, E> {
     replay_trimmed(
         read,
-        start_offset_bytes,
+        ring,
+        start_position,
         first_lsn,
-        end_offset_bytes,
+        limit_position,
         |_| {},
     )
+}
+
+/// A batch read back: its size, its entries, and where each entry's data lies.
+type FoundBatch = (u64, Vec<Entry>, Vec<u64>);
+
+/// The batch at `position` if it is intact, has LSN `lsn` and fits in its lap and below
+/// `limit`.
+fn read_batch<E>(
+    read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    position: u64,
+    lsn: Lsn,
+    limit: u64,
+) -> Result<Result<FoundBatch, BatchError>, E> {
+    let available =
+        (limit.saturating_sub(position)).min(ring.len_bytes - position % ring.len_bytes) as usize;
+    if available < BLOCK_SIZE {
+        return Ok(Err(BatchError::Truncated {
+            needed: BLOCK_SIZE,
+            available,
+        }));
+    }
+    let offset = ring.device_offset(position);
+    let block = read(offset, BLOCK_SIZE)?;
+    let header = match batch::decode_header(&block, lsn) {
+        Ok(header) => header,
+        Err(error) => return Ok(Err(error)),
+    };
+    let size = header.batch_size();
+    if size > available {
+        return Ok(Err(BatchError::Truncated {
+            needed: size,
+            available,
+        }));
+    }
+    let whole = if size > BLOCK_SIZE {
+        read(offset, size)?
+    } else {
+        block
+    };
+    Ok(batch::decode_entries(&header, &whole).map(|entries| {
+        let offsets = header.data_offsets().map(|at| offset + at as u64).collect();
+        (size as u64, entries, offsets)
+    }))
 }
 
 /// [`replay`], with `trim` applied to each entry once its batch is verified: a caller that
 /// needs only where the data lies drops it there, so replay holds metadata, not the log.
 pub fn replay_trimmed<E>(
     mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
-    start_offset_bytes: u64,
+    ring: Ring,
+    start_position: u64,
     first_lsn: Lsn,
-    end_offset_bytes: u64,
+    limit_position: u64,
     mut trim: impl FnMut(&mut Entry),
 ) -> Result<Replayed, E> {
-    let mut offset = start_offset_bytes;
+    let mut position = start_position;
     let mut lsn = first_lsn;
     let mut batches = Vec::new();
     let stopped_by = loop {
-        if offset + BLOCK_SIZE as u64 > end_offset_bytes {
+        if position >= limit_position {
             break None;
         }
-        let block = read(offset, BLOCK_SIZE)?;
-        let header = match batch::decode_header(&block, lsn) {
-            Ok(header) => header,
-            Err(error) => break Some(error),
-        };
-        let size = header.batch_size();
-        if offset + size as u64 > end_offset_bytes {
-            let available = (end_offset_bytes - offset) as usize;
-            break Some(BatchError::Truncated {
-                needed: size,
-                available,
-            });
-        }
-        let whole = if size > BLOCK_SIZE {
-            read(offset, size)?
-        } else {
-            block
-        };
-        match batch::decode_entries(&header, &whole) {
-            Ok(mut entries) => {
-                entries.iter_mut().for_each(&mut trim);
-                let offsets = header.data_offsets().map(|at| offset + at as u64);
-                batches.push(ReplayedBatch {
-                    lsn,
-                    offset_bytes: offset,
-                    entries: entries.into_iter().zip(offsets).collect(),
-                });
-                offset += size as u64;
-                lsn = lsn.next();
+        let mut found = read_batch(&mut read, ring, position, lsn, limit_position)?;
+        if let Err(error) = &found {
+            // The writer skips to the next lap when a batch does not fit in this one.
+            let next_lap = ring.next_lap(position);
+            if position.is_multiple_of(ring.len_bytes) || next_lap >= limit_position {
+                break Some(error.clone());
             }
-            Err(error) => break Some(error),
+            match read_batch(&mut read, ring, next_lap, lsn, limit_position)? {
+                Ok(batch) => {
+                    position = next_lap;
+                    found = Ok(batch);
+                }
+                Err(_) => break Some(error.clone()),
+            }
         }
+        let (size, mut entries, offsets) = found.expect("errors ended the loop");
+        entries.iter_mut().for_each(&mut trim);
+        batches.push(ReplayedBatch {
+            lsn,
+            position,
+            offset_bytes: ring.device_offset(position),
+            entries: entries.into_iter().zip(offsets).collect(),
+        });
+        position += size;
+        lsn = lsn.next();
     };
     Ok(Replayed {
         batches,
-        next_offset_bytes: offset,
+        next_position: position,
         next_lsn: lsn,
         stopped_by,
     })
@@ -212,11 +349,23 @@ mod tests {
             self.bytes[at..at + batch.bytes.len()].copy_from_slice(&batch.bytes);
         }
 
+        /// The whole disk as one ring.
+        fn ring(&self) -> Ring {
+            Ring {
+                start_bytes: 0,
+                len_bytes: self.bytes.len() as u64,
+            }
+        }
+
         fn replay(&self, start: u64, first: Lsn) -> Replayed {
+            self.replay_ring(self.ring(), start, first, start + self.bytes.len() as u64)
+        }
+
+        fn replay_ring(&self, ring: Ring, start: u64, first: Lsn, limit: u64) -> Replayed {
             let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
                 Ok(self.bytes[offset as usize..offset as usize + len].to_vec())
             };
-            replay(read, start, first, self.bytes.len() as u64).expect("memory reads do not fail")
+            replay(read, ring, start, first, limit).expect("memory reads do not fail")
         }
     }
 
@@ -247,7 +396,8 @@ mod tests {
     #[test]
     fn appended_batches_replay_with_their_data_offsets() {
         let mut disk = Disk::new(1 << 20);
-        let mut writer = LogWriter::new(8192, Lsn::FIRST, 1 << 20);
+        let ring = disk.ring();
+        let mut writer = LogWriter::new(ring, 8192, Lsn::FIRST, 8192);
         let mut placed = Vec::new();
         for n in 0..5u8 {
             let entry = entry(u64::from(n) + 1, n, 4096 * usize::from(n));
@@ -272,7 +422,7 @@ mod tests {
                 );
             }
         }
-        let mut resumed = LogWriter::new(replayed.next_offset_bytes, replayed.next_lsn, 1 << 20);
+        let mut resumed = LogWriter::new(ring, replayed.next_position, replayed.next_lsn, 8192);
         assert_eq!(
             resumed.append(&[]).expect("room").offset_bytes,
             placed[4].offset_bytes + placed[4].bytes.len() as u64
@@ -280,27 +430,53 @@ mod tests {
     }
 
     #[test]
-    fn a_full_log_refuses_the_batch() {
-        let mut writer = LogWriter::new(0, Lsn::FIRST, 8192);
+    fn a_full_log_refuses_the_batch_until_its_tail_moves() {
+        let ring = Ring {
+            start_bytes: 4096,
+            len_bytes: 12288,
+        };
+        let mut writer = LogWriter::new(ring, 0, Lsn::FIRST, 0);
         writer.append(&[]).expect("one header fits");
         let entry = entry(1, 1, 10);
+        writer
+            .append(std::slice::from_ref(&entry))
+            .expect("two blocks fit");
         assert_eq!(
-            writer.append(&[entry]),
+            writer.append(std::slice::from_ref(&entry)),
+            Err(LogError::Full {
+                needed: 8192,
+                available: 0
+            })
+        );
+        writer.set_tail(4096);
+        // The first lap is full; the next starts where the freed block lies, too small.
+        assert_eq!(
+            writer.append(std::slice::from_ref(&entry)),
             Err(LogError::Full {
                 needed: 8192,
                 available: 4096
             })
         );
+        writer.set_tail(12288);
+        let placed = writer.append(&[entry]).expect("room after the tail moved");
+        assert_eq!((placed.position, placed.offset_bytes), (12288, 4096));
+        assert_eq!(writer.free_bytes(), 4096);
+        let last = writer
+            .append(&[])
+            .expect("a header fills the last free block");
+        assert_eq!((last.position, last.offset_bytes), (20480, 12288));
+        assert_eq!(writer.free_bytes(), 0);
     }
 
     #[test]
     fn an_older_lap_ends_the_log() {
         let mut disk = Disk::new(64 << 10);
-        let mut old = LogWriter::new(0, Lsn(1), 64 << 10);
+        let ring = disk.ring();
+        let mut old = LogWriter::new(ring, 0, Lsn(1), 0);
         for _ in 0..10 {
             disk.write(&old.append(&[]).expect("room"));
         }
-        let mut new = LogWriter::new(0, Lsn(100), 64 << 10);
+        let mut new = LogWriter::new(ring, 0, Lsn(100), 0);
         for _ in 0..3 {
             disk.write(&new.append(&[]).expect("room"));
         }
@@ -317,7 +493,11 @@ mod tests {
 
     #[test]
     fn read_errors_abort_replay() {
-        let result = replay(|_, _| Err("disk failed"), 0, Lsn::FIRST, 1 << 20);
+        let ring = Ring {
+            start_bytes: 0,
+            len_bytes: 1 << 20,
+        };
+        let result = replay(|_, _| Err("disk failed"), ring, 0, Lsn::FIRST, 1 << 20);
         assert_eq!(result, Err("disk failed"));
     }
 
@@ -348,6 +528,63 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+
+        /// A ring reused over many laps: the tail follows the head at a distance, a replay
+        /// starts at some earlier batch (a checkpoint's start), and the last batch written
+        /// may be torn. Replay returns exactly the batches from the start on, through every
+        /// lap and skip, and stops at the torn one.
+        #[test]
+        fn replay_follows_the_ring_over_many_laps(
+            sizes in proptest::collection::vec(0usize..5, 20..120),
+            keep in 2usize..6,
+            from in any::<prop::sample::Index>(),
+            torn in any::<bool>(),
+        ) {
+            let ring = Ring { start_bytes: 4096, len_bytes: 10 * 4096 };
+            let mut disk = Disk::new(11 * 4096);
+            let mut writer = LogWriter::new(ring, 0, Lsn::FIRST, 0);
+            let mut placed: Vec<(PlacedBatch, Vec<Entry>)> = Vec::new();
+            for (n, blocks) in sizes.iter().enumerate() {
+                // Free everything but the last `keep` batches.
+                if placed.len() > keep {
+                    writer.set_tail(placed[placed.len() - keep].0.position);
+                }
+                let entries = vec![entry(n as u64 + 1, n as u8, blocks * 4096)];
+                let batch = match writer.append(&entries) {
+                    Ok(batch) => batch,
+                    Err(LogError::Full { .. }) => continue,
+                    Err(error) => panic!("{error}"),
+                };
+                prop_assert!(batch.offset_bytes + batch.bytes.len() as u64 <= 11 * 4096);
+                disk.write(&batch);
+                placed.push((batch, entries));
+            }
+            let tail = placed[placed.len().saturating_sub(keep)].0.position;
+            let from = placed.len().saturating_sub(keep) + from.index(keep.min(placed.len()));
+            let expected_len = if torn {
+                let (last, _) = placed.last().expect("some batches");
+                let at = last.offset_bytes as usize + 100;
+                disk.bytes[at] ^= 0xFF;
+                placed.len() - 1 - from
+            } else {
+                placed.len() - from
+            };
+            let (start, _) = &placed[from];
+            let replayed = disk.replay_ring(ring, start.position, start.lsn, tail + ring.len_bytes);
+            prop_assert_eq!(replayed.batches.len(), expected_len);
+            for (found, (written, entries)) in replayed.batches.iter().zip(&placed[from..]) {
+                prop_assert_eq!(found.position, written.position);
+                prop_assert_eq!(found.lsn, written.lsn);
+                let found: Vec<Entry> = found.entries.iter().map(|(e, _)| e.clone()).collect();
+                prop_assert_eq!(&found, entries);
+            }
+            let next = placed.get(from + expected_len).map(|(b, _)| b.lsn).unwrap_or(writer.next_lsn());
+            prop_assert_eq!(replayed.next_lsn, next);
+        }
+    }
+
+    proptest! {
         #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
         /// A crash model: batches before `synced` are durable; the rest were in flight and
@@ -360,14 +597,14 @@ mod tests {
             damage in damage(),
         ) {
             let mut disk = Disk::new(2 << 20);
-            let mut writer = LogWriter::new(0, Lsn::FIRST, 2 << 20);
+            let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
             let placed: Vec<PlacedBatch> = batches.iter().map(|entries| writer.append(entries).expect("room")).collect();
             let synced = synced.index(placed.len() + 1);
             for batch in &placed {
                 disk.write(batch);
             }
-            let tail_start = placed.get(synced).map_or(writer.next_offset_bytes as usize, |b| b.offset_bytes as usize);
-            let tail_end = writer.next_offset_bytes as usize;
+            let tail_start = placed.get(synced).map_or(writer.next_position() as usize, |b| b.offset_bytes as usize);
+            let tail_end = writer.next_position() as usize;
             if tail_end > tail_start {
                 match damage {
                     Damage::Lost => disk.bytes[tail_start..tail_end].fill(0),

@@ -329,6 +329,54 @@ impl PgObjects {
         keys
     }
 
+    /// The extents of an object, in order: (offset, length, device offset).
+    pub fn extents(&self, object: ObjectKey) -> Vec<(u64, u64, u64)> {
+        self.objects
+            .get(&object)
+            .map(|map| map.extents().collect())
+            .unwrap_or_default()
+    }
+
+    /// Maps a range of an object to the device, as a checkpoint recorded it.
+    pub fn insert_extent(
+        &mut self,
+        object: ObjectKey,
+        offset_bytes: u64,
+        len_bytes: u64,
+        device_offset_bytes: u64,
+    ) {
+        self.objects.entry(object).or_default().insert(
+            offset_bytes,
+            len_bytes,
+            device_offset_bytes,
+        );
+    }
+
+    /// Bytes of a write's range that still read its payload at `device_offset_bytes`.
+    pub fn live_bytes(&self, write: &PayloadRef) -> u64 {
+        self.objects.get(&write.object).map_or(0, |map| {
+            map.live_bytes(
+                u64::from(write.offset_bytes),
+                u64::from(write.len_bytes),
+                write.device_offset_bytes,
+            )
+        })
+    }
+
+    /// Moves the parts of a write's range that still read its payload at
+    /// `write.device_offset_bytes` to `new_device_offset_bytes` (a compare-and-swap: parts
+    /// overwritten or discarded since are left alone). Returns the bytes moved.
+    pub fn relocate(&mut self, write: &PayloadRef, new_device_offset_bytes: u64) -> u64 {
+        self.objects.get_mut(&write.object).map_or(0, |map| {
+            map.relocate(
+                u64::from(write.offset_bytes),
+                u64::from(write.len_bytes),
+                write.device_offset_bytes,
+                new_device_offset_bytes,
+            )
+        })
+    }
+
     /// Bytes mapped in all objects.
     pub fn mapped_bytes(&self) -> u64 {
         self.objects.values().map(ExtentMap::mapped_bytes).sum()
@@ -407,6 +455,81 @@ mod tests {
                 }
                 prop_assert_eq!(&read, expected);
             }
+        }
+    }
+
+    proptest! {
+        /// The cleaner's moves never change what a read returns: a write's payload is copied
+        /// to a new place and the index is moved there by compare-and-swap, whatever writes
+        /// and discards came after it; and once every write is moved, nothing reads the old
+        /// copies (they can be overwritten).
+        #[test]
+        fn relocations_never_change_what_reads_return(
+            ops in proptest::collection::vec((0u64..2, 0u32..64, 1u32..32, 0u8..3, any::<prop::sample::Index>()), 1..40),
+        ) {
+            let mut objects = PgObjects::new();
+            let mut device: Vec<u8> = Vec::new();
+            let mut writes: Vec<PayloadRef> = Vec::new();
+            let read_all = |objects: &PgObjects, device: &[u8]| -> Vec<Vec<u8>> {
+                (0..2).map(|number| {
+                    let mut read = Vec::new();
+                    for piece in objects.plan_read(key(number), 0, 96) {
+                        match piece {
+                            Piece::Mapped { len_bytes, device_offset_bytes, .. } => {
+                                let at = device_offset_bytes as usize;
+                                read.extend_from_slice(&device[at..at + len_bytes as usize]);
+                            }
+                            Piece::Hole { len_bytes, .. } => read.extend(std::iter::repeat_n(0, len_bytes as usize)),
+                        }
+                    }
+                    read
+                }).collect()
+            };
+            for (n, (number, offset, len, op, pick)) in ops.into_iter().enumerate() {
+                let before = read_all(&objects, &device);
+                match op {
+                    0 => {
+                        let data = vec![(n % 250) as u8 + 1; len as usize];
+                        let at = device.len() as u64;
+                        device.extend_from_slice(&data);
+                        let write = ObjectOp::Write { object: key(number), offset_bytes: offset, data };
+                        objects.apply(&write, at);
+                        writes.push(PayloadRef::from_meta(&write.meta(), at));
+                        continue;
+                    }
+                    1 => {
+                        objects.apply(&ObjectOp::Discard { object: key(number), offset_bytes: offset, len_bytes: len }, 0);
+                        continue;
+                    }
+                    _ if writes.is_empty() => continue,
+                    _ => {
+                        let at = pick.index(writes.len());
+                        let old = writes[at];
+                        let from = old.device_offset_bytes as usize;
+                        let copy = device[from..from + old.len_bytes as usize].to_vec();
+                        let new_at = device.len() as u64;
+                        device.extend_from_slice(&copy);
+                        let live = objects.live_bytes(&old);
+                        prop_assert_eq!(objects.relocate(&old, new_at), live);
+                        prop_assert_eq!(objects.live_bytes(&old), 0);
+                        writes[at].device_offset_bytes = new_at;
+                    }
+                }
+                prop_assert_eq!(read_all(&objects, &device), before);
+            }
+            // Destroy every payload's first copy: reads still see the same bytes only if
+            // nothing points at an old place any more.
+            let expected = read_all(&objects, &device);
+            let moved: Vec<PayloadRef> = writes.clone();
+            for write in moved {
+                let copy_at = device.len() as u64;
+                let from = write.device_offset_bytes as usize;
+                let copy = device[from..from + write.len_bytes as usize].to_vec();
+                device.extend_from_slice(&copy);
+                objects.relocate(&write, copy_at);
+                device[from..from + write.len_bytes as usize].fill(0xEE);
+            }
+            prop_assert_eq!(read_all(&objects, &device), expected);
         }
     }
 

@@ -61,6 +61,11 @@ pub enum Status {
         /// Why.
         message: String,
     },
+    /// The OSD cannot take the write yet (its log is being cleaned): retry after a pause.
+    Busy {
+        /// Why.
+        message: String,
+    },
 }
 
 /// A message.
@@ -340,6 +345,10 @@ impl Message {
                         body.push(5);
                         put_bytes(&mut body, message.as_bytes());
                     }
+                    Status::Busy { message } => {
+                        body.push(6);
+                        put_bytes(&mut body, message.as_bytes());
+                    }
                 }
                 put_bytes(&mut body, data);
             }
@@ -423,6 +432,9 @@ impl Message {
                     5 => Status::NoSpace {
                         message: r.string()?,
                     },
+                    6 => Status::Busy {
+                        message: r.string()?,
+                    },
                     _ => return None,
                 };
                 Some(Message::Reply {
@@ -486,6 +498,7 @@ mod tests {
             "[a-z ]{0,20}".prop_map(|message| Status::Invalid { message }),
             "[a-z ]{0,20}".prop_map(|message| Status::Io { message }),
             "[a-z ]{0,20}".prop_map(|message| Status::NoSpace { message }),
+            "[a-z ]{0,20}".prop_map(|message| Status::Busy { message }),
         ];
         prop_oneof![
             (

@@ -40,7 +40,10 @@ impl ScratchDir {
 
 impl Drop for ScratchDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
+        // BASALT_KEEP_SCRATCH=1 keeps the directory (logs, devices) to look at afterwards.
+        if std::env::var_os("BASALT_KEEP_SCRATCH").is_none() {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
 

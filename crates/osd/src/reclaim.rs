@@ -1,0 +1,279 @@
+//! Reusing the log: what goes into a checkpoint, how far raft logs are compacted, and what
+//! the cleaner moves out of the ring's tail (design: `docs/internals/store.md`, *The ring,
+//! checkpoints and the cleaner*).
+//!
+//! The core calls these; they do no I/O. The order that makes freeing safe:
+//!
+//! 1. The cleaner reads the batches at the tail (below the durable end of the log) and
+//!    relocates every payload that the object index still reads, or that a retained raft
+//!    entry still refers to, with a `RELOCATE` entry appended at the head.
+//! 2. Once those are durable, the index and the raft entries are moved to the new copies
+//!    by compare-and-swap (a write that came in meanwhile wins).
+//! 3. A checkpoint cut after that records the index, the raft state and, as its tail, the
+//!    position the cleaner reached. Once it is durable, the ring before that tail is free.
+//!
+//! Replay skips `RELOCATE` entries: after a crash before step 3 the index of the older
+//! checkpoint points at the old copies, which are still in place.
+
+use std::collections::{HashMap, VecDeque};
+
+use basalt_common::PgId;
+use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry};
+use basalt_store::batch::{DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
+use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
+use basalt_store::log::ReplayedBatch;
+use basalt_store::object_op::{PayloadRef, PgObjects, kind};
+
+use crate::log_device::RELOCATE;
+
+/// What of a PG's raft log is known durable here.
+#[derive(Debug, Clone, Default)]
+pub struct Durable {
+    /// The last hard state written.
+    pub hard_state: HardState,
+    /// The last index of the entries written (a later persist may have truncated the log
+    /// before it, in which case its own last index replaced this).
+    pub last_index: u64,
+    /// Persists on their way to the device, in order: the first index of their entries.
+    pub in_flight: VecDeque<Option<u64>>,
+}
+
+impl Durable {
+    /// The last index up to which the log in memory is durable: entries from the first
+    /// index of a persist in flight on replaced what was durable there.
+    pub fn bound(&self) -> u64 {
+        let in_flight = self.in_flight.iter().flatten().min().copied();
+        in_flight.map_or(self.last_index, |first| {
+            self.last_index.min(first.saturating_sub(1))
+        })
+    }
+}
+
+/// How much of a PG's raft log is kept in memory behind its applied index, for followers a
+/// little behind.
+#[derive(Debug, Clone, Copy)]
+pub struct Retention {
+    /// Entries.
+    pub entries: usize,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Payload bytes a leader keeps, however many entries, for a follower it knows to be
+    /// further behind (without snapshots, such a follower cannot catch up otherwise).
+    pub behind_bytes: u64,
+}
+
+fn payload_bytes(entry: &RaftEntry) -> u64 {
+    PayloadRef::decode(&entry.data).map_or(entry.data.len() as u64, |r| u64::from(r.len_bytes))
+}
+
+/// The index before the oldest entry that `retention` keeps.
+fn window_start(storage: &PgStorage, retention: Retention) -> u64 {
+    let retained = storage.retained();
+    let mut bytes = 0u64;
+    for (kept, entry) in retained.iter().rev().enumerate() {
+        bytes += payload_bytes(entry);
+        if kept >= retention.entries || bytes > retention.bytes {
+            return entry.index;
+        }
+    }
+    storage.compacted().0
+}
+
+/// How far to compact a PG's raft log: behind the applied index, keeping the retention
+/// window; a leader also keeps what its followers still need, up to `behind_bytes`.
+pub fn compaction_point(
+    storage: &PgStorage,
+    applied: u64,
+    followers_matched: Option<u64>,
+    retention: Retention,
+) -> u64 {
+    let window = window_start(storage, retention).min(applied);
+    match followers_matched {
+        Some(matched) => {
+            let hard = window_start(
+                storage,
+                Retention {
+                    entries: usize::MAX,
+                    bytes: retention.behind_bytes,
+                    behind_bytes: retention.behind_bytes,
+                },
+            )
+            .min(applied);
+            window.min(matched).max(hard)
+        }
+        None => window,
+    }
+}
+
+/// A PG's part of a checkpoint: its durable raft state, the entries retained in memory
+/// that are durable, and its object index.
+pub fn pg_checkpoint(
+    pg: PgId,
+    storage: &PgStorage,
+    durable: &Durable,
+    applied: u64,
+    objects: Option<&PgObjects>,
+) -> PgCheckpoint {
+    let bound = durable.bound();
+    let (compacted_index, compacted_term) = storage.compacted();
+    let entries: Vec<RetainedEntry> = storage
+        .retained()
+        .iter()
+        .take_while(|entry| entry.index <= bound)
+        .map(|entry| RetainedEntry {
+            index: entry.index,
+            term: entry.term,
+            entry_type: entry.get_entry_type() as u8,
+            data: entry.data.to_vec(),
+        })
+        .collect();
+    let last = entries.last().map_or(compacted_index, |entry| entry.index);
+    let hard_state = &durable.hard_state;
+    let objects = objects
+        .map(|objects| {
+            objects
+                .keys()
+                .into_iter()
+                .map(|key| (key, objects.extents(key)))
+                .collect()
+        })
+        .unwrap_or_default();
+    PgCheckpoint {
+        pg,
+        term: hard_state.term,
+        vote: hard_state.vote,
+        // What was applied was committed, whatever the last hard state written says.
+        commit: hard_state.commit.max(applied).min(last),
+        applied: applied.min(last),
+        compacted_index,
+        compacted_term,
+        voters: storage.conf_state().voters.clone(),
+        entries,
+        objects,
+    }
+}
+
+/// A payload the cleaner moves: where it was, and the raft entry (index, term) that refers
+/// to it, if one does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Move {
+    /// The PG.
+    pub pg: PgId,
+    /// The payload as it was.
+    pub from: PayloadRef,
+    /// The raft entry whose data refers to it.
+    pub raft_entry: Option<(u64, u64)>,
+}
+
+/// The relocations for a run of batches from the ring's tail: appends (each fits one
+/// batch) and, in the same order, the moves their entries carry.
+pub fn plan_relocations(
+    batches: Vec<ReplayedBatch>,
+    raft: &MultiRaft,
+    objects: &HashMap<PgId, PgObjects>,
+) -> (Vec<Vec<Entry>>, Vec<Move>) {
+    let mut appends: Vec<Vec<Entry>> = Vec::new();
+    let mut moves = Vec::new();
+    let mut chunk_bytes = 0usize;
+    for batch in batches {
+        for (entry, data_offset) in batch.entries {
+            if entry.kind != kind::WRITE && entry.kind != RELOCATE {
+                // Anything else lives in memory and goes into checkpoints.
+                continue;
+            }
+            let pg = entry.pg;
+            let from = PayloadRef::from_meta(&entry.meta, data_offset);
+            let raft_entry = (entry.index != 0)
+                .then(|| raft.storage(pg))
+                .flatten()
+                .and_then(|storage| {
+                    let first = storage.compacted().0 + 1;
+                    let at = entry.index.checked_sub(first)?;
+                    let kept = storage.retained().get(at as usize)?;
+                    let reference = PayloadRef::decode(&kept.data)?;
+                    (kept.term == entry.term && reference.device_offset_bytes == data_offset)
+                        .then_some((entry.index, entry.term))
+                });
+            let indexed = objects
+                .get(&pg)
+                .is_some_and(|objects| objects.live_bytes(&from) > 0);
+            if !indexed && raft_entry.is_none() {
+                continue;
+            }
+            let (term, index) = raft_entry.map_or((0, 0), |(index, term)| (term, index));
+            let data_len = entry.data.len().next_multiple_of(4096);
+            if appends.last().is_none_or(|chunk| {
+                chunk.len() >= ENTRY_COUNT_MAX || chunk_bytes + data_len > DATA_SIZE_MAX
+            }) {
+                appends.push(Vec::new());
+                chunk_bytes = 0;
+            }
+            chunk_bytes += data_len;
+            appends.last_mut().expect("a chunk").push(Entry {
+                kind: RELOCATE,
+                pg,
+                term,
+                index,
+                meta: entry.meta,
+                data: entry.data,
+            });
+            moves.push(Move {
+                pg,
+                from,
+                raft_entry,
+            });
+        }
+    }
+    (appends, moves)
+}
+
+/// Applies a durable move: the index and the raft entry follow the payload to `to` where
+/// they still read it at its old place. Returns the index bytes moved.
+pub fn apply_move(
+    moved: &Move,
+    to: u64,
+    raft: &mut MultiRaft,
+    objects: &mut HashMap<PgId, PgObjects>,
+) -> u64 {
+    let bytes = objects
+        .get_mut(&moved.pg)
+        .map_or(0, |objects| objects.relocate(&moved.from, to));
+    if let Some((index, term)) = moved.raft_entry {
+        let old = moved.from.device_offset_bytes;
+        raft.replace_entry_data(moved.pg, index, term, |data| {
+            let reference = PayloadRef::decode(data)?;
+            (reference.device_offset_bytes == old).then(|| {
+                PayloadRef {
+                    device_offset_bytes: to,
+                    ..reference
+                }
+                .encode()
+            })
+        });
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_durable_bound_stops_before_a_persist_in_flight() {
+        let mut durable = Durable {
+            last_index: 10,
+            ..Durable::default()
+        };
+        assert_eq!(durable.bound(), 10);
+        durable.in_flight.push_back(None);
+        assert_eq!(durable.bound(), 10, "a persist of a hard state alone");
+        durable.in_flight.push_back(Some(8));
+        assert_eq!(
+            durable.bound(),
+            7,
+            "entries 8.. in memory replace durable ones"
+        );
+        durable.in_flight.push_back(Some(11));
+        assert_eq!(durable.bound(), 7);
+    }
+}
