@@ -242,8 +242,10 @@ struct CheckpointMark {
 
 /// The state of log reuse.
 struct Reclaim {
-    /// The ring position and LSN after the last batch whose persist the core processed:
-    /// where a checkpoint cut now lets replay start.
+    /// The ring position and LSN of the batch that carried the last persist the core
+    /// processed: where a checkpoint cut now lets replay start (that batch may carry other
+    /// persists not processed yet; replaying the processed ones again is harmless), and
+    /// how far the cleaner may go.
     durable_end: (u64, Lsn),
     /// The cleaner has gone through the ring up to here.
     cleaned_to: (u64, Lsn),
@@ -376,7 +378,9 @@ impl Core {
                     }
                     continue;
                 }
-                let restored = self.restored.remove(&pg).unwrap_or_default();
+                // Kept in `restored` until the group exists: a PG that cannot be hosted
+                // keeps log reuse stopped, so that its data is never freed.
+                let restored = self.restored.get(&pg).cloned().unwrap_or_default();
                 let durable = Durable {
                     hard_state: restored.hard_state.clone(),
                     last_index: restored
@@ -390,6 +394,7 @@ impl Core {
                     tracing::error!(%pg, %error, "cannot host pg");
                     continue;
                 }
+                self.restored.remove(&pg);
                 self.durable.insert(pg, durable);
                 self.applied.insert(pg, applied);
                 let objects = self.restored_objects.remove(&pg).unwrap_or_default();
@@ -1541,7 +1546,10 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                         payloads.extend(writes.into_iter().map(|(index, term, at)| {
                             (index, term, appended.data_offsets_bytes[at])
                         }));
-                        end = Some((appended.end_position, appended.lsn.next()));
+                        // The start of the batch, not its end: the batch may also carry
+                        // persists the core has not heard of yet (group commit), which a
+                        // checkpoint cut now must leave to replay.
+                        end = Some((appended.position, appended.lsn));
                     }
                     Err(error) => {
                         let _ = completion_events.send(Event::Failed(error.to_string()));

@@ -112,6 +112,8 @@ pub enum LogDeviceError {
 pub struct Appended {
     /// The batch that carried it.
     pub lsn: Lsn,
+    /// That batch's ring position.
+    pub position: u64,
     /// The ring position just after that batch: with the next LSN, where a replay that
     /// must see everything up to this append may start at the latest.
     pub end_position: u64,
@@ -709,6 +711,7 @@ async fn write_loop(
             let data_offsets_bytes = offsets.by_ref().take(count).collect();
             let _ = done.send(Ok(Appended {
                 lsn: placed.lsn,
+                position: placed.position,
                 end_position,
                 data_offsets_bytes,
             }));
