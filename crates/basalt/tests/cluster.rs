@@ -344,7 +344,7 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     qemu_io_ok(&uri, true, &["read -P 0xab 0 8M"]);
     wait_for(
         "status to name the full osds",
-        Duration::from_secs(10),
+        Duration::from_secs(30),
         || {
             cluster
                 .cli_ok(&["status"])

@@ -437,23 +437,33 @@ impl Image {
         )
     }
 
-    /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
-    pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
+    /// The pieces of `len` bytes at `offset`, after a range check, each with its request.
+    fn requests(
+        &self,
+        offset: u64,
+        len: u64,
+        request: impl Fn(PgId, Epoch, &Piece) -> Message,
+    ) -> Result<Vec<(Piece, Message)>, ClientError> {
         self.check(offset, len)?;
         let (pg, epoch) = self.unrouted();
-        let requests = split(self.id, self.object_size_bytes, offset, len)
+        Ok(split(self.id, self.object_size_bytes, offset, len)
             .into_iter()
             .map(|piece| {
-                let request = Message::Read {
-                    pg,
-                    epoch,
-                    object: piece.object,
-                    offset_bytes: piece.offset_in_object,
-                    len_bytes: piece.len_bytes,
-                };
-                (piece, request)
+                let message = request(pg, epoch, &piece);
+                (piece, message)
             })
-            .collect();
+            .collect())
+    }
+
+    /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
+        let requests = self.requests(offset, len, |pg, epoch, piece| Message::Read {
+            pg,
+            epoch,
+            object: piece.object,
+            offset_bytes: piece.offset_in_object,
+            len_bytes: piece.len_bytes,
+        })?;
         let mut out = vec![0u8; len as usize];
         for (piece, data) in self.run_pieces("read", requests).await? {
             if data.len() != piece.len_bytes as usize {
@@ -470,42 +480,28 @@ impl Image {
 
     /// Writes `data` at `offset`; durable on a majority of replicas when it returns.
     pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), ClientError> {
-        self.check(offset, data.len() as u64)?;
-        let (pg, epoch) = self.unrouted();
-        let requests = split(self.id, self.object_size_bytes, offset, data.len() as u64)
-            .into_iter()
-            .map(|piece| {
-                let request = Message::Write {
-                    pg,
-                    epoch,
-                    object: piece.object,
-                    offset_bytes: piece.offset_in_object,
-                    data: data[piece.at..piece.at + piece.len_bytes as usize].to_vec(),
-                };
-                (piece, request)
-            })
-            .collect();
+        let requests = self.requests(offset, data.len() as u64, |pg, epoch, piece| {
+            Message::Write {
+                pg,
+                epoch,
+                object: piece.object,
+                offset_bytes: piece.offset_in_object,
+                data: data[piece.at..piece.at + piece.len_bytes as usize].to_vec(),
+            }
+        })?;
         self.run_pieces("write", requests).await?;
         Ok(())
     }
 
     /// Discards `len` bytes at `offset`: they read as zeroes and their space is freed.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
-        self.check(offset, len)?;
-        let (pg, epoch) = self.unrouted();
-        let requests = split(self.id, self.object_size_bytes, offset, len)
-            .into_iter()
-            .map(|piece| {
-                let request = Message::Discard {
-                    pg,
-                    epoch,
-                    object: piece.object,
-                    offset_bytes: piece.offset_in_object,
-                    len_bytes: piece.len_bytes,
-                };
-                (piece, request)
-            })
-            .collect();
+        let requests = self.requests(offset, len, |pg, epoch, piece| Message::Discard {
+            pg,
+            epoch,
+            object: piece.object,
+            offset_bytes: piece.offset_in_object,
+            len_bytes: piece.len_bytes,
+        })?;
         self.run_pieces("discard", requests).await?;
         Ok(())
     }

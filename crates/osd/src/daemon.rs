@@ -39,7 +39,7 @@ use basalt_replication::{
     Action, EntryType, MultiRaft, ProposeError, RaftMessage, Restored, decode_message,
     encode_message,
 };
-use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX};
+use basalt_store::batch::{self, BLOCK_SIZE};
 use basalt_store::checkpoint::Checkpoint;
 use basalt_store::extent_map::Piece;
 use basalt_store::log::Replayed;
@@ -599,9 +599,10 @@ impl Core {
         let write_bytes = op.payload().len() as u64;
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;
-        if write_bytes > 0 && self.space_for(log_bytes).is_err() {
-            let message = self.space_for(log_bytes).expect_err("just checked");
-            let _ = reply_to.send(reply(message));
+        if write_bytes > 0
+            && let Err(status) = self.space_for(log_bytes)
+        {
+            let _ = reply_to.send(reply(status));
             return;
         }
         match self.raft.propose(pg, op.encode()) {
@@ -653,18 +654,24 @@ impl Core {
         } else {
             Err(Status::NoSpace {
                 message: format!(
-                    "{} is full: {} bytes of live data, {free} bytes free in its log, {keep} kept in reserve",
-                    self.id, self.reclaim.live_bytes
+                    "{} is full: {} bytes of live data, {} in raft logs, {free} bytes free in its log, {keep} kept in reserve",
+                    self.id, self.reclaim.live_bytes, self.reclaim.retained_bytes
                 ),
             })
         }
+    }
+
+    /// Whether the log may be reused: not while a checkpoint did not fit, nor while PGs
+    /// restored from the log have no group (their data must never be freed).
+    fn reuse_allowed(&self) -> bool {
+        self.restored.is_empty() && !self.reclaim.stopped
     }
 
     /// Bytes of the ring that cleaning could free (an estimate that errs low: used minus
     /// live data, minus the payloads of retained raft entries, minus some slack for batch
     /// headers and partly live payloads).
     fn reclaimable_bytes(&self) -> u64 {
-        if !self.restored.is_empty() || self.reclaim.stopped {
+        if !self.reuse_allowed() {
             return 0;
         }
         let ring = self.log.ring().len_bytes;
@@ -778,7 +785,7 @@ impl Core {
     /// calls for one.
     fn maybe_checkpoint(&mut self) {
         let reclaim = &self.reclaim;
-        if reclaim.writing || reclaim.stopped || !self.restored.is_empty() {
+        if reclaim.writing || !self.reuse_allowed() {
             return;
         }
         let ring = self.log.ring().len_bytes;
@@ -840,21 +847,19 @@ impl Core {
             let Some(storage) = self.raft.storage(pg) else {
                 continue;
             };
-            let durable = self.durable.get(&pg).cloned().unwrap_or_default();
+            let durable = self.durable.get(&pg);
             states.push(reclaim::pg_checkpoint(
                 pg,
                 storage,
-                &durable,
+                durable.unwrap_or(&Durable::default()),
                 applied,
                 self.objects.get(&pg),
             ));
         }
         let reclaim = &self.reclaim;
-        let tail = if reclaim.cleaned_to.0 <= reclaim.durable_end.0 {
-            reclaim.cleaned_to
-        } else {
-            reclaim.durable_end
-        };
+        // The cleaner only goes through durable batches.
+        debug_assert!(reclaim.cleaned_to.0 <= reclaim.durable_end.0);
+        let tail = reclaim.cleaned_to;
         Checkpoint {
             sequence: reclaim.sequence + 1,
             replay_position: reclaim.durable_end.0,
@@ -1100,32 +1105,18 @@ impl Core {
             .in_flight
             .push_back(entries.first().map(|entry| entry.index));
         let log_entries = pg_log::to_log_entries(pg, &entries, hard_state.as_ref());
-        let mut appends = Vec::new();
-        let mut chunk: Vec<batch::Entry> = Vec::new();
-        let mut writes: Vec<WriteAt> = Vec::new();
-        let flush = |chunk: &mut Vec<batch::Entry>,
-                     writes: &mut Vec<WriteAt>,
-                     appends: &mut Vec<_>,
-                     log: &LogDevice| {
-            if !chunk.is_empty() {
-                let future = Box::pin(log.submit(std::mem::take(chunk)));
-                appends.push((future as AppendFuture, std::mem::take(writes)));
-            }
-        };
-        for entry in log_entries {
-            chunk.push(entry);
-            let data_bytes = batch::batch_size(&chunk) - BLOCK_SIZE;
-            if chunk.len() > ENTRY_COUNT_MAX || data_bytes > DATA_SIZE_MAX {
-                let last = chunk.pop().expect("just pushed");
-                flush(&mut chunk, &mut writes, &mut appends, &self.log);
-                chunk.push(last);
-            }
-            let last = chunk.last().expect("just pushed");
-            if last.kind == kind::WRITE {
-                writes.push((last.index, last.term, chunk.len() - 1));
-            }
-        }
-        flush(&mut chunk, &mut writes, &mut appends, &self.log);
+        let appends = batch::split(log_entries)
+            .into_iter()
+            .map(|entries| {
+                let writes: Vec<WriteAt> = entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, entry)| entry.kind == kind::WRITE)
+                    .map(|(at, entry)| (entry.index, entry.term, at))
+                    .collect();
+                (Box::pin(self.log.submit(entries)) as AppendFuture, writes)
+            })
+            .collect();
         let _ = self.persists.send(PendingPersist {
             pg,
             number,
@@ -1615,124 +1606,130 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     if let Some(metrics_at) = config.metrics_addr {
         let (counters, report, log) = (counters.clone(), report.clone(), log.clone());
         let render = move || {
-            let mut e = Exposition::new();
             let load = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
-            e.single(
-                "basalt_osd_reads_total",
-                "counter",
-                "Client reads served.",
-                load(&counters.reads),
-            );
-            e.single(
-                "basalt_osd_writes_total",
-                "counter",
-                "Client writes acknowledged.",
-                load(&counters.writes),
-            );
-            e.single(
-                "basalt_osd_read_bytes_total",
-                "counter",
-                "Bytes read by clients.",
-                load(&counters.read_bytes),
-            );
-            e.single(
-                "basalt_osd_write_bytes_total",
-                "counter",
-                "Bytes written by clients.",
-                load(&counters.write_bytes),
-            );
-            e.single(
-                "basalt_osd_write_seconds_total",
-                "counter",
-                "Time from the arrival of client writes to their answers, summed.",
-                load(&counters.write_nanos) / 1e9,
-            );
-            e.single(
-                "basalt_osd_read_seconds_total",
-                "counter",
-                "Time from the arrival of client reads to their answers, summed.",
-                load(&counters.read_nanos) / 1e9,
-            );
-            e.single(
-                "basalt_osd_checkpoints_total",
-                "counter",
-                "Checkpoints of the index and raft state written.",
-                load(&counters.checkpoints),
-            );
-            e.single(
-                "basalt_osd_relocated_bytes_total",
-                "counter",
-                "Live bytes the cleaner moved out of the log's tail.",
-                load(&counters.relocated_bytes),
-            );
-            e.single(
-                "basalt_osd_live_bytes",
-                "gauge",
-                "Bytes the object index maps.",
-                load(&counters.live_bytes),
-            );
-            e.single(
-                "basalt_osd_log_free_bytes",
-                "gauge",
-                "Bytes of the log ring not in use.",
-                log.free_bytes() as f64,
-            );
             let stats = log.stats();
-            e.single(
-                "basalt_osd_log_batches_total",
-                "counter",
-                "Durable device writes of the log.",
-                stats.batches as f64,
-            );
-            e.single(
-                "basalt_osd_log_entries_total",
-                "counter",
-                "Entries written to the log.",
-                stats.entries as f64,
-            );
-            e.single(
-                "basalt_osd_log_device_bytes_total",
-                "counter",
-                "Bytes written to the log device.",
-                stats.device_bytes as f64,
-            );
-            e.single(
-                "basalt_osd_log_data_bytes_total",
-                "counter",
-                "Entry data bytes written to the log.",
-                stats.data_bytes as f64,
-            );
-            e.single(
-                "basalt_osd_write_amplification",
-                "gauge",
-                "Log device bytes per entry data byte.",
-                stats.write_amplification(),
-            );
             let report = report.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            e.single(
-                "basalt_osd_pgs_leading",
-                "gauge",
-                "PGs this OSD leads.",
-                report.leading.len() as f64,
-            );
-            e.single(
-                "basalt_osd_used_bytes",
-                "gauge",
-                "Bytes of the device in use.",
-                report.used_bytes as f64,
-            );
-            e.single(
-                "basalt_osd_capacity_bytes",
-                "gauge",
-                "Bytes of the device's log region.",
-                report.capacity_bytes as f64,
-            );
-            e.single(
-                "basalt_osd_map_epoch",
-                "gauge",
-                "The map epoch this OSD runs.",
-                report.epoch.0 as f64,
-            );
+            let (counter, gauge) = ("counter", "gauge");
+            let families = [
+                (
+                    "reads_total",
+                    counter,
+                    "Client reads served.",
+                    load(&counters.reads),
+                ),
+                (
+                    "writes_total",
+                    counter,
+                    "Client writes acknowledged.",
+                    load(&counters.writes),
+                ),
+                (
+                    "read_bytes_total",
+                    counter,
+                    "Bytes read by clients.",
+                    load(&counters.read_bytes),
+                ),
+                (
+                    "write_bytes_total",
+                    counter,
+                    "Bytes written by clients.",
+                    load(&counters.write_bytes),
+                ),
+                (
+                    "write_seconds_total",
+                    counter,
+                    "Time from the arrival of client writes to their answers, summed.",
+                    load(&counters.write_nanos) / 1e9,
+                ),
+                (
+                    "read_seconds_total",
+                    counter,
+                    "Time from the arrival of client reads to their answers, summed.",
+                    load(&counters.read_nanos) / 1e9,
+                ),
+                (
+                    "checkpoints_total",
+                    counter,
+                    "Checkpoints of the index and raft state written.",
+                    load(&counters.checkpoints),
+                ),
+                (
+                    "relocated_bytes_total",
+                    counter,
+                    "Live bytes the cleaner moved out of the log's tail.",
+                    load(&counters.relocated_bytes),
+                ),
+                (
+                    "live_bytes",
+                    gauge,
+                    "Bytes the object index maps.",
+                    load(&counters.live_bytes),
+                ),
+                (
+                    "log_free_bytes",
+                    gauge,
+                    "Bytes of the log ring not in use.",
+                    log.free_bytes() as f64,
+                ),
+                (
+                    "log_batches_total",
+                    counter,
+                    "Durable device writes of the log.",
+                    stats.batches as f64,
+                ),
+                (
+                    "log_entries_total",
+                    counter,
+                    "Entries written to the log.",
+                    stats.entries as f64,
+                ),
+                (
+                    "log_device_bytes_total",
+                    counter,
+                    "Bytes written to the log device.",
+                    stats.device_bytes as f64,
+                ),
+                (
+                    "log_data_bytes_total",
+                    counter,
+                    "Entry data bytes written to the log.",
+                    stats.data_bytes as f64,
+                ),
+                (
+                    "write_amplification",
+                    gauge,
+                    "Log device bytes per entry data byte.",
+                    stats.write_amplification(),
+                ),
+                (
+                    "pgs_leading",
+                    gauge,
+                    "PGs this OSD leads.",
+                    report.leading.len() as f64,
+                ),
+                (
+                    "used_bytes",
+                    gauge,
+                    "Bytes of the device in use.",
+                    report.used_bytes as f64,
+                ),
+                (
+                    "capacity_bytes",
+                    gauge,
+                    "Bytes of the device's log region.",
+                    report.capacity_bytes as f64,
+                ),
+                (
+                    "map_epoch",
+                    gauge,
+                    "The map epoch this OSD runs.",
+                    report.epoch.0 as f64,
+                ),
+            ];
+            let mut e = Exposition::new();
+            for (name, kind, help, value) in families {
+                e.single(&format!("basalt_osd_{name}"), kind, help, value);
+            }
             e.finish()
         };
         let (bound, task) =

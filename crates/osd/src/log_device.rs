@@ -289,7 +289,7 @@ impl LogDevice {
             Some(c) => (c.replay_position, c.replay_lsn, c.tail_position),
             None => (0, superblock.first_lsn, 0),
         };
-        let replayed = read_log(path, ring, start, lsn, tail + ring.len_bytes)
+        let replayed = read_log(path, ring, start, lsn, tail + ring.len_bytes, false)
             .await
             .map_err(io_error(path))?;
         let writer = LogWriter::new(ring, replayed.next_position, replayed.next_lsn, tail);
@@ -453,20 +453,7 @@ impl LogDevice {
     ) -> impl std::future::Future<Output = std::io::Result<Replayed>> + use<> {
         let path = self.path.clone();
         let ring = self.ring;
-        async move {
-            let file = std::fs::File::open(&path)?;
-            tokio::task::spawn_blocking(move || {
-                use std::os::unix::fs::FileExt;
-                let read = |offset: u64, len: usize| -> std::io::Result<Vec<u8>> {
-                    let mut bytes = vec![0u8; len];
-                    file.read_exact_at(&mut bytes, offset)?;
-                    Ok(bytes)
-                };
-                basalt_store::log::replay(read, ring, position, lsn, limit)
-            })
-            .await
-            .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
-        }
+        async move { read_log(Path::new(&path), ring, position, lsn, limit, true).await }
     }
 
     /// What has been written so far.
@@ -496,13 +483,11 @@ async fn read_checkpoints(
 ) -> std::io::Result<Option<Checkpoint>> {
     let file = std::fs::File::open(path)?;
     tokio::task::spawn_blocking(move || {
-        use std::os::unix::fs::FileExt;
         let mut best: Option<Checkpoint> = None;
         for area in 0..2u64 {
             let offset =
                 superblock.checkpoint_start_bytes + area * superblock.checkpoint_size_bytes;
-            let mut header = vec![0u8; BLOCK_SIZE];
-            file.read_exact_at(&mut header, offset)?;
+            let header = pread(&file, offset, BLOCK_SIZE)?;
             let Ok(len) = Checkpoint::length_from_header(&header) else {
                 continue;
             };
@@ -510,8 +495,7 @@ async fn read_checkpoints(
                 tracing::warn!(area, len, "checkpoint longer than its area ignored");
                 continue;
             }
-            let mut bytes = vec![0u8; len];
-            file.read_exact_at(&mut bytes, offset)?;
+            let bytes = pread(&file, offset, len)?;
             match Checkpoint::decode(&bytes) {
                 Ok(checkpoint) => {
                     if best
@@ -530,28 +514,31 @@ async fn read_checkpoints(
     .map_err(|error| std::io::Error::other(format!("checkpoint task failed: {error}")))?
 }
 
-/// Replays the log, on the blocking pool (object write payloads are left on the device;
-/// their entries keep where they lie): replay reads a header, then a batch, at a time,
-/// through positioned reads of the file (buffered reads see what O_DIRECT wrote, since
-/// direct writes invalidate the page cache over their range).
+/// `len` bytes of `file` at `offset`, through a positioned read (buffered reads see what
+/// O_DIRECT wrote, since direct writes invalidate the page cache over their range).
+fn pread(file: &std::fs::File, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let mut bytes = vec![0u8; len];
+    file.read_exact_at(&mut bytes, offset)?;
+    Ok(bytes)
+}
+
+/// Replays the log from `start` up to `limit`, on the blocking pool, reading a header, then
+/// a batch, at a time. Unless `keep_payloads`, object write payloads are left on the device
+/// (their entries keep where they lie), so that replay holds metadata, not the log.
 async fn read_log(
     path: &Path,
     ring: Ring,
     start: u64,
     lsn: Lsn,
     limit: u64,
+    keep_payloads: bool,
 ) -> std::io::Result<Replayed> {
     let file = std::fs::File::open(path)?;
     tokio::task::spawn_blocking(move || {
-        use std::os::unix::fs::FileExt;
-        let read = |offset: u64, len: usize| -> std::io::Result<Vec<u8>> {
-            let mut bytes = vec![0u8; len];
-            file.read_exact_at(&mut bytes, offset)?;
-            Ok(bytes)
-        };
-        // Payloads stay on the device: replay keeps where they lie.
+        let read = |offset, len| pread(&file, offset, len);
         replay_trimmed(read, ring, start, lsn, limit, |entry| {
-            if entry.kind == kind::WRITE || entry.kind == RELOCATE {
+            if !keep_payloads && (entry.kind == kind::WRITE || entry.kind == RELOCATE) {
                 entry.data = Vec::new();
             }
         })
@@ -589,12 +576,11 @@ fn take_group(waiting: &mut VecDeque<Append>, relocations_only: bool) -> Vec<App
 /// Whether the batch `group` makes fits at the head with `keep` bytes left free (counting
 /// what it skips at the end of a lap).
 fn fits(group: &[Append], writer: &LogWriter, keep: u64) -> bool {
-    let size = BLOCK_SIZE as u64
+    let size = (BLOCK_SIZE
         + group
             .iter()
-            .flat_map(|append| &append.entries)
-            .map(|entry| entry.data.len().next_multiple_of(BLOCK_SIZE) as u64)
-            .sum::<u64>();
+            .map(|append| batch::batch_size(&append.entries) - BLOCK_SIZE)
+            .sum::<usize>()) as u64;
     let head = writer.next_position();
     writer.ring().place(head, size) + size - head + keep <= writer.free_bytes()
 }

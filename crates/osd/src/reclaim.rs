@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 
 use basalt_common::PgId;
 use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry};
-use basalt_store::batch::{DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
+use basalt_store::batch::{self, Entry};
 use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
 use basalt_store::log::ReplayedBatch;
 use basalt_store::object_op::{PayloadRef, PgObjects, kind};
@@ -172,9 +172,8 @@ pub fn plan_relocations(
     raft: &MultiRaft,
     objects: &HashMap<PgId, PgObjects>,
 ) -> (Vec<Vec<Entry>>, Vec<Move>) {
-    let mut appends: Vec<Vec<Entry>> = Vec::new();
+    let mut relocations = Vec::new();
     let mut moves = Vec::new();
-    let mut chunk_bytes = 0usize;
     for batch in batches {
         for (entry, data_offset) in batch.entries {
             if entry.kind != kind::WRITE && entry.kind != RELOCATE {
@@ -201,15 +200,7 @@ pub fn plan_relocations(
                 continue;
             }
             let (term, index) = raft_entry.map_or((0, 0), |(index, term)| (term, index));
-            let data_len = entry.data.len().next_multiple_of(4096);
-            if appends.last().is_none_or(|chunk| {
-                chunk.len() >= ENTRY_COUNT_MAX || chunk_bytes + data_len > DATA_SIZE_MAX
-            }) {
-                appends.push(Vec::new());
-                chunk_bytes = 0;
-            }
-            chunk_bytes += data_len;
-            appends.last_mut().expect("a chunk").push(Entry {
+            relocations.push(Entry {
                 kind: RELOCATE,
                 pg,
                 term,
@@ -224,7 +215,7 @@ pub fn plan_relocations(
             });
         }
     }
-    (appends, moves)
+    (batch::split(relocations), moves)
 }
 
 /// Applies a durable move: the index and the raft entry follow the payload to `to` where

@@ -159,6 +159,27 @@ pub fn batch_size(entries: &[Entry]) -> usize {
             .sum::<usize>()
 }
 
+/// Splits entries, in order, into runs that each fit one batch ([`ENTRY_COUNT_MAX`]
+/// entries and [`DATA_SIZE_MAX`] bytes of block-rounded data at most; an entry too large for
+/// any batch goes alone, for the log to refuse).
+pub fn split(entries: impl IntoIterator<Item = Entry>) -> Vec<Vec<Entry>> {
+    let mut runs: Vec<Vec<Entry>> = Vec::new();
+    let mut data_bytes = 0usize;
+    for entry in entries {
+        let len = entry.data.len().next_multiple_of(BLOCK_SIZE);
+        let full = runs
+            .last()
+            .is_none_or(|run| run.len() >= ENTRY_COUNT_MAX || data_bytes + len > DATA_SIZE_MAX);
+        if full {
+            runs.push(Vec::new());
+            data_bytes = 0;
+        }
+        data_bytes += len;
+        runs.last_mut().expect("a run").push(entry);
+    }
+    runs
+}
+
 /// Encodes entries as the batch at `lsn`. Callers keep to [`ENTRY_COUNT_MAX`] entries and
 /// [`DATA_SIZE_MAX`] bytes of data; more is a programmer error.
 pub fn encode(lsn: Lsn, entries: &[Entry]) -> Vec<u8> {
@@ -379,6 +400,29 @@ pub(crate) mod tests {
     }
 
     proptest! {
+        /// Runs keep the entries' order and each fits one batch.
+        #[test]
+        fn split_keeps_order_and_fills_batches(sizes in proptest::collection::vec(0usize..(1 << 20), 0..200)) {
+            let entries: Vec<Entry> = sizes.iter().enumerate().map(|(n, len)| Entry {
+                kind: 2,
+                pg: PgId { pool: PoolId(1), index: 0 },
+                term: 1,
+                index: n as u64,
+                meta: [0; META_SIZE],
+                data: vec![0; *len],
+            }).collect();
+            let runs = split(entries.clone());
+            for (run, next) in runs.iter().zip(runs.iter().skip(1)) {
+                prop_assert!(batch_size(run) - BLOCK_SIZE <= DATA_SIZE_MAX);
+                prop_assert!(run.len() <= ENTRY_COUNT_MAX);
+                // A run ends only when the next entry would not fit.
+                let mut longer = run.clone();
+                longer.push(next[0].clone());
+                prop_assert!(longer.len() > ENTRY_COUNT_MAX || batch_size(&longer) - BLOCK_SIZE > DATA_SIZE_MAX);
+            }
+            prop_assert_eq!(runs.into_iter().flatten().collect::<Vec<_>>(), entries);
+        }
+
         #[test]
         fn batches_round_trip(lsn in 1u64..u64::MAX, entries in proptest::collection::vec(arbitrary_entry(), 0..6)) {
             let bytes = encode(Lsn(lsn), &entries);
