@@ -312,7 +312,7 @@ fn three_monitors_survive_the_loss_of_their_leader() {
 fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-full");
-    let small = vec!["--device-size".to_string(), "40MiB".to_string()];
+    let small = vec!["--device-size".to_string(), "48MiB".to_string()];
     let cluster = ClusterProcesses::start_custom(
         &dir.path,
         vec![format!("127.0.0.1:{}", free_port())],
@@ -459,4 +459,72 @@ fn the_log_is_reused_over_many_laps_and_survives_crashes() {
         metric(&metrics, "basalt_osd_relocated_bytes_total") >= (8 << 20) as f64,
         "the cold 8 MiB were moved out of the tail"
     );
+}
+
+/// An OSD that was down while its PGs' leaders compacted their logs past it catches up by
+/// snapshot: it fetches the PGs' objects, installs them, and goes on from the log; after a
+/// crash it replays the installed snapshot.
+#[test]
+fn a_replica_far_behind_catches_up_by_snapshot() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-snapshot");
+    let device = vec!["--device-size".to_string(), "128MiB".to_string()];
+    let metrics_port = free_port();
+    let mut with_metrics = device.clone();
+    with_metrics.extend([
+        "--metrics-addr".to_string(),
+        format!("127.0.0.1:{metrics_port}"),
+    ]);
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![
+            (None, device.clone()),
+            (None, device.clone()),
+            (None, with_metrics),
+        ],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "24MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+
+    // osd.2 stops; the others take 160 MiB of writes (more than their logs hold), so their
+    // checkpoints compact the raft logs far past what osd.2 has.
+    cluster.kill_osd(2);
+    for round in 0..10 {
+        hot_round(&uri, round);
+    }
+    check_round(&uri, 9);
+
+    cluster.start_osd(2);
+    cluster.wait_osds_up(3);
+    cluster.wait_replicas_equal(Duration::from_secs(120));
+    let metrics = http_get(&format!("127.0.0.1:{metrics_port}"), "/metrics");
+    let installed = metric(&metrics, "basalt_osd_snapshots_installed_total");
+    let received = metric(&metrics, "basalt_osd_snapshot_received_bytes_total");
+    eprintln!("osd.2 installed {installed} snapshots, {received} bytes of object data");
+    assert!(installed > 0.0, "osd.2 caught up by snapshot");
+    assert!(
+        received >= (8 << 20) as f64,
+        "the cold data came in snapshots"
+    );
+
+    // osd.2 now holds a majority's copy: with osd.0 gone, reads and writes go through it.
+    cluster.kill_osd(0);
+    check_round(&uri, 9);
+    hot_round(&uri, 10);
+    check_round(&uri, 10);
+
+    // A crash after the install: replay finds the installed snapshot.
+    drop(target);
+    cluster.kill_osd(2);
+    cluster.start_osd(0);
+    cluster.start_osd(2);
+    cluster.wait_osds_up(3);
+    cluster.wait_replicas_equal(Duration::from_secs(120));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    check_round(&uri, 10);
 }

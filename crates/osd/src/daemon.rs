@@ -52,6 +52,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::log_device::{Appended, LogDevice, LogDeviceError};
 use crate::pg_log::{self, RestoredPgs};
 use crate::reclaim::{self, Durable, Move, Retention};
+use crate::snapshot::{self, Chunk, Cursor};
 use crate::superblock::Superblock;
 
 /// The log device's file in the data directory.
@@ -75,6 +76,9 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
 /// How long a map subscription waits per request.
 const MAP_WAIT: Duration = Duration::from_secs(20);
+/// How long a leader waits for a follower it sent a snapshot to, without it asking for any
+/// object data, before it counts the snapshot as failed (raft then sends another).
+const SNAPSHOT_SILENCE: Duration = Duration::from_secs(30);
 
 /// How an OSD runs.
 #[derive(Debug, Clone)]
@@ -184,6 +188,12 @@ struct Counters {
     relocated_bytes: AtomicU64,
     /// Bytes the object indexes map (refreshed on ticks).
     live_bytes: AtomicU64,
+    /// PG snapshots installed here.
+    snapshots_installed: AtomicU64,
+    /// Object data bytes received for snapshots.
+    snapshot_bytes_received: AtomicU64,
+    /// Object data bytes sent for snapshots.
+    snapshot_bytes_sent: AtomicU64,
 }
 
 /// What the core hears.
@@ -200,6 +210,7 @@ enum Event {
     Persisted {
         pg: PgId,
         number: u64,
+        snapshot: Option<(u64, u64)>,
         then_send: Vec<(OsdId, RaftMessage)>,
         payloads: Vec<(u64, u64, u64)>,
         hard_state: Option<basalt_replication::HardState>,
@@ -223,6 +234,36 @@ enum Event {
     },
     /// A newer map.
     Map(Arc<ClusterMap>),
+    /// A chunk of a snapshot being installed, from its leader (or why the transfer
+    /// stopped); `ack` tells the fetching task to go on once the chunk is durable.
+    SnapshotChunk {
+        pg: PgId,
+        transfer: u64,
+        chunk: Result<Chunk, String>,
+        ack: oneshot::Sender<bool>,
+    },
+    /// A snapshot chunk is durable: its runs lie at these device offsets.
+    SnapshotWritten {
+        pg: PgId,
+        transfer: u64,
+        runs: Vec<PayloadRef>,
+        last: bool,
+        ack: oneshot::Sender<bool>,
+    },
+}
+
+/// A snapshot this replica is installing (see [`crate::snapshot`]).
+struct Installing {
+    /// Raft's snapshot message, stepped once the objects are durable.
+    message: RaftMessage,
+    /// The leader it came from.
+    leader: OsdId,
+    /// The objects received, mapped where their data lies in the log.
+    aside: PgObjects,
+    /// The transfer's first entry (`SNAPSHOT_BEGIN`) is written.
+    begun: bool,
+    /// Tells this transfer's events from those of an earlier one given up.
+    transfer: u64,
 }
 
 /// An append's completion.
@@ -276,6 +317,8 @@ struct Reclaim {
 struct PendingPersist {
     pg: PgId,
     number: u64,
+    /// A snapshot (index, term) it installs.
+    snapshot: Option<(u64, u64)>,
     then_send: Vec<(OsdId, RaftMessage)>,
     hard_state: Option<basalt_replication::HardState>,
     last_index: Option<u64>,
@@ -354,6 +397,13 @@ struct Core {
     /// Reads waiting for raft to confirm leadership, by the id given to raft.
     confirming: HashMap<u64, (PgId, ReadRequest)>,
     next_read: u64,
+    /// Snapshots being installed here, by PG.
+    installing: HashMap<PgId, Installing>,
+    /// The last snapshot transfer started.
+    next_transfer: u64,
+    /// Snapshots sent to followers (PG, follower): when the follower was last heard asking
+    /// for data.
+    snapshots_sent: HashMap<(PgId, OsdId), std::time::Instant>,
 }
 
 impl Core {
@@ -418,16 +468,45 @@ impl Core {
     fn handle(&mut self, event: Event) -> Result<(), OsdError> {
         match event {
             Event::Request { message, reply } => self.request(message, reply),
-            Event::Raft { pg, message } => self.raft.step(pg, message),
+            Event::Raft { pg, message } => self.raft_message(pg, message),
+            Event::SnapshotChunk {
+                pg,
+                transfer,
+                chunk,
+                ack,
+            } => {
+                if self.transfer_under_way(pg, transfer) {
+                    self.snapshot_chunk(pg, chunk, ack);
+                } else {
+                    let _ = ack.send(false);
+                }
+            }
+            Event::SnapshotWritten {
+                pg,
+                transfer,
+                runs,
+                last,
+                ack,
+            } => {
+                if self.transfer_under_way(pg, transfer) {
+                    self.snapshot_written(pg, runs, last, ack);
+                } else {
+                    let _ = ack.send(false);
+                }
+            }
             Event::Persisted {
                 pg,
                 number,
+                snapshot,
                 then_send,
                 payloads,
                 hard_state,
                 last_index,
                 end,
             } => {
+                if let Some((index, _)) = snapshot {
+                    self.snapshot_installed(pg, index);
+                }
                 let durable = self.durable.entry(pg).or_default();
                 durable.in_flight.pop_front();
                 if let Some(last_index) = last_index {
@@ -460,6 +539,7 @@ impl Core {
                 self.counters
                     .relocated_bytes
                     .fetch_add(bytes, Ordering::Relaxed);
+                tracing::debug!(bytes, to = next.0, "relocated");
                 self.reclaim.cleaned_to = next;
                 self.reclaim.cleaning = false;
             }
@@ -467,6 +547,13 @@ impl Core {
                 self.reclaim.writing = false;
                 match result {
                     Ok(()) => {
+                        tracing::debug!(
+                            sequence = checkpoint.sequence,
+                            tail = checkpoint.tail.0,
+                            replay = checkpoint.replay_position,
+                            free = self.log.free_bytes(),
+                            "checkpoint written"
+                        );
                         if checkpoint.tail.0 > self.log.tail_position() {
                             self.reclaim.progress_at = std::time::Instant::now();
                         }
@@ -485,6 +572,285 @@ impl Core {
             Event::Map(map) => self.adopt_map(map),
         }
         Ok(())
+    }
+
+    /// A raft message from a peer. A snapshot that this replica needs is not stepped at
+    /// once: the PG's objects are fetched first (see [`crate::snapshot`]).
+    fn raft_message(&mut self, pg: PgId, message: RaftMessage) {
+        let Some((index, leader)) = MultiRaft::snapshot_of(&message) else {
+            self.raft.step(pg, message);
+            return;
+        };
+        if self.installing.contains_key(&pg) {
+            // The leader waits for the one under way.
+            return;
+        }
+        let behind = self
+            .raft
+            .committed(pg)
+            .is_some_and(|committed| committed < index);
+        if !behind || message.term < self.raft.term(pg).unwrap_or(0) {
+            // Raft answers a snapshot it does not need, or a stale one, by itself.
+            self.raft.step(pg, message);
+            return;
+        }
+        let address = self
+            .map
+            .osds
+            .get(&leader)
+            .and_then(|osd| osd.address.parse::<SocketAddr>().ok());
+        let Some(address) = address else {
+            tracing::warn!(%pg, %leader, "a snapshot from an osd with no known address; refused");
+            let refusal = self.raft.snapshot_refusal(leader);
+            self.send(leader, pg, refusal);
+            return;
+        };
+        tracing::info!(%pg, %leader, index, "installing a snapshot");
+        self.next_transfer += 1;
+        let transfer = self.next_transfer;
+        self.installing.insert(
+            pg,
+            Installing {
+                message,
+                leader,
+                aside: PgObjects::new(),
+                begun: false,
+                transfer,
+            },
+        );
+        let events = self.events.clone();
+        tokio::spawn(fetch_snapshot(address, pg, index, transfer, events));
+    }
+
+    /// Whether `transfer` is the snapshot transfer under way for `pg` (not one given up).
+    fn transfer_under_way(&self, pg: PgId, transfer: u64) -> bool {
+        self.installing
+            .get(&pg)
+            .is_some_and(|installing| installing.transfer == transfer)
+    }
+
+    /// A chunk of a snapshot arrived: it goes to the log, and into the index kept aside
+    /// once durable ([`Core::snapshot_written`]).
+    fn snapshot_chunk(
+        &mut self,
+        pg: PgId,
+        chunk: Result<Chunk, String>,
+        ack: oneshot::Sender<bool>,
+    ) {
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(reason) => {
+                self.abort_install(pg, &reason, true);
+                let _ = ack.send(false);
+                return;
+            }
+        };
+        let bytes = chunk.data_bytes();
+        // The transfer holds checkpoints back, so it needs room for all it writes; short of
+        // it, the leader sends the snapshot again later, and the cleaner frees what it can.
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        let keep = self.log.reserve_bytes() + self.headroom();
+        if free < keep + bytes {
+            self.reclaim.pressed = true;
+            self.abort_install(pg, "the log has no room for it now", true);
+            let _ = ack.send(false);
+            return;
+        }
+        let Some(installing) = self.installing.get_mut(&pg) else {
+            let _ = ack.send(false);
+            return;
+        };
+        self.counters
+            .snapshot_bytes_received
+            .fetch_add(bytes, Ordering::Relaxed);
+        let last = chunk.next.is_none();
+        let transfer = installing.transfer;
+        let first = !installing.begun;
+        installing.begun = true;
+        let entries = snapshot::chunk_entries(pg, chunk, first);
+        // Each append, and the position and meta of each run it carries.
+        type RunsAt = Vec<(usize, [u8; batch::META_SIZE])>;
+        let appends: Vec<(AppendFuture, RunsAt)> = batch::split(entries)
+            .into_iter()
+            .map(|entries| {
+                let runs = entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, entry)| entry.kind == snapshot::SNAPSHOT_WRITE)
+                    .map(|(at, entry)| (at, entry.meta))
+                    .collect();
+                (Box::pin(self.log.submit(entries)) as AppendFuture, runs)
+            })
+            .collect();
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let mut runs = Vec::new();
+            for (append, metas) in appends {
+                match append.await {
+                    Ok(appended) => runs.extend(metas.into_iter().map(|(at, meta)| {
+                        PayloadRef::from_meta(&meta, appended.data_offsets_bytes[at])
+                    })),
+                    Err(error) => {
+                        let _ = events.send(Event::Failed(format!("snapshot data: {error}")));
+                        return;
+                    }
+                }
+            }
+            let _ = events.send(Event::SnapshotWritten {
+                pg,
+                transfer,
+                runs,
+                last,
+                ack,
+            });
+        });
+    }
+
+    /// A snapshot chunk is durable: its runs are mapped aside. After the last one, raft
+    /// gets the snapshot message.
+    fn snapshot_written(
+        &mut self,
+        pg: PgId,
+        runs: Vec<PayloadRef>,
+        last: bool,
+        ack: oneshot::Sender<bool>,
+    ) {
+        let Some(installing) = self.installing.get_mut(&pg) else {
+            let _ = ack.send(false);
+            return;
+        };
+        for run in &runs {
+            installing.aside.apply_ref(run);
+        }
+        let _ = ack.send(true);
+        if !last {
+            return;
+        }
+        let message = std::mem::take(&mut installing.message);
+        self.raft.step(pg, message);
+        if !self.raft.has_pending_snapshot(pg) {
+            // A newer term or commit index made it stale meanwhile.
+            self.abort_install(pg, "raft no longer needs it", false);
+        }
+    }
+
+    /// The persist that installs a snapshot is durable: the objects kept aside become the
+    /// PG's, as of the snapshot's index.
+    fn snapshot_installed(&mut self, pg: PgId, index: u64) {
+        match self.installing.remove(&pg) {
+            Some(installing) => {
+                self.objects.insert(pg, installing.aside);
+            }
+            None => tracing::error!(%pg, index, "a snapshot installed without its objects"),
+        }
+        self.applied.insert(pg, index);
+        self.counters
+            .snapshots_installed
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%pg, index, "snapshot installed");
+    }
+
+    /// Gives up a snapshot being installed (its data in the log is never mapped), and tells
+    /// its leader if asked to, so that it sends another.
+    fn abort_install(&mut self, pg: PgId, reason: &str, tell_leader: bool) {
+        if let Some(installing) = self.installing.remove(&pg) {
+            tracing::warn!(%pg, leader = %installing.leader, reason, "snapshot not installed");
+            if tell_leader {
+                let refusal = self.raft.snapshot_refusal(installing.leader);
+                self.send(installing.leader, pg, refusal);
+            }
+        }
+    }
+
+    /// Answers a follower's request for snapshot data: the next runs of the PG's objects,
+    /// read from the device.
+    fn serve_snapshot(
+        &mut self,
+        pg: PgId,
+        index: u64,
+        from: Option<Cursor>,
+        max_bytes: u32,
+        reply_to: oneshot::Sender<Message>,
+    ) {
+        if !self.raft.hosts(pg) {
+            let _ = reply_to.send(invalid(format!("pg {pg} is not hosted here")));
+            return;
+        }
+        let applied = self.applied.get(&pg).copied().unwrap_or(0);
+        if applied < index {
+            let _ = reply_to.send(reply(Status::Busy {
+                message: format!("pg {pg} is applied up to {applied}, the snapshot is at {index}"),
+            }));
+            return;
+        }
+        let now = std::time::Instant::now();
+        for ((sent_pg, _), heard) in &mut self.snapshots_sent {
+            if *sent_pg == pg {
+                *heard = now;
+            }
+        }
+        let empty = PgObjects::new();
+        let objects = self.objects.get(&pg).unwrap_or(&empty);
+        let max_bytes = u64::from(max_bytes.min(snapshot::CHUNK_BYTES));
+        let (plan, next) = snapshot::plan_chunk(objects, from, max_bytes);
+        type RunRead = (u64, u64, Vec<Piece>);
+        let reads: Vec<(ObjectKey, Vec<RunRead>)> = plan
+            .into_iter()
+            .map(|(key, runs)| {
+                let runs = runs
+                    .into_iter()
+                    .map(|(offset, len)| (offset, len, objects.plan_read(key, offset, len)))
+                    .collect();
+                (key, runs)
+            })
+            .collect();
+        let engine = self.engine.clone();
+        let counters = self.counters.clone();
+        tokio::spawn(async move {
+            let mut chunk = Chunk {
+                objects: Vec::with_capacity(reads.len()),
+                next,
+            };
+            for (key, runs) in reads {
+                let mut data = Vec::with_capacity(runs.len());
+                for (offset, len, pieces) in runs {
+                    match read_pieces(&engine, offset, len, &pieces).await {
+                        Ok(bytes) => data.push((offset as u32, bytes)),
+                        Err(error) => {
+                            let _ = reply_to.send(reply(Status::Io {
+                                message: format!("reading the log device: {error}"),
+                            }));
+                            return;
+                        }
+                    }
+                }
+                chunk.objects.push((key, data));
+            }
+            counters
+                .snapshot_bytes_sent
+                .fetch_add(chunk.data_bytes(), Ordering::Relaxed);
+            let _ = reply_to.send(Message::Reply {
+                status: Status::Ok,
+                data: chunk.encode(),
+            });
+        });
+    }
+
+    /// Snapshots sent to followers that stopped asking for data count as failed, so that
+    /// raft sends another (a follower that restarted meanwhile forgot it).
+    fn watch_snapshots_sent(&mut self) {
+        let raft = &mut self.raft;
+        self.snapshots_sent.retain(|(pg, follower), heard| {
+            if !raft.sending_snapshot(*pg, *follower) {
+                return false;
+            }
+            if heard.elapsed() < SNAPSHOT_SILENCE {
+                return true;
+            }
+            tracing::warn!(%pg, %follower, "a follower stopped fetching its snapshot");
+            raft.snapshot_failed(*pg, *follower);
+            false
+        });
     }
 
     /// Queues a raft message for a peer; [`Core::flush`] sends each peer's queue as one frame.
@@ -566,6 +932,12 @@ impl Core {
         let Some(range) = message.object_range() else {
             match message {
                 Message::Control { body } => self.control(&body, reply_to),
+                Message::SnapshotRead {
+                    pg,
+                    index,
+                    from,
+                    max_bytes,
+                } => self.serve_snapshot(pg, index, from, max_bytes, reply_to),
                 other => {
                     let _ = reply_to.send(invalid(format!(
                         "message kind {} is not a client request",
@@ -646,7 +1018,10 @@ impl Core {
         }
         // Waiting makes sense while cleaning frees space; once it has freed nothing for a
         // while, what is left is live.
-        let progressing = self.reclaim.progress_at.elapsed() < BUSY_WITHOUT_PROGRESS;
+        // (Short of room while the cleaner is not even pressed, writes in flight hold the
+        // space: they complete soon.)
+        let progressing =
+            !self.reclaim.pressed || self.reclaim.progress_at.elapsed() < BUSY_WITHOUT_PROGRESS;
         if self.reclaimable_bytes() > 0 && progressing {
             Err(Status::Busy {
                 message: format!("{}: the log is being cleaned ({free} bytes free)", self.id),
@@ -685,10 +1060,19 @@ impl Core {
         crate::log_device::MAX_BATCH_BYTES
     }
 
+    /// Free space below which the cleaner runs.
+    fn clean_low_mark(&self) -> u64 {
+        self.log.reserve_bytes() + self.headroom() + self.log.ring().len_bytes / 16
+    }
+
     /// Starts a cleaner step when free space runs low and cleaning can free some.
     fn maybe_clean(&mut self) {
         let reclaim = &self.reclaim;
-        if reclaim.cleaning || std::time::Instant::now() < reclaim.clean_after {
+        // While a snapshot is installed, its data is mapped in no index the cleaner sees.
+        if reclaim.cleaning
+            || std::time::Instant::now() < reclaim.clean_after
+            || !self.installing.is_empty()
+        {
             return;
         }
         // Clean only when space runs low (live data moved costs writes), and then a little
@@ -699,7 +1083,7 @@ impl Core {
                 .cleaned_to
                 .0
                 .saturating_sub(self.log.tail_position());
-        let low = self.log.reserve_bytes() + self.headroom() + ring / 16;
+        let low = self.clean_low_mark();
         let high = low + ring / 16;
         if free >= high || (free >= low && !reclaim.pressed) || self.reclaimable_bytes() == 0 {
             self.reclaim.pressed = false;
@@ -726,6 +1110,7 @@ impl Core {
             return;
         }
         self.reclaim.cleaning = true;
+        tracing::debug!(from, limit, tail, free, "cleaner step");
         let read = self.log.read_batches(from, lsn, limit);
         let events = self.events.clone();
         tokio::spawn(async move {
@@ -755,6 +1140,12 @@ impl Core {
         }
         let (appends, moves) =
             reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects);
+        tracing::debug!(
+            to = next.0,
+            appends = appends.len(),
+            moves = moves.len(),
+            "cleaner read"
+        );
         if appends.is_empty() {
             self.reclaim.cleaned_to = next;
             self.reclaim.cleaning = false;
@@ -785,7 +1176,8 @@ impl Core {
     /// calls for one.
     fn maybe_checkpoint(&mut self) {
         let reclaim = &self.reclaim;
-        if reclaim.writing || !self.reuse_allowed() {
+        // Replay must see a snapshot's transfer whole: no checkpoint while one is under way.
+        if reclaim.writing || !self.reuse_allowed() || !self.installing.is_empty() {
             return;
         }
         let ring = self.log.ring().len_bytes;
@@ -795,8 +1187,9 @@ impl Core {
             .0
             .saturating_sub(self.log.tail_position());
         // What the cleaner moved takes free space until the next checkpoint frees what it
-        // went through: with little free space, a checkpoint follows every step.
-        let trigger = if self.log.free_bytes() < self.log.reserve_bytes() {
+        // went through: with little free space, a checkpoint follows every step (the
+        // cleaner counts what it went through as free; writes wait for it to be).
+        let trigger = if self.log.free_bytes() < self.clean_low_mark() {
             BLOCK_SIZE as u64
         } else {
             (ring / 16).min(self.log.reserve_bytes() / 2)
@@ -833,8 +1226,9 @@ impl Core {
         let retention = Retention {
             entries: RETAINED_ENTRIES,
             bytes: ring / 16 / pgs.len().max(1) as u64,
-            // What a leader keeps for a follower it knows to be behind.
-            behind_bytes: ring / 8,
+            // What a leader keeps for a follower it knows to be behind (one further behind
+            // gets a snapshot): an eighth of the ring across PGs.
+            behind_bytes: ring / 8 / pgs.len().max(1) as u64,
         };
         let mut states = Vec::with_capacity(pgs.len());
         for pg in pgs {
@@ -937,6 +1331,10 @@ impl Core {
             for (key, pieces) in plans {
                 digest = crc32c::crc32c_append(digest, &key.image.0.to_le_bytes());
                 digest = crc32c::crc32c_append(digest, &key.number.to_le_bytes());
+                // Where each mapped stretch starts, whatever pieces it is made of: replicas
+                // with the same bytes agree however their writes fell (a snapshot copies
+                // an object in long runs).
+                let mut mapped_to = None;
                 for piece in pieces {
                     let Piece::Mapped {
                         offset_bytes,
@@ -948,7 +1346,10 @@ impl Core {
                     };
                     match read_pieces(&engine, offset_bytes, len_bytes, &[piece]).await {
                         Ok(data) => {
-                            digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
+                            if mapped_to != Some(offset_bytes) {
+                                digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
+                            }
+                            mapped_to = Some(offset_bytes + len_bytes);
                             digest = crc32c::crc32c_append(digest, &data);
                         }
                         Err(error) => {
@@ -1069,6 +1470,7 @@ impl Core {
         hard_state: Option<basalt_replication::HardState>,
         number: u64,
         then_send: Vec<(OsdId, RaftMessage)>,
+        snapshot: Option<(u64, u64)>,
     ) {
         // A hard state that changes only the commit index is not written on its own: raft
         // needs term and vote durable, while a lost commit index is learnt again from the
@@ -1098,13 +1500,21 @@ impl Core {
             }
             None => None,
         };
-        let last_index = entries.last().map(|entry| entry.index);
-        self.durable
-            .entry(pg)
-            .or_default()
-            .in_flight
-            .push_back(entries.first().map(|entry| entry.index));
-        let log_entries = pg_log::to_log_entries(pg, &entries, hard_state.as_ref());
+        let last_index = entries
+            .last()
+            .map(|entry| entry.index)
+            .or(snapshot.map(|(index, _)| index));
+        self.durable.entry(pg).or_default().in_flight.push_back(
+            entries
+                .first()
+                .map(|entry| entry.index)
+                .or(snapshot.map(|(index, _)| index + 1)),
+        );
+        let mut log_entries = Vec::new();
+        if let Some((index, term)) = snapshot {
+            log_entries.push(snapshot::installed_entry(pg, index, term));
+        }
+        log_entries.extend(pg_log::to_log_entries(pg, &entries, hard_state.as_ref()));
         let appends = batch::split(log_entries)
             .into_iter()
             .map(|entries| {
@@ -1120,6 +1530,7 @@ impl Core {
         let _ = self.persists.send(PendingPersist {
             pg,
             number,
+            snapshot,
             then_send,
             hard_state,
             last_index,
@@ -1133,14 +1544,21 @@ impl Core {
         self.raft.collect(&mut actions);
         for action in actions.drain(..) {
             match action {
-                Action::Send { to, pg, message } => self.send(to, pg, message),
+                Action::Send { to, pg, message } => {
+                    if MultiRaft::snapshot_of(&message).is_some() {
+                        self.snapshots_sent
+                            .insert((pg, to), std::time::Instant::now());
+                    }
+                    self.send(to, pg, message);
+                }
                 Action::Persist {
                     pg,
                     entries,
                     hard_state,
                     number,
                     then_send,
-                } => self.persist(pg, entries, hard_state, number, then_send),
+                    snapshot,
+                } => self.persist(pg, entries, hard_state, number, then_send, snapshot),
                 Action::ReadIndex { pg, reads } => self.confirmed(pg, reads),
                 Action::Apply { pg, entries } => self.apply(pg, entries)?,
             }
@@ -1280,6 +1698,85 @@ async fn read_pieces(
         }
     }
     Ok(data)
+}
+
+/// Fetches the objects of a snapshot of `pg` at `index` from `leader`, chunk by chunk: each
+/// goes to the core, and the next is asked for once the core has it durable.
+async fn fetch_snapshot(
+    leader: SocketAddr,
+    pg: PgId,
+    index: u64,
+    transfer: u64,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let client = match tokio::time::timeout(SNAPSHOT_SILENCE, Client::connect(leader)).await {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err(format!("no connection to {leader}")),
+    };
+    let mut from = None;
+    loop {
+        let chunk = match &client {
+            Ok(client) => fetch_chunk(client, pg, index, from).await,
+            Err(error) => Err(error.clone()),
+        };
+        let next = chunk.as_ref().ok().map(|chunk| chunk.next);
+        let (ack, acked) = oneshot::channel();
+        if events
+            .send(Event::SnapshotChunk {
+                pg,
+                transfer,
+                chunk,
+                ack,
+            })
+            .is_err()
+        {
+            return;
+        }
+        match (acked.await, next) {
+            (Ok(true), Some(Some(cursor))) => from = Some(cursor),
+            _ => return,
+        }
+    }
+}
+
+/// One chunk of a snapshot; a leader that has not applied up to the snapshot yet answers
+/// `Busy`, and is asked again.
+async fn fetch_chunk(
+    client: &Client,
+    pg: PgId,
+    index: u64,
+    from: Option<Cursor>,
+) -> Result<Chunk, String> {
+    let request = Message::SnapshotRead {
+        pg,
+        index,
+        from,
+        max_bytes: snapshot::CHUNK_BYTES,
+    };
+    let deadline = std::time::Instant::now() + SNAPSHOT_SILENCE;
+    loop {
+        let answer = tokio::time::timeout(SNAPSHOT_SILENCE, client.call(&request))
+            .await
+            .map_err(|_| "the leader did not answer".to_string())?
+            .map_err(|error| error.to_string())?;
+        match answer {
+            Message::Reply {
+                status: Status::Ok,
+                data,
+            } => return Chunk::decode(&data).map_err(|error| error.to_string()),
+            Message::Reply {
+                status: Status::Busy { .. },
+                ..
+            } if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Message::Reply { status, .. } => {
+                return Err(format!("the leader refused: {status:?}"));
+            }
+            other => return Err(format!("an answer of kind {}", other.kind())),
+        }
+    }
 }
 
 /// A peer's sending task: connects on demand, drops messages it cannot deliver (raft
@@ -1551,6 +2048,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             let _ = completion_events.send(Event::Persisted {
                 pg: persist.pg,
                 number: persist.number,
+                snapshot: persist.snapshot,
                 then_send: persist.then_send,
                 payloads,
                 hard_state: persist.hard_state,
@@ -1664,6 +2162,24 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     gauge,
                     "Bytes the object index maps.",
                     load(&counters.live_bytes),
+                ),
+                (
+                    "snapshots_installed_total",
+                    counter,
+                    "PG snapshots installed here.",
+                    load(&counters.snapshots_installed),
+                ),
+                (
+                    "snapshot_received_bytes_total",
+                    counter,
+                    "Object data bytes received for PG snapshots.",
+                    load(&counters.snapshot_bytes_received),
+                ),
+                (
+                    "snapshot_sent_bytes_total",
+                    counter,
+                    "Object data bytes sent for PG snapshots.",
+                    load(&counters.snapshot_bytes_sent),
                 ),
                 (
                     "log_free_bytes",
@@ -1805,6 +2321,9 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         outbox: BTreeMap::new(),
         confirming: HashMap::new(),
         next_read: 0,
+        installing: HashMap::new(),
+        next_transfer: 0,
+        snapshots_sent: HashMap::new(),
     };
     core.adopt_map(Arc::new(map));
     core.refresh_live_bytes();
@@ -1830,6 +2349,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 }
                 _ = ticker.tick() => {
                     core.raft.tick();
+                    core.watch_snapshots_sent();
                     ticks += 1;
                     if ticks.is_multiple_of(5) {
                         core.refresh_live_bytes();

@@ -15,10 +15,11 @@
 //! - [`reclaim`]: what checkpoints hold, how far raft logs are compacted, and what the
 //!   cleaner moves out of the ring's tail, so that the log is reused.
 //!
-//! Planned (issue #3): snapshots for new or far-behind replicas, PG membership changes.
+//! Planned (issue #3): PG membership changes.
 
 pub mod daemon;
 pub mod log_device;
 pub mod pg_log;
 pub mod reclaim;
+pub mod snapshot;
 pub mod superblock;

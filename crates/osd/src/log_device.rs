@@ -538,7 +538,8 @@ async fn read_log(
     tokio::task::spawn_blocking(move || {
         let read = |offset, len| pread(&file, offset, len);
         replay_trimmed(read, ring, start, lsn, limit, |entry| {
-            if !keep_payloads && (entry.kind == kind::WRITE || entry.kind == RELOCATE) {
+            let payload = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
+            if !keep_payloads && payload.contains(&entry.kind) {
                 entry.data = Vec::new();
             }
         })

@@ -18,6 +18,7 @@ use basalt_store::log::ReplayedBatch;
 use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
 
 use crate::log_device::RELOCATE;
+use crate::snapshot::{SNAPSHOT_BEGIN, SNAPSHOT_INSTALLED, SNAPSHOT_WRITE};
 
 /// Kind of a log entry holding a PG's raft hard state.
 pub const HARD_STATE: u8 = 16;
@@ -120,6 +121,8 @@ pub fn restore(
     batches: &[ReplayedBatch],
 ) -> Result<RestoredPgs, PgLogError> {
     let mut restored = RestoredPgs::default();
+    // Snapshots being received: their objects, until one is installed.
+    let mut asides: BTreeMap<PgId, PgObjects> = BTreeMap::new();
     for pg in checkpoint.map(|c| &c.pgs[..]).unwrap_or_default() {
         let group = restored.groups.entry(pg.pg).or_default();
         group.compacted = (pg.compacted_index, pg.compacted_term);
@@ -165,6 +168,32 @@ pub fn restore(
                 // place (a segment is reused only after a later checkpoint), so the index
                 // may keep pointing there.
                 continue;
+            }
+            match entry.kind {
+                SNAPSHOT_BEGIN => {
+                    asides.insert(entry.pg, PgObjects::new());
+                    continue;
+                }
+                SNAPSHOT_WRITE => {
+                    let data = PayloadRef::from_meta(&entry.meta, *data_offset);
+                    asides.entry(entry.pg).or_default().apply_ref(&data);
+                    continue;
+                }
+                SNAPSHOT_INSTALLED => {
+                    let field = |at: usize| {
+                        u64::from_le_bytes(entry.meta[at..at + 8].try_into().expect("8 bytes"))
+                    };
+                    let (index, term) = (field(0), field(8));
+                    let group = restored.groups.entry(entry.pg).or_default();
+                    group.entries.clear();
+                    group.compacted = (index, term);
+                    group.applied = index;
+                    group.hard_state.commit = group.hard_state.commit.max(index);
+                    let objects = asides.remove(&entry.pg).unwrap_or_default();
+                    restored.objects.insert(entry.pg, objects);
+                    continue;
+                }
+                _ => {}
             }
             let group = restored.groups.entry(entry.pg).or_default();
             if entry.kind == HARD_STATE {
@@ -319,6 +348,67 @@ mod tests {
             let group = &restored.groups[&PG];
             prop_assert_eq!(&group.hard_state, &hard_state);
         }
+    }
+
+    #[test]
+    fn an_installed_snapshot_replaces_the_pg_and_an_unfinished_one_is_dropped() {
+        use crate::snapshot::{Chunk, chunk_entries, installed_entry};
+        let object = ObjectKey {
+            image: ImageId(1),
+            number: 4,
+        };
+        let old = ObjectOp::Write {
+            object,
+            offset_bytes: 0,
+            data: vec![1; 4096],
+        };
+        let raft_entry = RaftEntry {
+            index: 3,
+            term: 1,
+            data: old.encode().into(),
+            ..RaftEntry::default()
+        };
+        let before = to_log_entries(PG, &[raft_entry], None);
+        let chunk = Chunk {
+            objects: vec![(object, vec![(8192, vec![2; 4096])])],
+            next: None,
+        };
+        let mut received = chunk_entries(PG, chunk, true);
+        let batch = |entries: Vec<Entry>, first_offset: u64| ReplayedBatch {
+            lsn: Lsn(1),
+            position: 0,
+            offset_bytes: 0,
+            entries: entries
+                .into_iter()
+                .enumerate()
+                .map(|(n, mut e)| {
+                    e.data.clear();
+                    (e, first_offset + n as u64 * 4096)
+                })
+                .collect(),
+        };
+        // Not installed (a crash before the marker): the PG is as it was.
+        let unfinished = restore(
+            None,
+            &[batch(before.clone(), 0), batch(received.clone(), 1 << 20)],
+        )
+        .expect("restores");
+        assert_eq!(unfinished.groups[&PG].entries.len(), 1);
+        assert!(!unfinished.objects.contains_key(&PG));
+        // Installed at index 10: the raft log restarts there and the objects are the copy.
+        received.push(installed_entry(PG, 10, 2));
+        let installed =
+            restore(None, &[batch(before, 0), batch(received, 1 << 20)]).expect("restores");
+        let group = &installed.groups[&PG];
+        assert!(group.entries.is_empty());
+        assert_eq!((group.compacted, group.applied), ((10, 2), 10));
+        assert_eq!(group.hard_state.commit, 10);
+        let objects = &installed.objects[&PG];
+        // SNAPSHOT_BEGIN is the first entry: the run's payload is the second.
+        assert_eq!(
+            objects.extents(object),
+            vec![(8192, 4096, (1 << 20) + 4096)]
+        );
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub struct Retention {
     /// Payload bytes.
     pub bytes: u64,
     /// Payload bytes a leader keeps, however many entries, for a follower it knows to be
-    /// further behind (without snapshots, such a follower cannot catch up otherwise).
+    /// further behind (catching up from the log is cheaper than a snapshot).
     pub behind_bytes: u64,
 }
 
@@ -176,7 +176,9 @@ pub fn plan_relocations(
     let mut moves = Vec::new();
     for batch in batches {
         for (entry, data_offset) in batch.entries {
-            if entry.kind != kind::WRITE && entry.kind != RELOCATE {
+            // A snapshot's object data is mapped like a write's once installed (the cleaner
+            // does not run while one is being installed).
+            if ![kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE].contains(&entry.kind) {
                 // Anything else lives in memory and goes into checkpoints.
                 continue;
             }

@@ -11,8 +11,8 @@
 use std::collections::BTreeMap;
 
 use basalt_common::{OsdId, PgId};
-use raft::eraftpb::{ConfState, Entry, HardState, Message};
-use raft::{Config, RawNode, StateRole, Storage};
+use raft::eraftpb::{ConfState, Entry, HardState, Message, MessageType};
+use raft::{Config, ProgressState, RawNode, SnapshotStatus, StateRole, Storage};
 
 use crate::storage::{Hydrate, PgStorage};
 
@@ -47,6 +47,9 @@ pub enum Action {
         number: u64,
         /// Messages that may leave only once this is durable (acknowledgements, votes).
         then_send: Vec<(OsdId, Message)>,
+        /// A snapshot (index, term) that replaced the log up to its index: the caller has
+        /// the PG's objects as of it ready and makes the switch durable with this persist.
+        snapshot: Option<(u64, u64)>,
     },
     /// Reads asked for with [`MultiRaft::read_index`] may be served once the PG has applied
     /// up to `index`: leadership was confirmed by a quorum after they were asked.
@@ -133,6 +136,9 @@ pub enum ProposeError {
 
 struct Group {
     node: RawNode<PgStorage>,
+    /// A snapshot handed out to be persisted: (the ready's number, its index). Raft counts
+    /// it applied only once it is durable.
+    snapshot_persisting: Option<(u64, u64)>,
 }
 
 /// Encodes a raft message for the network.
@@ -258,7 +264,10 @@ impl MultiRaft {
             ..Config::default()
         };
         let node = RawNode::new(&config, storage, &self.logger)?;
-        let mut group = Group { node };
+        let mut group = Group {
+            node,
+            snapshot_persisting: None,
+        };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
         Ok(())
@@ -276,7 +285,8 @@ impl MultiRaft {
         self.groups.get(&pg).map(|group| group.node.store())
     }
 
-    /// If this replica leads `pg`: the lowest index every other voter is known to hold.
+    /// If this replica leads `pg`: the lowest index every other voter is known to hold, or
+    /// for one being sent a snapshot, the snapshot's index (the log after it must stay).
     pub fn followers_matched(&self, pg: PgId) -> Option<u64> {
         let group = self.groups.get(&pg)?;
         let raft = &group.node.raft;
@@ -286,8 +296,62 @@ impl MultiRaft {
         raft.prs()
             .iter()
             .filter(|(id, _)| **id != raft.id)
-            .map(|(_, progress)| progress.matched)
+            .map(|(_, progress)| match progress.state {
+                ProgressState::Snapshot => progress.matched.max(progress.pending_snapshot),
+                _ => progress.matched,
+            })
             .min()
+    }
+
+    /// Whether this replica leads `pg` and waits for `follower` to install a snapshot.
+    pub fn sending_snapshot(&self, pg: PgId, follower: OsdId) -> bool {
+        self.groups.get(&pg).is_some_and(|group| {
+            let raft = &group.node.raft;
+            raft.state == StateRole::Leader
+                && raft
+                    .prs()
+                    .get(raft_id(follower))
+                    .is_some_and(|progress| progress.state == ProgressState::Snapshot)
+        })
+    }
+
+    /// Tells the leader of `pg` here that `follower` did not install the snapshot it was
+    /// sent: raft goes back to probing it (and sends another when it needs one).
+    pub fn snapshot_failed(&mut self, pg: PgId, follower: OsdId) {
+        if let Some(group) = self.groups.get_mut(&pg) {
+            group
+                .node
+                .report_snapshot(raft_id(follower), SnapshotStatus::Failure);
+        }
+    }
+
+    /// Whether a raft message carries a snapshot, and if so its index and the OSD it is from.
+    pub fn snapshot_of(message: &Message) -> Option<(u64, OsdId)> {
+        (message.get_msg_type() == MessageType::MsgSnapshot && message.from != 0).then(|| {
+            (
+                message.get_snapshot().get_metadata().index,
+                osd_of(message.from),
+            )
+        })
+    }
+
+    /// The message a follower sends to tell the leader (`to`) that it could not install a
+    /// snapshot of a PG ([`MultiRaft::step`] on the leader's side handles it).
+    pub fn snapshot_refusal(&self, to: OsdId) -> Message {
+        let mut message = Message::default();
+        message.set_msg_type(MessageType::MsgSnapStatus);
+        message.from = raft_id(self.osd);
+        message.to = raft_id(to);
+        message.reject = true;
+        message
+    }
+
+    /// Whether raft holds a snapshot of `pg` that it has not handed out yet (it accepted
+    /// one just stepped).
+    pub fn has_pending_snapshot(&self, pg: PgId) -> bool {
+        self.groups
+            .get(&pg)
+            .is_some_and(|group| group.node.raft.snap().is_some_and(|s| !s.is_empty()))
     }
 
     /// The leader this replica knows of.
@@ -369,6 +433,16 @@ impl MultiRaft {
     /// moved, or the map is newer than ours); raft errors on a message mean it was stale.
     pub fn step(&mut self, pg: PgId, message: Message) {
         if let Some(group) = self.groups.get_mut(&pg) {
+            if message.get_msg_type() == MessageType::MsgSnapStatus {
+                // A follower's word on a snapshot (raft-rs takes it as a local report).
+                let status = if message.reject {
+                    SnapshotStatus::Failure
+                } else {
+                    SnapshotStatus::Finish
+                };
+                group.node.report_snapshot(message.from, status);
+                return;
+            }
             if let Err(error) = group.node.step(message) {
                 tracing::debug!(%pg, %error, "raft message dropped");
             }
@@ -431,7 +505,19 @@ impl MultiRaft {
                 .into_iter()
                 .map(|message| (osd_of(message.to), message))
                 .collect();
-            if !entries.is_empty() || hard_state.is_some() || !then_send.is_empty() {
+            let snapshot = (!ready.snapshot().is_empty()).then(|| ready.snapshot().get_metadata());
+            if let Some(metadata) = snapshot {
+                group.node.mut_store().apply_snapshot(metadata);
+            }
+            let snapshot = snapshot.map(|metadata| (metadata.index, metadata.term));
+            if let Some((index, _)) = snapshot {
+                group.snapshot_persisting = Some((ready.number(), index));
+            }
+            if !entries.is_empty()
+                || hard_state.is_some()
+                || !then_send.is_empty()
+                || snapshot.is_some()
+            {
                 let store = group.node.mut_store();
                 store
                     .append(&entries)
@@ -445,11 +531,15 @@ impl MultiRaft {
                     hard_state,
                     number: ready.number(),
                     then_send,
+                    snapshot,
                 });
             }
             group.node.advance_append_async(ready);
-            // Applying is the caller's next step and cannot fail; raft may count it done.
-            group.node.advance_apply();
+            // Applying is the caller's next step and cannot fail; raft may count it done,
+            // except a snapshot, which is applied when it is durable.
+            if group.snapshot_persisting.is_none() {
+                group.node.advance_apply();
+            }
         }
     }
 
@@ -457,6 +547,12 @@ impl MultiRaft {
     pub fn on_persisted(&mut self, pg: PgId, number: u64) {
         if let Some(group) = self.groups.get_mut(&pg) {
             group.node.on_persist_ready(number);
+            if let Some((persisting, index)) = group.snapshot_persisting
+                && persisting <= number
+            {
+                group.snapshot_persisting = None;
+                group.node.advance_apply_to(index);
+            }
         }
     }
 }

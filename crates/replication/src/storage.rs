@@ -7,12 +7,14 @@
 //! to be applied stay references (applying needs only where the payload is).
 //!
 //! The log is compacted behind the applied index ([`PgStorage::compact`]) once a checkpoint
-//! holds the state it led to. A follower that needs compacted entries would need a snapshot
-//! of the PG; those are not built yet, so such a follower waits (raft asks again).
+//! holds the state it led to. A follower that needs compacted entries gets a snapshot: its
+//! metadata (the compaction point) travels in raft's message, and the follower pulls the
+//! PG's objects outside raft before it hands the message to raft
+//! ([`PgStorage::apply_snapshot`] then resets its log there).
 
 use std::sync::Arc;
 
-use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 
 /// Turns an entry's data back into what was proposed, if the data is a reference; `None`
@@ -92,6 +94,15 @@ impl PgStorage {
         let term = self.term(index).unwrap_or(0);
         self.entries.drain(..(index - self.compacted.0) as usize);
         self.compacted = (index, term);
+    }
+
+    /// Resets the log to a snapshot: everything up to its index is the state the snapshot
+    /// brought, and the log goes on after it.
+    pub fn apply_snapshot(&mut self, metadata: &SnapshotMetadata) {
+        self.entries.clear();
+        self.compacted = (metadata.index, metadata.term);
+        self.conf_state = metadata.get_conf_state().clone();
+        self.hard_state.commit = self.hard_state.commit.max(metadata.index);
     }
 
     /// The last compacted entry's index and term ((0, 0): none).
@@ -206,11 +217,22 @@ impl Storage for PgStorage {
         Ok(self.last())
     }
 
-    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // PG snapshots are not built yet: a follower behind the compaction point waits.
-        Err(raft::Error::Store(
-            StorageError::SnapshotTemporarilyUnavailable,
-        ))
+    /// A snapshot at the compaction point, metadata only: the follower fetches the PG's
+    /// objects itself (their state is at or after that point; applying the entries after
+    /// it makes the copy exact, since object operations set their ranges whatever was
+    /// there).
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        if self.compacted.0 == 0 || self.compacted.0 < request_index {
+            return Err(raft::Error::Store(
+                StorageError::SnapshotTemporarilyUnavailable,
+            ));
+        }
+        let mut snapshot = Snapshot::default();
+        let metadata = snapshot.mut_metadata();
+        metadata.index = self.compacted.0;
+        metadata.term = self.compacted.1;
+        metadata.set_conf_state(self.conf_state.clone());
+        Ok(snapshot)
     }
 }
 
@@ -274,6 +296,33 @@ mod tests {
         assert_eq!(compacted.last_index().expect("last"), 3);
         compacted.replace_data(3, 2, |_| Some(b"ref:y".to_vec()));
         assert_eq!(&compacted.retained()[1].data[..], b"ref:y");
+        let snapshot = compacted
+            .snapshot(0, 2)
+            .expect("a snapshot at the compaction point");
+        assert_eq!(
+            (snapshot.get_metadata().index, snapshot.get_metadata().term),
+            (1, 1)
+        );
+        assert!(
+            storage.snapshot(0, 2).is_err(),
+            "nothing compacted: no snapshot"
+        );
+        let metadata = SnapshotMetadata {
+            index: 7,
+            term: 3,
+            ..SnapshotMetadata::default()
+        };
+        compacted.apply_snapshot(&metadata);
+        assert_eq!(compacted.first_index().expect("first"), 8);
+        assert_eq!(compacted.last_index().expect("last"), 7);
+        assert_eq!(compacted.term(7).expect("term of the snapshot"), 3);
+        assert_eq!(
+            compacted.initial_state().expect("state").hard_state.commit,
+            7
+        );
+        compacted
+            .append(&[entry(8, 3, b"z")])
+            .expect("append after the snapshot");
         let limited = storage
             .entries(1, 3, 1, GetEntriesContext::empty(false))
             .expect("entries");

@@ -342,6 +342,8 @@ impl Cluster {
                         hard_state,
                         number,
                         then_send,
+                        // The simulation never compacts: no snapshots.
+                        ..
                     } => {
                         // The log device completes persists in order.
                         let last = self.osds[index]

@@ -25,6 +25,8 @@ pub mod kind {
     pub const CONTROL: u16 = 6;
     /// Raft messages of many PGs for one peer, sent together.
     pub const RAFT_BATCH: u16 = 7;
+    /// A follower installing a snapshot asks for the next objects of a PG.
+    pub const SNAPSHOT_READ: u16 = 8;
 }
 
 /// The most bytes one write or read carries (a client splits larger requests): a frame,
@@ -134,6 +136,19 @@ pub enum Message {
     Control {
         /// The encoded request or reply.
         body: Vec<u8>,
+    },
+    /// A replica installing a snapshot of `pg` at raft index `index` asks for the PG's
+    /// object data from an object and offset on (from the start if `None`), at most
+    /// `max_bytes` of it. The answer is a `Reply` whose data the OSD crate encodes.
+    SnapshotRead {
+        /// The PG.
+        pg: PgId,
+        /// The snapshot's raft index: the objects must be at least that recent.
+        index: u64,
+        /// Where to go on: an object, and an offset in it.
+        from: Option<(ObjectKey, u32)>,
+        /// The most bytes of object data to send.
+        max_bytes: u32,
     },
 }
 
@@ -304,6 +319,7 @@ impl Message {
             Message::Raft { .. } => kind::RAFT,
             Message::Control { .. } => kind::CONTROL,
             Message::RaftBatch { .. } => kind::RAFT_BATCH,
+            Message::SnapshotRead { .. } => kind::SNAPSHOT_READ,
         }
     }
 
@@ -366,6 +382,20 @@ impl Message {
                 for (pg, message) in messages {
                     put_pg(&mut body, *pg);
                     put_bytes(&mut body, message);
+                }
+            }
+            Message::SnapshotRead {
+                pg,
+                index,
+                from,
+                max_bytes,
+            } => {
+                put_pg(&mut body, *pg);
+                body.extend_from_slice(&index.to_le_bytes());
+                body.extend_from_slice(&max_bytes.to_le_bytes());
+                if let Some((object, offset)) = from {
+                    put_object(&mut body, *object);
+                    body.extend_from_slice(&offset.to_le_bytes());
                 }
             }
         }
@@ -460,6 +490,20 @@ impl Message {
                 }
                 Some(Message::RaftBatch { messages })
             })(),
+            kind::SNAPSHOT_READ => (|| {
+                let (pg, index, max_bytes) = (r.pg()?, r.u64()?, r.u32()?);
+                let from = if r.finished() {
+                    None
+                } else {
+                    Some((r.object()?, r.u32()?))
+                };
+                Some(Message::SnapshotRead {
+                    pg,
+                    index,
+                    from,
+                    max_bytes,
+                })
+            })(),
             kind::CONTROL => {
                 let body = r.bytes.to_vec();
                 r.bytes = &[];
@@ -529,20 +573,39 @@ mod tests {
                     offset_bytes,
                     len_bytes
                 }),
-            (pg.clone(), any::<u64>(), object, any::<u32>(), any::<u32>()).prop_map(
-                |(pg, e, object, offset_bytes, len_bytes)| Message::Discard {
-                    pg,
-                    epoch: Epoch(e),
-                    object,
-                    offset_bytes,
-                    len_bytes
-                }
-            ),
+            (
+                pg.clone(),
+                any::<u64>(),
+                object.clone(),
+                any::<u32>(),
+                any::<u32>()
+            )
+                .prop_map(|(pg, e, object, offset_bytes, len_bytes)| {
+                    Message::Discard {
+                        pg,
+                        epoch: Epoch(e),
+                        object,
+                        offset_bytes,
+                        len_bytes,
+                    }
+                }),
             (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
             (pg.clone(), data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
             data.clone().prop_map(|body| Message::Control { body }),
-            proptest::collection::vec((pg, data), 0..4)
+            proptest::collection::vec((pg.clone(), data), 0..4)
                 .prop_map(|messages| Message::RaftBatch { messages }),
+            (
+                pg,
+                any::<u64>(),
+                proptest::option::of((object, any::<u32>())),
+                any::<u32>()
+            )
+                .prop_map(|(pg, index, from, max_bytes)| Message::SnapshotRead {
+                    pg,
+                    index,
+                    from,
+                    max_bytes
+                }),
         ]
     }
 
@@ -556,7 +619,7 @@ mod tests {
         }
 
         #[test]
-        fn any_body_never_panics(kind in 0u16..8, body in proptest::collection::vec(any::<u8>(), 0..100)) {
+        fn any_body_never_panics(kind in 0u16..10, body in proptest::collection::vec(any::<u8>(), 0..100)) {
             let _ = Message::decode(&Frame { kind, request_id: 0, body: &body });
         }
     }
