@@ -499,13 +499,17 @@ fn a_replica_far_behind_catches_up_by_snapshot() {
     }
     check_round(&uri, 9);
 
+    let restarted = Instant::now();
     cluster.start_osd(2);
     cluster.wait_osds_up(3);
     cluster.wait_replicas_equal(Duration::from_secs(120));
+    let caught_up = restarted.elapsed();
     let metrics = http_get(&format!("127.0.0.1:{metrics_port}"), "/metrics");
     let installed = metric(&metrics, "basalt_osd_snapshots_installed_total");
     let received = metric(&metrics, "basalt_osd_snapshot_received_bytes_total");
-    eprintln!("osd.2 installed {installed} snapshots, {received} bytes of object data");
+    eprintln!(
+        "osd.2 installed {installed} snapshots ({received} bytes of object data); replicas equal {caught_up:?} after its restart"
+    );
     assert!(installed > 0.0, "osd.2 caught up by snapshot");
     assert!(
         received >= (8 << 20) as f64,

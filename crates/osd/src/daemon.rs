@@ -21,6 +21,9 @@
 //!
 //! The core also reuses the log ([`crate::reclaim`]): it cuts checkpoints, compacts raft
 //! logs behind them, and cleans the ring's tail.
+//!
+//! A replica that needs entries its leader compacted installs a snapshot of the PG
+//! ([`crate::snapshot`]): it fetches the objects from the leader before raft takes it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;

@@ -15,6 +15,9 @@
 //! - [`reclaim`]: what checkpoints hold, how far raft logs are compacted, and what the
 //!   cleaner moves out of the ring's tail, so that the log is reused.
 //!
+//! - [`snapshot`]: PG snapshots for replicas further behind than their leader's log: the
+//!   chunks that carry a PG's objects, and their log entries.
+//!
 //! Planned (issue #3): PG membership changes.
 
 pub mod daemon;
