@@ -265,6 +265,8 @@ struct Installing {
     aside: PgObjects,
     /// The transfer's first entry (`SNAPSHOT_BEGIN`) is written.
     begun: bool,
+    /// Raft has the message: the install is on its way to the log and cannot be given up.
+    stepped: bool,
     /// Tells this transfer's events from those of an earlier one given up.
     transfer: u64,
 }
@@ -584,9 +586,13 @@ impl Core {
             self.raft.step(pg, message);
             return;
         };
-        if self.installing.contains_key(&pg) {
-            // The leader waits for the one under way.
-            return;
+        if let Some(installing) = self.installing.get(&pg) {
+            if installing.stepped || message.term <= installing.message.term {
+                // The leader waits for the one under way.
+                return;
+            }
+            // A newer leader's snapshot replaces an older one's.
+            self.abort_install(pg, "a newer leader sent another", false);
         }
         let behind = self
             .raft
@@ -618,6 +624,7 @@ impl Core {
                 leader,
                 aside: PgObjects::new(),
                 begun: false,
+                stepped: false,
                 transfer,
             },
         );
@@ -648,32 +655,37 @@ impl Core {
                 return;
             }
         };
+        let Some(installing) = self.installing.get_mut(&pg) else {
+            let _ = ack.send(false);
+            return;
+        };
         let bytes = chunk.data_bytes();
-        // The transfer holds checkpoints back, so it needs room for all it writes; short of
-        // it, the leader sends the snapshot again later, and the cleaner frees what it can.
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
-        let keep = self.log.reserve_bytes() + self.headroom();
-        if free < keep + bytes {
+        let last = chunk.next.is_none();
+        let transfer = installing.transfer;
+        let first = !installing.begun;
+        let batches = batch::split(snapshot::chunk_entries(pg, chunk, first));
+        let log_bytes: u64 = batches
+            .iter()
+            .map(|entries| batch::batch_size(entries) as u64)
+            .sum();
+        // The transfer holds checkpoints back, so it needs room for all it writes, and the
+        // reserve must stay free for raft's persists meanwhile; short of it, the leader
+        // sends the snapshot again later, and the cleaner frees what it can.
+        if !self.room_for_install(log_bytes) {
             self.reclaim.pressed = true;
             self.abort_install(pg, "the log has no room for it now", true);
             let _ = ack.send(false);
             return;
         }
-        let Some(installing) = self.installing.get_mut(&pg) else {
-            let _ = ack.send(false);
-            return;
-        };
+        if let Some(installing) = self.installing.get_mut(&pg) {
+            installing.begun = true;
+        }
         self.counters
             .snapshot_bytes_received
             .fetch_add(bytes, Ordering::Relaxed);
-        let last = chunk.next.is_none();
-        let transfer = installing.transfer;
-        let first = !installing.begun;
-        installing.begun = true;
-        let entries = snapshot::chunk_entries(pg, chunk, first);
         // Each append, and the position and meta of each run it carries.
         type RunsAt = Vec<(usize, [u8; batch::META_SIZE])>;
-        let appends: Vec<(AppendFuture, RunsAt)> = batch::split(entries)
+        let appends: Vec<(AppendFuture, RunsAt)> = batches
             .into_iter()
             .map(|entries| {
                 let runs = entries
@@ -729,11 +741,44 @@ impl Core {
         if !last {
             return;
         }
+        if !self.room_for_install(0) {
+            self.abort_install(pg, "the log has no room to install it now", true);
+            return;
+        }
+        let Some(installing) = self.installing.get_mut(&pg) else {
+            return;
+        };
         let message = std::mem::take(&mut installing.message);
+        installing.stepped = true;
         self.raft.step(pg, message);
         if !self.raft.has_pending_snapshot(pg) {
-            // A newer term or commit index made it stale meanwhile.
-            self.abort_install(pg, "raft no longer needs it", false);
+            // A newer term or commit index made it stale meanwhile; a newer leader may be
+            // waiting for this replica to take its own snapshot.
+            self.abort_install(pg, "raft no longer needs it", true);
+        }
+    }
+
+    /// Whether a snapshot being installed may write `log_bytes` more: checkpoints wait for
+    /// it, so the reserve (and the headroom) must stay free for everything else.
+    fn room_for_install(&self, log_bytes: u64) -> bool {
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        free >= self.log.reserve_bytes() + self.headroom() + log_bytes
+    }
+
+    /// Gives up the snapshots being installed that have not reached raft yet, when the log
+    /// runs short of room: they hold checkpoints back, and only checkpoints free space.
+    fn abort_installs_short_of_room(&mut self) {
+        if self.installing.is_empty() || self.log.free_bytes() >= self.log.reserve_bytes() {
+            return;
+        }
+        let waiting: Vec<PgId> = self
+            .installing
+            .iter()
+            .filter(|(_, installing)| !installing.stepped)
+            .map(|(pg, _)| *pg)
+            .collect();
+        for pg in waiting {
+            self.abort_install(pg, "the log ran short of room", true);
         }
     }
 
@@ -759,8 +804,14 @@ impl Core {
         if let Some(installing) = self.installing.remove(&pg) {
             tracing::warn!(%pg, leader = %installing.leader, reason, "snapshot not installed");
             if tell_leader {
-                let refusal = self.raft.snapshot_refusal(installing.leader);
-                self.send(installing.leader, pg, refusal);
+                // The leader raft knows now, if any, else the one that sent it.
+                let leader = self
+                    .raft
+                    .leader(pg)
+                    .filter(|leader| *leader != self.id)
+                    .unwrap_or(installing.leader);
+                let refusal = self.raft.snapshot_refusal(leader);
+                self.send(leader, pg, refusal);
             }
         }
     }
@@ -1238,7 +1289,9 @@ impl Core {
             let applied = self.applied.get(&pg).copied().unwrap_or(0);
             let matched = self.raft.followers_matched(pg);
             if let Some(storage) = self.raft.storage(pg) {
-                let point = reclaim::compaction_point(storage, applied, matched, retention);
+                // The log after a snapshot being sent stays, whatever the retention says.
+                let point = reclaim::compaction_point(storage, applied, matched, retention)
+                    .min(self.raft.snapshot_pin(pg).unwrap_or(u64::MAX));
                 self.raft.compact(pg, point);
             }
             let Some(storage) = self.raft.storage(pg) else {
@@ -2361,6 +2414,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 }
             }
             core.drive()?;
+            core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
         }

@@ -37,6 +37,11 @@ pub const CHUNK_BYTES: u32 = 2 << 20;
 /// log entry and a chunk.
 pub const RUN_BYTES_MAX: u64 = 1 << 20;
 
+/// Bytes a run adds to a chunk besides its data (offset, length).
+const RUN_HEADER_BYTES: u64 = 8;
+/// Bytes an object adds to a chunk besides its runs (key, run count).
+const OBJECT_HEADER_BYTES: u64 = 20;
+
 /// Where a transfer goes on: an object, and an offset in it.
 pub type Cursor = (ObjectKey, u32);
 
@@ -234,11 +239,15 @@ pub fn plan_chunk(
             }
             let offset = offset.max(skip_below);
             let len = end - offset;
-            if bytes > 0 && bytes + len > max_bytes {
+            // What the run costs in the chunk's encoding: its bytes, its offset and length,
+            // and its object's header if it starts one.
+            let new_object = plan.last().is_none_or(|(last, _)| last != key);
+            let cost = len + RUN_HEADER_BYTES + if new_object { OBJECT_HEADER_BYTES } else { 0 };
+            if bytes > 0 && bytes + cost > max_bytes {
                 let at = u32::try_from(offset).expect("offsets in an object fit a u32");
                 return (plan, Some((*key, at)));
             }
-            bytes += len;
+            bytes += cost;
             match plan.last_mut() {
                 Some((last, object_runs)) if last == key => object_runs.push((offset, len)),
                 _ => plan.push((*key, vec![(offset, len)])),

@@ -303,6 +303,21 @@ impl MultiRaft {
             .min()
     }
 
+    /// If this replica leads `pg` and waits for followers to install snapshots: the lowest
+    /// snapshot index, before which the log may not be compacted.
+    pub fn snapshot_pin(&self, pg: PgId) -> Option<u64> {
+        let group = self.groups.get(&pg)?;
+        let raft = &group.node.raft;
+        if raft.state != StateRole::Leader {
+            return None;
+        }
+        raft.prs()
+            .iter()
+            .filter(|(_, progress)| progress.state == ProgressState::Snapshot)
+            .map(|(_, progress)| progress.pending_snapshot)
+            .min()
+    }
+
     /// Whether this replica leads `pg` and waits for `follower` to install a snapshot.
     pub fn sending_snapshot(&self, pg: PgId, follower: OsdId) -> bool {
         self.groups.get(&pg).is_some_and(|group| {
