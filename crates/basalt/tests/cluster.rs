@@ -312,15 +312,7 @@ fn three_monitors_survive_the_loss_of_their_leader() {
 fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-full");
-    let small = vec!["--device-size".to_string(), "48MiB".to_string()];
-    let cluster = ClusterProcesses::start_custom(
-        &dir.path,
-        vec![format!("127.0.0.1:{}", free_port())],
-        vec![(None, small.clone()), (None, small.clone()), (None, small)],
-    );
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "64MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
+    let cluster = small_osd_cluster(&dir.path, "48MiB", None, "64MiB");
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0xab 0 8M"]);
 
@@ -351,6 +343,31 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
                 .contains("osds full, writes refused")
         },
     );
+}
+
+/// A monitor and three OSDs on devices of `device_size` (the last serving metrics on
+/// `metrics_port`, if given), a pool `rbd` of 8 PGs and an image `rbd/vol` of `image_size`,
+/// every PG active+clean.
+fn small_osd_cluster(
+    dir: &std::path::Path,
+    device_size: &str,
+    metrics_port: Option<u16>,
+    image_size: &str,
+) -> ClusterProcesses {
+    let device = vec!["--device-size".to_string(), device_size.to_string()];
+    let mut last = device.clone();
+    if let Some(port) = metrics_port {
+        last.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
+    }
+    let cluster = ClusterProcesses::start_custom(
+        dir,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![(None, device.clone()), (None, device), (None, last)],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", image_size]);
+    cluster.wait_clean(Duration::from_secs(60));
+    cluster
 }
 
 /// Writes round `round` over the hot part of the image: each MiB gets its own pattern, so a
@@ -392,20 +409,9 @@ fn metric(metrics: &str, name: &str) -> f64 {
 fn the_log_is_reused_over_many_laps_and_survives_crashes() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-reuse");
+    let mut cluster = small_osd_cluster(&dir.path, "96MiB", None, "24MiB");
     let small = vec!["--device-size".to_string(), "96MiB".to_string()];
-    let mut cluster = ClusterProcesses::start_custom(
-        &dir.path,
-        vec![format!("127.0.0.1:{}", free_port())],
-        vec![
-            (None, small.clone()),
-            (None, small.clone()),
-            (None, small.clone()),
-        ],
-    );
     let metrics_port = free_port();
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "24MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     // Cold data, written once, then 16 MiB of hot data rewritten round after round: each
     // OSD holds every byte, so its log takes 16 MiB per round.
@@ -468,25 +474,8 @@ fn the_log_is_reused_over_many_laps_and_survives_crashes() {
 fn a_replica_far_behind_catches_up_by_snapshot() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-snapshot");
-    let device = vec!["--device-size".to_string(), "128MiB".to_string()];
     let metrics_port = free_port();
-    let mut with_metrics = device.clone();
-    with_metrics.extend([
-        "--metrics-addr".to_string(),
-        format!("127.0.0.1:{metrics_port}"),
-    ]);
-    let mut cluster = ClusterProcesses::start_custom(
-        &dir.path,
-        vec![format!("127.0.0.1:{}", free_port())],
-        vec![
-            (None, device.clone()),
-            (None, device.clone()),
-            (None, with_metrics),
-        ],
-    );
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "24MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
+    let mut cluster = small_osd_cluster(&dir.path, "128MiB", Some(metrics_port), "24MiB");
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
     cluster.wait_replicas_equal(Duration::from_secs(60));

@@ -180,10 +180,7 @@ pub fn restore(
                     continue;
                 }
                 SNAPSHOT_INSTALLED => {
-                    let field = |at: usize| {
-                        u64::from_le_bytes(entry.meta[at..at + 8].try_into().expect("8 bytes"))
-                    };
-                    let (index, term) = (field(0), field(8));
+                    let (index, term) = (meta_u64(&entry.meta, 0), meta_u64(&entry.meta, 8));
                     let group = restored.groups.entry(entry.pg).or_default();
                     group.entries.clear();
                     group.compacted = (index, term);
@@ -197,13 +194,10 @@ pub fn restore(
             }
             let group = restored.groups.entry(entry.pg).or_default();
             if entry.kind == HARD_STATE {
-                let field = |at: usize| {
-                    u64::from_le_bytes(entry.meta[at..at + 8].try_into().expect("8 bytes"))
-                };
                 let hard_state = HardState {
-                    term: field(0),
-                    vote: field(8),
-                    commit: field(16),
+                    term: meta_u64(&entry.meta, 0),
+                    vote: meta_u64(&entry.meta, 8),
+                    commit: meta_u64(&entry.meta, 16),
                     ..HardState::default()
                 };
                 group.add(&[], Some(&hard_state));
@@ -226,6 +220,11 @@ pub fn restore(
         }
     }
     Ok(restored)
+}
+
+/// The u64 at byte `at` of an entry's meta.
+fn meta_u64(meta: &[u8; META_SIZE], at: usize) -> u64 {
+    u64::from_le_bytes(meta[at..at + 8].try_into().expect("8 bytes"))
 }
 
 /// The raft entry a log entry holds.

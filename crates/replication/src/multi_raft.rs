@@ -280,6 +280,12 @@ impl MultiRaft {
         }
     }
 
+    /// The raft state of `pg`, if this replica leads it.
+    fn led(&self, pg: PgId) -> Option<&raft::Raft<PgStorage>> {
+        let raft = &self.groups.get(&pg)?.node.raft;
+        (raft.state == StateRole::Leader).then_some(raft)
+    }
+
     /// `pg`'s log and state as kept in memory.
     pub fn storage(&self, pg: PgId) -> Option<&PgStorage> {
         self.groups.get(&pg).map(|group| group.node.store())
@@ -288,11 +294,7 @@ impl MultiRaft {
     /// If this replica leads `pg`: the lowest index every other voter is known to hold, or
     /// for one being sent a snapshot, the snapshot's index (the log after it must stay).
     pub fn followers_matched(&self, pg: PgId) -> Option<u64> {
-        let group = self.groups.get(&pg)?;
-        let raft = &group.node.raft;
-        if raft.state != StateRole::Leader {
-            return None;
-        }
+        let raft = self.led(pg)?;
         raft.prs()
             .iter()
             .filter(|(id, _)| **id != raft.id)
@@ -306,12 +308,8 @@ impl MultiRaft {
     /// If this replica leads `pg` and waits for followers to install snapshots: the lowest
     /// snapshot index, before which the log may not be compacted.
     pub fn snapshot_pin(&self, pg: PgId) -> Option<u64> {
-        let group = self.groups.get(&pg)?;
-        let raft = &group.node.raft;
-        if raft.state != StateRole::Leader {
-            return None;
-        }
-        raft.prs()
+        self.led(pg)?
+            .prs()
             .iter()
             .filter(|(_, progress)| progress.state == ProgressState::Snapshot)
             .map(|(_, progress)| progress.pending_snapshot)
@@ -320,13 +318,10 @@ impl MultiRaft {
 
     /// Whether this replica leads `pg` and waits for `follower` to install a snapshot.
     pub fn sending_snapshot(&self, pg: PgId, follower: OsdId) -> bool {
-        self.groups.get(&pg).is_some_and(|group| {
-            let raft = &group.node.raft;
-            raft.state == StateRole::Leader
-                && raft
-                    .prs()
-                    .get(raft_id(follower))
-                    .is_some_and(|progress| progress.state == ProgressState::Snapshot)
+        self.led(pg).is_some_and(|raft| {
+            raft.prs()
+                .get(raft_id(follower))
+                .is_some_and(|progress| progress.state == ProgressState::Snapshot)
         })
     }
 
@@ -402,11 +397,7 @@ impl MultiRaft {
     /// committed an entry of its own term (until then it may not know every entry an earlier
     /// leader acknowledged).
     pub fn read_barrier(&self, pg: PgId) -> Option<u64> {
-        let group = self.groups.get(&pg)?;
-        let raft = &group.node.raft;
-        if raft.state != StateRole::Leader {
-            return None;
-        }
+        let raft = self.led(pg)?;
         let committed = raft.raft_log.committed;
         (raft.raft_log.term(committed).ok()? == raft.term).then_some(committed)
     }
