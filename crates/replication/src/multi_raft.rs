@@ -8,10 +8,13 @@
 //! an entry's payload can be swapped for a reference to the device
 //! ([`MultiRaft::replace_entry_data`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use basalt_common::{OsdId, PgId};
-use raft::eraftpb::{ConfState, Entry, HardState, Message, MessageType};
+use raft::eraftpb::{
+    ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
+    HardState, Message, MessageType,
+};
 use raft::{Config, ProgressState, RawNode, SnapshotStatus, StateRole, Storage};
 
 use crate::storage::{Hydrate, PgStorage};
@@ -80,6 +83,10 @@ pub struct Restored {
     pub compacted: (u64, u64),
     /// The index the PG's state was applied up to, from a checkpoint (0: nothing).
     pub applied: u64,
+    /// The configuration as of the compaction point, then after each change applied up to
+    /// `applied`, by the change's index (see [`PgStorage::confs`]); empty: the PG's initial
+    /// members at index 0.
+    pub confs: Vec<(u64, ConfState)>,
 }
 
 impl Restored {
@@ -155,6 +162,66 @@ pub fn decode_message(bytes: &[u8]) -> Option<Message> {
     Message::parse_from_bytes(bytes).ok()
 }
 
+/// Encodes a configuration for the OSD's log and checkpoints.
+pub fn encode_conf(conf: &ConfState) -> Vec<u8> {
+    use protobuf::Message as _;
+    conf.write_to_bytes().expect("configurations always encode")
+}
+
+/// Decodes a configuration; `None` if the bytes are not one.
+pub fn decode_conf(bytes: &[u8]) -> Option<ConfState> {
+    use protobuf::Message as _;
+    ConfState::parse_from_bytes(bytes).ok()
+}
+
+/// The configuration change a committed entry holds, if it holds one.
+fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
+    use protobuf::Message as _;
+    match entry.get_entry_type() {
+        EntryType::EntryConfChangeV2 => ConfChangeV2::parse_from_bytes(&entry.data).ok(),
+        EntryType::EntryConfChange => {
+            // Not proposed by Basalt; read as the single change it is.
+            let change = ConfChange::parse_from_bytes(&entry.data).ok()?;
+            let mut single = ConfChangeSingle {
+                node_id: change.node_id,
+                ..ConfChangeSingle::default()
+            };
+            single.set_change_type(change.get_change_type());
+            let mut v2 = ConfChangeV2::default();
+            v2.set_changes(vec![single].into());
+            Some(v2)
+        }
+        EntryType::EntryNormal => None,
+    }
+}
+
+/// Log entries a new member may still be behind by when it is made a voter.
+pub const CAUGHT_UP_SLACK: u64 = 32;
+
+/// What [`MultiRaft::reconfigure`] did to move a PG's members towards its target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reconfiguring {
+    /// Proposed leaving a joint configuration that was not left automatically.
+    LeavingJoint,
+    /// Proposed adding new members as learners (and dropping learners not wanted).
+    AddingLearners(Vec<OsdId>),
+    /// New members are learners that are not caught up yet.
+    CatchingUp(Vec<OsdId>),
+    /// This leader is not a target member: leadership goes to one that is.
+    TransferringLeadership(OsdId),
+    /// Proposed the change that makes the target members the voters.
+    Promoting {
+        /// Learners made voters.
+        added: Vec<OsdId>,
+        /// Voters removed.
+        removed: Vec<OsdId>,
+    },
+}
+
+fn osd_list(ids: impl IntoIterator<Item = u64>) -> Vec<OsdId> {
+    ids.into_iter().map(osd_of).collect()
+}
+
 /// Every PG replica of one OSD.
 pub struct MultiRaft {
     osd: OsdId,
@@ -228,18 +295,24 @@ impl MultiRaft {
 
     /// Hosts a replica of `pg` with these members, from its durable state after a restart
     /// (or empty for a new replica).
+    ///
+    /// `initial` are the members the PG was created with: every replica starts from that
+    /// configuration at index 0 (unless it has one restored), so that the configuration
+    /// changes in its log (or a snapshot) lead it to the current one. A replica that is not
+    /// among them waits, not a voter, for the leader to add it.
     pub fn create_group(
         &mut self,
         pg: PgId,
-        members: &[OsdId],
+        initial: &[OsdId],
         restored: Restored,
     ) -> Result<(), raft::Error> {
-        let voters: Vec<u64> = members.iter().map(|osd| raft_id(*osd)).collect();
-        let mut storage = PgStorage::restored(
-            ConfState::from((voters, vec![])),
-            self.hydrate.clone(),
-            restored.compacted,
-        );
+        let confs = if restored.confs.is_empty() {
+            let voters: Vec<u64> = initial.iter().map(|osd| raft_id(*osd)).collect();
+            vec![(0, ConfState::from((voters, vec![])))]
+        } else {
+            restored.confs
+        };
+        let mut storage = PgStorage::restored(confs, self.hydrate.clone(), restored.compacted);
         storage.append(&restored.entries)?;
         let mut hard_state = restored.hard_state;
         let last = storage.last_index()?;
@@ -498,6 +571,32 @@ impl MultiRaft {
                 actions.push(Action::ReadIndex { pg, reads });
             }
             let committed = ready.take_committed_entries();
+            for entry in &committed {
+                // Raft takes a configuration change when it is applied, before the apply is
+                // reported (a joint configuration may then be left automatically).
+                let Some(change) = conf_change_of(entry) else {
+                    continue;
+                };
+                match group.node.apply_conf_change(&change) {
+                    Ok(conf) => {
+                        // A leader that is no voter any more steps down (raft-rs 0.7 would
+                        // go on leading, and panic on its next persist): the voters elect
+                        // another.
+                        let raft = &mut group.node.raft;
+                        if raft.state == StateRole::Leader
+                            && !conf.voters.contains(&raft.id)
+                            && !conf.voters_outgoing.contains(&raft.id)
+                        {
+                            let term = raft.term;
+                            raft.become_follower(term, raft::INVALID_ID);
+                        }
+                        group.node.mut_store().record_conf(entry.index, conf)
+                    }
+                    Err(error) => {
+                        tracing::error!(%pg, index = entry.index, %error, "configuration change not applied")
+                    }
+                }
+            }
             if !committed.is_empty() {
                 actions.push(Action::Apply {
                     pg,
@@ -547,6 +646,144 @@ impl MultiRaft {
                 group.node.advance_apply();
             }
         }
+    }
+
+    /// This replica's configuration of `pg`, as of the last change applied.
+    pub fn conf(&self, pg: PgId) -> Option<&ConfState> {
+        self.groups
+            .get(&pg)
+            .map(|group| group.node.store().conf_state())
+    }
+
+    /// If this replica leads `pg`: whether `osd` is in its configuration (a voter, in a
+    /// joint configuration's either half, or a learner).
+    pub fn leader_conf_includes(&self, pg: PgId, osd: OsdId) -> Option<bool> {
+        let raft = self.led(pg)?;
+        let id = raft_id(osd);
+        let conf = raft.prs().conf().to_conf_state();
+        Some(
+            conf.voters.contains(&id)
+                || conf.voters_outgoing.contains(&id)
+                || conf.learners.contains(&id)
+                || conf.learners_next.contains(&id),
+        )
+    }
+
+    /// Stops hosting `pg` (this replica was removed from it).
+    pub fn remove_group(&mut self, pg: PgId) {
+        self.groups.remove(&pg);
+    }
+
+    /// If this replica leads `pg`, takes the next step that moves its voters to `target`
+    /// (one step per call, none while a change is in flight): new members join as learners;
+    /// once they are caught up one change makes the target members the voters and removes
+    /// the others (a joint configuration left automatically when more than one voter
+    /// changes). A leader that is not a target member hands leadership to one first.
+    pub fn reconfigure(&mut self, pg: PgId, target: &[OsdId]) -> Option<Reconfiguring> {
+        let group = self.groups.get_mut(&pg)?;
+        let raft = &group.node.raft;
+        if raft.state != StateRole::Leader || target.is_empty() || raft.has_pending_conf() {
+            return None;
+        }
+        // A new leader has not applied its predecessor's entries yet: wait for it.
+        if raft.raft_log.applied < raft.raft_log.committed {
+            return None;
+        }
+        let conf = raft.prs().conf().to_conf_state();
+        let propose = |node: &mut RawNode<PgStorage>, changes: Vec<ConfChangeSingle>| {
+            let mut change = ConfChangeV2::default();
+            change.set_changes(changes.into());
+            node.propose_conf_change(Vec::new(), change)
+        };
+        if !conf.voters_outgoing.is_empty() {
+            // raft leaves a joint configuration on its own, unless the leader changed
+            // before it did.
+            return propose(&mut group.node, Vec::new())
+                .ok()
+                .map(|()| Reconfiguring::LeavingJoint);
+        }
+        let target: BTreeSet<u64> = target.iter().map(|osd| raft_id(*osd)).collect();
+        let voters: BTreeSet<u64> = conf.voters.iter().copied().collect();
+        let learners: BTreeSet<u64> = conf.learners.iter().copied().collect();
+        let done = voters == target && learners.is_empty();
+        let change = |id: u64, kind: ConfChangeType| {
+            let mut single = ConfChangeSingle {
+                node_id: id,
+                ..ConfChangeSingle::default()
+            };
+            single.set_change_type(kind);
+            single
+        };
+        if !done {
+            let missing: Vec<u64> = target
+                .difference(&voters)
+                .filter(|id| !learners.contains(id))
+                .copied()
+                .collect();
+            let stray: Vec<u64> = learners.difference(&target).copied().collect();
+            if !missing.is_empty() || !stray.is_empty() {
+                let changes = missing
+                    .iter()
+                    .map(|id| change(*id, ConfChangeType::AddLearnerNode))
+                    .chain(
+                        stray
+                            .iter()
+                            .map(|id| change(*id, ConfChangeType::RemoveNode)),
+                    )
+                    .collect();
+                return propose(&mut group.node, changes)
+                    .ok()
+                    .map(|()| Reconfiguring::AddingLearners(osd_list(missing)));
+            }
+        }
+        let last = raft.raft_log.last_index();
+        let matched = |id: u64| raft.prs().get(id).map_or(0, |progress| progress.matched);
+        let caught_up = |id: u64| matched(id) + CAUGHT_UP_SLACK >= last;
+        let promote: Vec<u64> = learners.intersection(&target).copied().collect();
+        let behind: Vec<u64> = promote
+            .iter()
+            .copied()
+            .filter(|id| !caught_up(*id))
+            .collect();
+        if !behind.is_empty() {
+            return Some(Reconfiguring::CatchingUp(osd_list(behind)));
+        }
+        if !target.contains(&raft.id) {
+            let heir = voters
+                .intersection(&target)
+                .copied()
+                .filter(|id| caught_up(*id))
+                .max_by_key(|id| matched(*id));
+            if let Some(heir) = heir {
+                group.node.transfer_leader(heir);
+                return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
+            }
+        }
+        if done {
+            return None;
+        }
+        // A leader never removes itself (raft-rs cannot lead without being a voter): when
+        // no target member votes yet, it stays until one does and takes over.
+        let removed: Vec<u64> = voters
+            .difference(&target)
+            .copied()
+            .filter(|id| *id != raft.id)
+            .collect();
+        let changes = promote
+            .iter()
+            .map(|id| change(*id, ConfChangeType::AddNode))
+            .chain(
+                removed
+                    .iter()
+                    .map(|id| change(*id, ConfChangeType::RemoveNode)),
+            )
+            .collect();
+        propose(&mut group.node, changes)
+            .ok()
+            .map(|()| Reconfiguring::Promoting {
+                added: osd_list(promote),
+                removed: osd_list(removed),
+            })
     }
 
     /// Reports a [`Action::Persist`] durable.

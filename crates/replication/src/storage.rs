@@ -11,6 +11,9 @@
 //! metadata (the compaction point) travels in raft's message, and the follower pulls the
 //! PG's objects outside raft before it hands the message to raft
 //! ([`PgStorage::apply_snapshot`] then resets its log there).
+//!
+//! Configurations are kept as of the compaction point (a snapshot carries that one) and as
+//! of each configuration change applied after it (raft restarts from the last one).
 
 use std::sync::Arc;
 
@@ -22,10 +25,12 @@ use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 pub type Hydrate = Arc<dyn Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync>;
 
 /// One PG replica's raft log.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct PgStorage {
     hard_state: HardState,
-    conf_state: ConfState,
+    /// The configuration as of the compaction point (index at or before it), then after
+    /// each configuration change applied since (by the change's index). Never empty.
+    confs: Vec<(u64, ConfState)>,
     /// Index of the last compacted entry (0: none), and its term.
     compacted: (u64, u64),
     /// Entries from index `compacted.0 + 1`.
@@ -33,24 +38,42 @@ pub struct PgStorage {
     hydrate: Option<Hydrate>,
 }
 
+impl Default for PgStorage {
+    fn default() -> Self {
+        Self {
+            hard_state: HardState::default(),
+            confs: vec![(0, ConfState::default())],
+            compacted: (0, 0),
+            entries: Vec::new(),
+            hydrate: None,
+        }
+    }
+}
+
 impl PgStorage {
     /// An empty log with these voters.
     pub fn new(conf_state: ConfState, hydrate: Option<Hydrate>) -> Self {
         Self {
-            conf_state,
+            confs: vec![(0, conf_state)],
             hydrate,
             ..Self::default()
         }
     }
 
-    /// A log restored from a checkpoint: compacted up to `compacted` (index, term).
+    /// A log restored from a checkpoint: compacted up to `compacted` (index, term), with
+    /// the configurations kept as of it and of the changes applied after it (in index
+    /// order; an empty list counts as no voters).
     pub fn restored(
-        conf_state: ConfState,
+        confs: Vec<(u64, ConfState)>,
         hydrate: Option<Hydrate>,
         compacted: (u64, u64),
     ) -> Self {
         Self {
-            conf_state,
+            confs: if confs.is_empty() {
+                vec![(0, ConfState::default())]
+            } else {
+                confs
+            },
             hydrate,
             compacted,
             ..Self::default()
@@ -94,6 +117,17 @@ impl PgStorage {
         let term = self.term(index).unwrap_or(0);
         self.entries.drain(..(index - self.compacted.0) as usize);
         self.compacted = (index, term);
+        // The configuration as of the new compaction point is the last one at or before it.
+        let at_or_before = self.confs.partition_point(|(at, _)| *at <= index);
+        self.confs.drain(..at_or_before.saturating_sub(1));
+    }
+
+    /// Records the configuration that a change at `index` led to, once applied.
+    pub fn record_conf(&mut self, index: u64, conf_state: ConfState) {
+        // Never the first: it is as of the compaction point, which is applied already.
+        let keep = self.confs.partition_point(|(at, _)| *at < index).max(1);
+        self.confs.truncate(keep);
+        self.confs.push((index, conf_state));
     }
 
     /// Resets the log to a snapshot: everything up to its index is the state the snapshot
@@ -101,7 +135,7 @@ impl PgStorage {
     pub fn apply_snapshot(&mut self, metadata: &SnapshotMetadata) {
         self.entries.clear();
         self.compacted = (metadata.index, metadata.term);
-        self.conf_state = metadata.get_conf_state().clone();
+        self.confs = vec![(metadata.index, metadata.get_conf_state().clone())];
         self.hard_state.commit = self.hard_state.commit.max(metadata.index);
     }
 
@@ -115,9 +149,15 @@ impl PgStorage {
         &self.entries
     }
 
-    /// The configuration.
+    /// The configuration as of the last change applied.
     pub fn conf_state(&self) -> &ConfState {
-        &self.conf_state
+        &self.confs.last().expect("never empty").1
+    }
+
+    /// The configurations kept: as of the compaction point, then after each change
+    /// applied since, with the changes' indexes.
+    pub fn confs(&self) -> &[(u64, ConfState)] {
+        &self.confs
     }
 
     /// Records the hard state.
@@ -156,7 +196,7 @@ impl Storage for PgStorage {
     fn initial_state(&self) -> raft::Result<RaftState> {
         Ok(RaftState::new(
             self.hard_state.clone(),
-            self.conf_state.clone(),
+            self.conf_state().clone(),
         ))
     }
 
@@ -231,7 +271,9 @@ impl Storage for PgStorage {
         let metadata = snapshot.mut_metadata();
         metadata.index = self.compacted.0;
         metadata.term = self.compacted.1;
-        metadata.set_conf_state(self.conf_state.clone());
+        // The configuration as of the snapshot's index: changes after it come with the
+        // entries the follower gets next.
+        metadata.set_conf_state(self.confs[0].1.clone());
         Ok(snapshot)
     }
 }
@@ -332,5 +374,43 @@ mod tests {
                 .entries(1, 4, None, GetEntriesContext::empty(false))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn snapshots_carry_the_configuration_of_their_index_and_raft_restarts_from_the_last() {
+        let conf = |voters: &[u64]| ConfState::from((voters.to_vec(), vec![]));
+        let mut storage = PgStorage::new(conf(&[1, 2, 3]), None);
+        let entries: Vec<Entry> = (1..=6).map(|i| entry(i, 1, b"e")).collect();
+        storage.append(&entries).expect("append");
+        storage.record_conf(2, conf(&[1, 2, 3, 4]));
+        storage.record_conf(4, conf(&[1, 2, 4]));
+        assert_eq!(storage.conf_state(), &conf(&[1, 2, 4]));
+        assert_eq!(
+            storage.initial_state().expect("state").conf_state,
+            conf(&[1, 2, 4])
+        );
+        storage.compact(3);
+        let snapshot = storage.snapshot(3, 4).expect("snapshot");
+        assert_eq!(
+            snapshot.get_metadata().get_conf_state(),
+            &conf(&[1, 2, 3, 4]),
+            "the configuration as of index 3, not the one applied later"
+        );
+        let kept: Vec<u64> = storage.confs().iter().map(|(at, _)| *at).collect();
+        assert_eq!(kept, [2, 4]);
+        // A change applied again after a restart replaces what followed it.
+        storage.record_conf(4, conf(&[1, 2, 5]));
+        assert_eq!(storage.confs().len(), 2);
+        storage.compact(5);
+        assert_eq!(
+            storage
+                .snapshot(5, 4)
+                .expect("snapshot")
+                .get_metadata()
+                .get_conf_state(),
+            &conf(&[1, 2, 5])
+        );
+        let restored = PgStorage::restored(storage.confs().to_vec(), None, (5, 1));
+        assert_eq!(restored.conf_state(), &conf(&[1, 2, 5]));
     }
 }

@@ -11,10 +11,13 @@
 //!   records, as the real OSD replays its log.
 //! - **Clients**: write proposals go to the OSD that believes it leads the PG; a write is
 //!   acknowledged when that OSD applies it.
+//! - **Membership**: every OSD hosts every PG, which starts on the first few; now and then a
+//!   PG's target members change (as the monitors' map would when OSDs go out or come in)
+//!   and its leader moves the voters there ([`MultiRaft::reconfigure`]).
 //!
-//! At the end every fault is healed and the run continues until each PG's replicas agree.
-//! Then: every acknowledged write is in its PG's applied log, and all replicas of a PG
-//! applied exactly the same entries. A failure names its seed; `cargo run -p basalt-sim --
+//! At the end every fault is healed and the run continues until each PG's voters are its
+//! target members and agree. Then: every acknowledged write is in its PG's applied log, the
+//! voters applied exactly the same entries, and any other replica a prefix of them. A failure names its seed; `cargo run -p basalt-sim --
 //! --seed N` replays it.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -32,6 +35,10 @@ pub struct SimConfig {
     pub seed: u64,
     /// OSDs (every PG has a replica on each).
     pub osds: u32,
+    /// Members of each PG: the first OSDs at the start.
+    pub members: u32,
+    /// Chance per step of a new target membership for a random PG.
+    pub reconfigure: f64,
     /// PGs.
     pub pgs: u32,
     /// Steps with faults and client writes, before healing.
@@ -57,7 +64,9 @@ impl SimConfig {
     pub fn new(seed: u64) -> Self {
         Self {
             seed,
-            osds: 3,
+            osds: 4,
+            members: 3,
+            reconfigure: 0.0005,
             pgs: 4,
             steps: 20_000,
             settle_steps: 50_000,
@@ -84,6 +93,8 @@ pub struct Outcome {
     pub partitions: u64,
     /// Steps until the healed cluster agreed.
     pub settle_steps: u64,
+    /// Target membership changes.
+    pub reconfigurations: u64,
 }
 
 struct Rng(u64);
@@ -139,6 +150,8 @@ struct Cluster {
     next_write: u64,
     pending: BTreeMap<u64, (PgId, OsdId)>,
     acknowledged: BTreeMap<u64, PgId>,
+    /// Each PG's target members.
+    targets: BTreeMap<PgId, Vec<OsdId>>,
     outcome: Outcome,
 }
 
@@ -166,9 +179,14 @@ impl Cluster {
             next_write: 1,
             pending: BTreeMap::new(),
             acknowledged: BTreeMap::new(),
+            targets: BTreeMap::new(),
             outcome: Outcome::default(),
             config,
         };
+        let initial = cluster.initial();
+        for &pg in &cluster.pgs {
+            cluster.targets.insert(pg, initial.clone());
+        }
         for n in 0..cluster.config.osds {
             cluster.osds.push(SimOsd {
                 id: OsdId(n),
@@ -180,20 +198,22 @@ impl Cluster {
                 restart_at: None,
             });
         }
-        // Every OSD exists before any starts: each group's members are all of them.
         for index in 0..cluster.osds.len() {
             cluster.start(index);
         }
         cluster
     }
 
-    fn members(&self) -> Vec<OsdId> {
-        self.osds.iter().map(|osd| osd.id).collect()
+    /// The members every PG starts with.
+    fn initial(&self) -> Vec<OsdId> {
+        (0..self.config.members.min(self.config.osds))
+            .map(OsdId)
+            .collect()
     }
 
     /// (Re)starts an OSD from its durable records, as the OSD replays its log.
     fn start(&mut self, index: usize) {
-        let members = self.members();
+        let members = self.initial();
         let seed = self.rng.next();
         let osd = &mut self.osds[index];
         let mut raft = MultiRaft::new(osd.id, seed);
@@ -249,6 +269,16 @@ impl Cluster {
             let cut = OsdId(self.rng.below(u64::from(self.config.osds)) as u32);
             self.isolated = Some((cut, self.now + 500 + self.rng.below(3000)));
             self.outcome.partitions += 1;
+        }
+        if self.rng.chance(self.config.reconfigure) {
+            let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
+            let mut osds: Vec<OsdId> = self.osds.iter().map(|osd| osd.id).collect();
+            let mut target = Vec::new();
+            while target.len() < self.config.members as usize && !osds.is_empty() {
+                target.push(osds.remove(self.rng.below(osds.len() as u64) as usize));
+            }
+            self.targets.insert(pg, target);
+            self.outcome.reconfigurations += 1;
         }
         if self.rng.chance(self.config.crash) {
             let up: Vec<usize> = (0..self.osds.len())
@@ -405,6 +435,9 @@ impl Cluster {
             for osd in &mut self.osds {
                 if let Some(raft) = osd.raft.as_mut() {
                     raft.tick();
+                    for (pg, target) in &self.targets {
+                        raft.reconfigure(*pg, target);
+                    }
                 }
             }
         }
@@ -414,9 +447,10 @@ impl Cluster {
         self.run_actions();
     }
 
-    /// Whether every PG has one leader that has committed its whole log, and every replica
-    /// has applied exactly that log. (Equal applied logs alone are not enough: a new leader
-    /// commits older entries only once an entry of its own term is replicated.)
+    /// Whether every PG has one leader, whose voters are the PG's target members, that has
+    /// committed its whole log, and every voter has applied exactly that log. (Equal applied
+    /// logs alone are not enough: a new leader commits older entries only once an entry of
+    /// its own term is replicated.)
     fn agrees(&self) -> bool {
         self.pgs.iter().all(|pg| {
             let leaders: Vec<&MultiRaft> = self
@@ -428,41 +462,67 @@ impl Cluster {
             let [leader] = leaders.as_slice() else {
                 return false;
             };
+            let target = &self.targets[pg];
+            let Some(conf) = leader.conf(*pg) else {
+                return false;
+            };
+            let mut voters: Vec<u64> = conf.voters.clone();
+            voters.sort_unstable();
+            let mut wanted: Vec<u64> = target.iter().map(|osd| u64::from(osd.0) + 1).collect();
+            wanted.sort_unstable();
+            if voters != wanted || !conf.learners.is_empty() || !conf.voters_outgoing.is_empty() {
+                return false;
+            }
             let last = leader.last_index(*pg);
-            self.osds.iter().all(|osd| {
+            let reference = self.osds[target[0].0 as usize].applied.get(pg);
+            target.iter().all(|id| {
+                let osd = &self.osds[id.0 as usize];
                 osd.raft
                     .as_ref()
                     .is_some_and(|raft| raft.committed(*pg) == last)
                     && osd.applied_index.get(pg).copied() == last
-                    && osd.applied.get(pg) == self.osds[0].applied.get(pg)
+                    && osd.applied.get(pg) == reference
             })
         })
     }
 
     fn check(&self) -> Result<(), String> {
         for pg in &self.pgs {
-            let logs: Vec<&[(u64, Vec<u8>)]> = self
-                .osds
-                .iter()
-                .map(|osd| osd.applied.get(pg).map_or(&[][..], Vec::as_slice))
-                .collect();
-            for (n, log) in logs.iter().enumerate() {
-                if log != &logs[0] {
+            let voters = &self.targets[pg];
+            let reference = self.osds[voters[0].0 as usize]
+                .applied
+                .get(pg)
+                .map_or(&[][..], Vec::as_slice);
+            for osd in &self.osds {
+                let log = osd.applied.get(pg).map_or(&[][..], Vec::as_slice);
+                let n = osd.id;
+                if voters.contains(&n) && log != reference {
                     return Err(format!(
-                        "pg {pg}: osd.{n} applied {} entries, osd.0 applied {}; they differ",
+                        "pg {pg}: voters {n} and {} applied {} and {} entries; they differ",
+                        voters[0],
                         log.len(),
-                        logs[0].len()
+                        reference.len()
+                    ));
+                }
+                if !reference.starts_with(log) {
+                    return Err(format!(
+                        "pg {pg}: {n}, not a voter, applied {} entries that are not a \
+                         prefix of the voters' {}",
+                        log.len(),
+                        reference.len()
                     ));
                 }
                 if !log.windows(2).all(|pair| pair[0].0 < pair[1].0) {
-                    return Err(format!(
-                        "pg {pg}: osd.{n} applied entries out of index order"
-                    ));
+                    return Err(format!("pg {pg}: {n} applied entries out of index order"));
                 }
             }
         }
         for (id, pg) in &self.acknowledged {
-            let log = self.osds[0].applied.get(pg).map_or(&[][..], Vec::as_slice);
+            let voter = self.targets[pg][0];
+            let log = self.osds[voter.0 as usize]
+                .applied
+                .get(pg)
+                .map_or(&[][..], Vec::as_slice);
             if !log.iter().any(|(_, data)| write_id(data) == Some(*id)) {
                 return Err(format!("acknowledged write {id} of pg {pg} is lost"));
             }

@@ -9,15 +9,21 @@ fn acknowledged_writes_survive_and_replicas_agree() {
         .unwrap_or(32);
     let mut acknowledged = 0;
     let mut crashes = 0;
+    let mut reconfigurations = 0;
     for seed in 0..seeds {
         let outcome = basalt_sim::run(&basalt_sim::SimConfig::new(seed))
             .unwrap_or_else(|failure| panic!("{failure}"));
         acknowledged += outcome.acknowledged;
         crashes += outcome.crashes;
+        reconfigurations += outcome.reconfigurations;
     }
     assert!(
         acknowledged > seeds * 100,
         "the runs must do real work: {acknowledged} acknowledged writes"
     );
     assert!(crashes > 0, "the runs must crash osds");
+    assert!(
+        reconfigurations > seeds,
+        "the runs must change memberships: {reconfigurations}"
+    );
 }
