@@ -368,6 +368,28 @@ pub fn run_osd_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
     })
 }
 
+/// `basalt osd out|in ID`.
+pub fn run_osd_mark(cluster: ClusterArgs, id: &str, is_in: bool) -> anyhow::Result<ExitCode> {
+    let number = id.strip_prefix("osd.").unwrap_or(id);
+    let id = OsdId(
+        number
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{id:?} is not an OSD id (3 or osd.3)"))?,
+    );
+    let mon = cluster.client()?;
+    block_on(async move {
+        let command = if is_in {
+            Command::OsdIn { id }
+        } else {
+            Command::OsdOut { id, auto: false }
+        };
+        let epoch = apply(&mon, command).await?;
+        let state = if is_in { "in" } else { "out" };
+        println!("{id} marked {state} (map epoch {epoch})");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
 /// Each PG's state, from the map and the OSDs' reports.
 fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'static str)> {
     let mut leaders: BTreeMap<PgId, OsdId> = BTreeMap::new();
@@ -624,13 +646,13 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
             ));
         } else {
             println!(
-                "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}",
+                "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}  VOTERS",
                 "OSD", "LEADER", "TERM", "COMMITTED", "APPLIED", "LAST", "OBJECTS", "DIGEST"
             );
             for (osd, state) in states {
                 match state {
                     Ok(s) => println!(
-                        "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}",
+                        "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}  {}",
                         osd.to_string(),
                         s.leader.map_or("-".to_string(), |l| l.0.to_string()),
                         s.term,
@@ -638,7 +660,12 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
                         s.applied,
                         s.last_index,
                         s.objects,
-                        format!("{:08x}", s.digest)
+                        format!("{:08x}", s.digest),
+                        s.voters
+                            .iter()
+                            .map(|v| v.0.to_string())
+                            .collect::<Vec<_>>()
+                            .join(",")
                     ),
                     Err(error) => println!("{:<8} unreachable: {error}", osd.to_string()),
                 }

@@ -40,7 +40,8 @@ enum Command {
     Dev(dev_command::DevArgs),
     /// Run a monitor.
     Mon(daemon_command::MonArgs),
-    /// Run an OSD (`basalt osd --data-dir DIR --mon ADDR`), or list OSDs (`basalt osd ls`).
+    /// Run an OSD (`basalt osd --data-dir DIR --mon ADDR`), list OSDs (`basalt osd ls`), or
+    /// move data off an OSD and back (`basalt osd out|in ID`).
     Osd(OsdCommand),
     /// Create, list and remove pools.
     Pool {
@@ -91,6 +92,21 @@ enum OsdAction {
         /// JSON output.
         #[arg(long)]
         json: bool,
+    },
+    /// Mark an OSD out: its PGs move to other OSDs (it keeps running and serving them
+    /// until they have).
+    Out {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        /// The OSD (`3` or `osd.3`).
+        id: String,
+    },
+    /// Mark an OSD in: PGs move to it again.
+    In {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        /// The OSD (`3` or `osd.3`).
+        id: String,
     },
 }
 
@@ -148,6 +164,14 @@ fn main() -> ExitCode {
             action: Some(OsdAction::Ls { cluster, json }),
             ..
         }) => admin_command::run_osd_ls(cluster, json),
+        Command::Osd(OsdCommand {
+            action: Some(OsdAction::Out { cluster, id }),
+            ..
+        }) => admin_command::run_osd_mark(cluster, &id, false),
+        Command::Osd(OsdCommand {
+            action: Some(OsdAction::In { cluster, id }),
+            ..
+        }) => admin_command::run_osd_mark(cluster, &id, true),
         Command::Osd(OsdCommand { daemon, .. }) => daemon_command::run_osd(daemon),
         Command::Pool { cluster, command } => admin_command::run_pool(cluster, command),
         Command::Image { cluster, command } => admin_command::run_image(cluster, command),

@@ -10,47 +10,6 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use support::*;
 
-/// A target exporting `pool/image` of the cluster over NBD; returns it and the URI.
-fn export_image(
-    dir: &std::path::Path,
-    cluster: &ClusterProcesses,
-    pool: &str,
-    image: &str,
-) -> (TargetProcess, String) {
-    let target = TargetProcess::start(dir, &[]);
-    target.rpc_ok(
-        "bdev_basalt_create",
-        json!({"name": "img", "pool": pool, "image": image, "mons": cluster.mon_addresses()}),
-    );
-    let port = target.start_nbd();
-    target.rpc_ok(
-        "nbd_server_add_export",
-        json!({"bdev_name": "img", "name": "img"}),
-    );
-    (target, format!("nbd://127.0.0.1:{port}/img"))
-}
-
-/// fio's arguments for a crc32c-verified random write of `size` (each block written once,
-/// so a later `--verify_only` run with the same arguments checks every block).
-fn verified_write(size: &str) -> Vec<String> {
-    [
-        "--rw=randwrite",
-        "--bs=4k",
-        "--iodepth=8",
-        &format!("--size={size}"),
-        "--verify=crc32c",
-        "--randseed=1234",
-        "--verify_fatal=1",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect()
-}
-
-fn args(list: &[String]) -> Vec<&str> {
-    list.iter().map(String::as_str).collect()
-}
-
 #[test]
 fn fio_verifies_through_an_image_while_the_busiest_leader_is_killed() {
     let dir = ScratchDir::new("cluster-kill");
@@ -149,16 +108,6 @@ fn data_survives_a_crash_of_every_process() {
         metrics.contains("basalt_osd_write_amplification"),
         "{metrics}"
     );
-}
-
-fn http_get(address: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address).expect("connect to metrics");
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    response
 }
 
 #[test]
@@ -336,7 +285,8 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     qemu_io_ok(&uri, true, &["read -P 0xab 0 8M"]);
     wait_for(
         "status to name the full osds",
-        Duration::from_secs(30),
+        // Under the load of the other tests the cleaner takes a while to find nothing left.
+        Duration::from_secs(90),
         || {
             cluster
                 .cli_ok(&["status"])
@@ -392,13 +342,6 @@ fn check_round(uri: &str, round: u32) {
     }));
     let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
     qemu_io_ok(uri, true, &commands);
-}
-
-fn metric(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {metrics}"))
 }
 
 /// OSD devices of 96 MiB take many times their size in writes: the log is a ring whose tail

@@ -238,9 +238,9 @@ impl Cluster {
                 continue;
             }
             let cached = lock(&self.leaders).get(&pg).copied();
-            let target = cached
-                .filter(|osd| members.contains(osd))
-                .unwrap_or(members[next_member % members.len()]);
+            // A cached leader may be outside the members: while a PG moves, its leader can be
+            // an OSD it is leaving (the OSDs' redirects say so).
+            let target = cached.unwrap_or(members[next_member % members.len()]);
             let Some(address) = map
                 .osds
                 .get(&target)

@@ -46,15 +46,36 @@ pub struct OsdEntry {
     pub up: bool,
     /// Holds data (placement uses it).
     pub is_in: bool,
+    /// Marked out by the monitors (down too long), not by an operator: it comes back in
+    /// when it boots.
+    #[serde(default)]
+    pub auto_out: bool,
 }
 
 /// One PG's members and the epoch they were last changed in.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PgEntry {
-    /// Member OSDs; the first is the preferred leader.
+    /// Member OSDs; the first is the preferred leader. When they change, the PG's leader
+    /// moves its replicas here (raft configuration changes); until then the replicas may
+    /// still be on the previous members.
     pub members: Vec<OsdId>,
     /// When the members last changed.
     pub epoch: Epoch,
+    /// The members the PG was first placed on: every replica's raft group starts from
+    /// them (see [`PgEntry::initial`]).
+    #[serde(default)]
+    pub initial: Vec<OsdId>,
+}
+
+impl PgEntry {
+    /// The members the PG's raft groups start from.
+    pub fn initial(&self) -> &[OsdId] {
+        if self.initial.is_empty() {
+            &self.members
+        } else {
+            &self.initial
+        }
+    }
 }
 
 /// A pool.
@@ -149,6 +170,14 @@ pub enum Command {
     },
     /// The OSD holds no data any more: its PGs move elsewhere.
     OsdOut {
+        /// The OSD.
+        id: OsdId,
+        /// By the monitors (down past the down-out interval), not by an operator.
+        #[serde(default)]
+        auto: bool,
+    },
+    /// The OSD holds data again: PGs move to it.
+    OsdIn {
         /// The OSD.
         id: OsdId,
     },
@@ -286,7 +315,19 @@ impl ClusterMap {
                 weight,
             } => self.osd_boot(uuid, host, address, *weight)?,
             Command::OsdDown { id } => self.osd_mut(*id)?.set_up(false),
-            Command::OsdOut { id } => self.osd_mut(*id)?.set_in(false),
+            Command::OsdOut { id, auto } => {
+                let osd = self.osd_mut(*id)?;
+                let changed = osd.set_in(false);
+                if changed {
+                    osd.auto_out = *auto;
+                }
+                changed
+            }
+            Command::OsdIn { id } => {
+                let osd = self.osd_mut(*id)?;
+                osd.auto_out = false;
+                osd.set_in(true)
+            }
             Command::PoolCreate {
                 name,
                 pg_count,
@@ -361,6 +402,11 @@ impl ClusterMap {
                 .find(|id| !self.osds.contains_key(id))
                 .expect("a free id exists"),
         };
+        // An OSD comes back in when it boots, unless an operator took it out.
+        let is_in = self
+            .osds
+            .get(&id)
+            .is_none_or(|known| known.is_in || known.auto_out);
         let entry = OsdEntry {
             id,
             uuid: uuid.to_string(),
@@ -368,7 +414,8 @@ impl ClusterMap {
             address: address.to_string(),
             weight,
             up: true,
-            is_in: true,
+            is_in,
+            auto_out: false,
         };
         let changed = self.osds.get(&id) != Some(&entry);
         self.osds.insert(id, entry);
@@ -408,7 +455,8 @@ impl ClusterMap {
         let pgs = vec![
             PgEntry {
                 members: Vec::new(),
-                epoch: Epoch(0)
+                epoch: Epoch(0),
+                initial: Vec::new(),
             };
             pg_count as usize
         ];
@@ -526,7 +574,17 @@ impl ClusterMap {
                 };
                 let members = placement::place(pg, pool.size as usize, &candidates);
                 if members != entry.members {
-                    *entry = PgEntry { members, epoch };
+                    if entry.initial.is_empty() {
+                        // The first placement (or a map from before this field: the members
+                        // its groups were started with).
+                        entry.initial = if entry.members.is_empty() {
+                            members.clone()
+                        } else {
+                            entry.members.clone()
+                        };
+                    }
+                    entry.members = members;
+                    entry.epoch = epoch;
                 }
             }
         }
@@ -829,7 +887,11 @@ mod tests {
             before.iter().map(|pg| &pg.members).collect::<Vec<_>>(),
             "down changes no membership"
         );
-        map.apply(&Command::OsdOut { id: victim }).expect("out");
+        map.apply(&Command::OsdOut {
+            id: victim,
+            auto: false,
+        })
+        .expect("out");
         let after = &map.pools[&PoolId(0)].pgs;
         for (index, pg) in after.iter().enumerate() {
             assert!(!pg.members.contains(&victim));
@@ -852,5 +914,32 @@ mod tests {
             untouched >= 64 - holding.len() - 16,
             "few PGs that did not hold the OSD moved"
         );
+        for (pg, first) in after.iter().zip(&before) {
+            assert_eq!(pg.initial(), &first.members[..], "initial members stay");
+        }
+        // Taken out by an operator, an OSD stays out when it boots; `in` brings it back.
+        let uuid = map.osds[&victim].uuid.clone();
+        let host = map.osds[&victim].host.clone();
+        boot(&mut map, &uuid, &host);
+        assert!(!map.osds[&victim].is_in);
+        assert_eq!(map.apply(&Command::OsdIn { id: victim }), Ok(true));
+        let back: Vec<&Vec<OsdId>> = map.pools[&PoolId(0)]
+            .pgs
+            .iter()
+            .map(|pg| &pg.members)
+            .collect();
+        assert_eq!(
+            back,
+            before.iter().map(|pg| &pg.members).collect::<Vec<_>>(),
+            "placement is a function of the OSDs in: the PGs go back"
+        );
+        // Taken out by the monitors, it comes back in when it boots.
+        map.apply(&Command::OsdOut {
+            id: victim,
+            auto: true,
+        })
+        .expect("out");
+        boot(&mut map, &uuid, &host);
+        assert!(map.osds[&victim].is_in);
     }
 }

@@ -32,6 +32,9 @@ pub struct OsdReport {
     /// Its log is too full to take writes (they are refused with "no space").
     #[serde(default)]
     pub full: bool,
+    /// PG replicas it hosts.
+    #[serde(default)]
+    pub hosted: u32,
 }
 
 /// A request to the monitor.

@@ -403,7 +403,7 @@ impl Monitor {
                 }
                 Verdict::Out(id) => {
                     tracing::warn!(%id, "down past the down-out interval: marking it out");
-                    Command::OsdOut { id }
+                    Command::OsdOut { id, auto: true }
                 }
             };
             if let MonReply::Error(error) = self.propose(command).await {

@@ -39,8 +39,8 @@ use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
 use basalt_mon::protocol::{MonReply, MonRequest, OsdReport};
 use basalt_replication::{
-    Action, EntryType, MultiRaft, ProposeError, RaftMessage, Restored, decode_message,
-    encode_message,
+    Action, EntryType, MultiRaft, ProposeError, RaftMessage, Reconfiguring, Restored,
+    decode_message, encode_message,
 };
 use basalt_store::batch::{self, BLOCK_SIZE};
 use basalt_store::checkpoint::Checkpoint;
@@ -144,6 +144,12 @@ pub enum OsdRequest {
         /// The PG.
         pg: PgId,
     },
+    /// The same without the objects and their digest (cheap): how a replica the map no
+    /// longer lists learns from the PG's leader whether it was removed.
+    PgConf {
+        /// The PG.
+        pg: PgId,
+    },
 }
 
 /// One replica's state of a PG.
@@ -172,6 +178,25 @@ pub struct PgReplicaState {
     /// CRC32C over every object's key, mapped ranges and their bytes, in key order: equal
     /// digests mean equal data.
     pub digest: u32,
+    /// The raft voters, as this replica last applied them (in a joint configuration, the
+    /// incoming ones).
+    #[serde(default)]
+    pub voters: Vec<OsdId>,
+    /// Voters leaving, in a joint configuration.
+    #[serde(default)]
+    pub voters_outgoing: Vec<OsdId>,
+    /// Learners: new members catching up.
+    #[serde(default)]
+    pub learners: Vec<OsdId>,
+}
+
+impl PgReplicaState {
+    /// Whether `osd` is in this replica's configuration in any role.
+    pub fn includes(&self, osd: OsdId) -> bool {
+        [&self.voters, &self.voters_outgoing, &self.learners]
+            .iter()
+            .any(|set| set.contains(&osd))
+    }
 }
 
 /// Counters the OSD reports.
@@ -245,6 +270,10 @@ enum Event {
         chunk: Result<Chunk, String>,
         ack: oneshot::Sender<bool>,
     },
+    /// A PG's leader says this replica is no longer in the PG's configuration.
+    Removed { pg: PgId },
+    /// A membership check of a PG is over.
+    MembershipChecked { pg: PgId },
     /// A snapshot chunk is durable: its runs lie at these device offsets.
     SnapshotWritten {
         pg: PgId,
@@ -409,6 +438,8 @@ struct Core {
     /// Snapshots sent to followers (PG, follower): when the follower was last heard asking
     /// for data.
     snapshots_sent: HashMap<(PgId, OsdId), std::time::Instant>,
+    /// PGs whose leader is being asked whether this replica was removed.
+    membership_checks: std::collections::HashSet<PgId>,
 }
 
 impl Core {
@@ -423,14 +454,11 @@ impl Core {
                     pool: pool.id,
                     index: index as u32,
                 };
-                if !entry.members.contains(&self.id) {
-                    continue;
-                }
-                if self.raft.hosts(pg) {
-                    let before = self.map.pg(pg).map(|e| e.members.clone());
-                    if before.as_ref() != Some(&entry.members) {
-                        tracing::warn!(%pg, members = ?entry.members, "pg members changed; membership changes are not supported yet, keeping the old ones");
-                    }
+                // A replica with durable state stays until the PG's leader has removed it
+                // from the raft group (see `check_memberships`).
+                if self.raft.hosts(pg)
+                    || !(entry.members.contains(&self.id) || self.restored.contains_key(&pg))
+                {
                     continue;
                 }
                 // Kept in `restored` until the group exists: a PG that cannot be hosted
@@ -445,7 +473,7 @@ impl Core {
                     ..Durable::default()
                 };
                 let applied = restored.applied;
-                if let Err(error) = self.raft.create_group(pg, &entry.members, restored) {
+                if let Err(error) = self.raft.create_group(pg, entry.initial(), restored) {
                     tracing::error!(%pg, %error, "cannot host pg");
                     continue;
                 }
@@ -455,6 +483,17 @@ impl Core {
                 let objects = self.restored_objects.remove(&pg).unwrap_or_default();
                 self.objects.insert(pg, objects);
             }
+        }
+        self.map = map.clone();
+        // Durable state of pools removed since: forgotten, so that the log can be reused.
+        let gone: Vec<PgId> = self
+            .restored
+            .keys()
+            .filter(|pg| !map.pools.contains_key(&pg.pool))
+            .copied()
+            .collect();
+        for pg in gone {
+            self.remove_pg(pg);
         }
         for osd in map.osds.values() {
             if osd.id == self.id {
@@ -467,7 +506,6 @@ impl Core {
                 .or_insert_with(|| spawn_peer(osd.id));
             *peer.address.lock().unwrap_or_else(|p| p.into_inner()) = address;
         }
-        self.map = map;
     }
 
     fn handle(&mut self, event: Event) -> Result<(), OsdError> {
@@ -509,6 +547,13 @@ impl Core {
                 last_index,
                 end,
             } => {
+                if let Some(end) = end {
+                    self.reclaim.durable_end = end;
+                }
+                if !self.raft.hosts(pg) {
+                    // Removed from the PG meanwhile.
+                    return Ok(());
+                }
                 if let Some((index, _)) = snapshot {
                     self.snapshot_installed(pg, index);
                 }
@@ -519,9 +564,6 @@ impl Core {
                 }
                 if let Some(hard_state) = hard_state {
                     durable.hard_state = hard_state;
-                }
-                if let Some(end) = end {
-                    self.reclaim.durable_end = end;
                 }
                 for (index, term, offset) in payloads {
                     // Memory keeps where the payload is, not the payload; apply uses it.
@@ -535,6 +577,10 @@ impl Core {
                 }
             }
             Event::Failed(reason) => return Err(OsdError::Internal(reason)),
+            Event::Removed { pg } => self.remove_pg(pg),
+            Event::MembershipChecked { pg } => {
+                self.membership_checks.remove(&pg);
+            }
             Event::Cleaned(result) => self.cleaned(result),
             Event::Relocated { moves, next } => {
                 let mut bytes = 0;
@@ -1358,7 +1404,15 @@ impl Core {
                 return;
             }
         };
-        let OsdRequest::PgQuery { pg } = request;
+        let (pg, with_data) = match request {
+            OsdRequest::PgQuery { pg } => (pg, true),
+            OsdRequest::PgConf { pg } => (pg, false),
+        };
+        let conf = self.raft.conf(pg);
+        let osds = |ids: Option<&Vec<u64>>| -> Vec<OsdId> {
+            ids.map(|ids| ids.iter().map(|id| OsdId((id - 1) as u32)).collect())
+                .unwrap_or_default()
+        };
         let mut state = PgReplicaState {
             osd: self.id,
             pg,
@@ -1371,7 +1425,14 @@ impl Core {
             objects: 0,
             mapped_bytes: 0,
             digest: 0,
+            voters: osds(conf.map(|conf| &conf.voters)),
+            voters_outgoing: osds(conf.map(|conf| &conf.voters_outgoing)),
+            learners: osds(conf.map(|conf| &conf.learners)),
         };
+        if !with_data {
+            let _ = reply_to.send(answer(Ok(state)));
+            return;
+        }
         let mut plans = Vec::new();
         if let Some(objects) = self.objects.get(&pg) {
             state.objects = objects.object_count();
@@ -1568,7 +1629,15 @@ impl Core {
         );
         let mut log_entries = Vec::new();
         if let Some((index, term)) = snapshot {
-            log_entries.push(snapshot::installed_entry(pg, index, term));
+            // The log was just reset to the snapshot: its first configuration is the
+            // snapshot's.
+            let conf = self
+                .raft
+                .storage(pg)
+                .and_then(|storage| storage.confs().first())
+                .map(|(_, conf)| basalt_replication::encode_conf(conf))
+                .unwrap_or_default();
+            log_entries.push(snapshot::installed_entry(pg, index, term, conf));
         }
         log_entries.extend(pg_log::to_log_entries(pg, &entries, hard_state.as_ref()));
         let appends = batch::split(log_entries)
@@ -1689,6 +1758,105 @@ impl Core {
         }
     }
 
+    /// Moves the replicas of the PGs led here towards the members the map gives them.
+    fn reconfigure_pgs(&mut self) {
+        let led: Vec<PgId> = self
+            .raft
+            .pgs()
+            .filter(|pg| self.raft.is_leader(*pg))
+            .collect();
+        for pg in led {
+            let Some(entry) = self.map.pg(pg) else {
+                continue;
+            };
+            match self.raft.reconfigure(pg, &entry.members) {
+                None => {}
+                Some(Reconfiguring::CatchingUp(behind)) => {
+                    tracing::debug!(%pg, ?behind, "new members catching up")
+                }
+                Some(step) => tracing::info!(%pg, members = ?entry.members, ?step, "pg membership"),
+            }
+        }
+    }
+
+    /// For the PGs hosted here that the map does not list this OSD in: asks their leader
+    /// whether this replica is still in the raft group, and stops hosting the ones it is
+    /// not in (and those of removed pools).
+    fn check_memberships(&mut self) {
+        let hosted: Vec<PgId> = self.raft.pgs().collect();
+        for pg in hosted {
+            if self.membership_checks.contains(&pg) || self.raft.is_leader(pg) {
+                continue;
+            }
+            if !self.map.pools.contains_key(&pg.pool) {
+                self.remove_pg(pg);
+                continue;
+            }
+            let Some(entry) = self.map.pg(pg) else {
+                continue;
+            };
+            if entry.members.contains(&self.id) {
+                continue;
+            }
+            let members: Vec<(OsdId, SocketAddr)> = entry
+                .members
+                .iter()
+                .filter_map(|id| {
+                    let address = self.map.osds.get(id)?.address.parse().ok()?;
+                    Some((*id, address))
+                })
+                .collect();
+            self.membership_checks.insert(pg);
+            let (events, me) = (self.events.clone(), self.id);
+            tokio::spawn(async move {
+                for (id, address) in members {
+                    if let Some(state) = ask_pg_conf(address, pg).await
+                        && state.leader == Some(id)
+                        && state.hosted
+                        && !state.includes(me)
+                    {
+                        let _ = events.send(Event::Removed { pg });
+                        break;
+                    }
+                }
+                let _ = events.send(Event::MembershipChecked { pg });
+            });
+        }
+    }
+
+    /// Stops hosting `pg`: this replica was removed from its raft group (or its pool is
+    /// gone). The removal is logged, so that replay forgets the PG; its data becomes
+    /// garbage for the cleaner.
+    fn remove_pg(&mut self, pg: PgId) {
+        let listed = self
+            .map
+            .pg(pg)
+            .is_some_and(|entry| entry.members.contains(&self.id));
+        let known = self.raft.hosts(pg) || self.restored.contains_key(&pg);
+        if listed || !known || self.raft.is_leader(pg) {
+            return;
+        }
+        self.abort_install(pg, "the replica was removed from the pg", false);
+        let removal = self.log.submit(vec![pg_log::removed_entry(pg)]);
+        tokio::spawn(async move {
+            if let Err(error) = removal.await {
+                tracing::error!(%pg, %error, "cannot log a pg's removal");
+            }
+        });
+        self.raft.remove_group(pg);
+        self.objects.remove(&pg);
+        self.applied.remove(&pg);
+        self.durable.remove(&pg);
+        self.hard_states.remove(&pg);
+        self.lazy_commit.remove(&pg);
+        self.reads.remove(&pg);
+        self.restored.remove(&pg);
+        self.restored_objects.remove(&pg);
+        self.snapshots_sent.retain(|(sent, _), _| *sent != pg);
+        self.refresh_live_bytes();
+        tracing::info!(%pg, "pg removed from this osd");
+    }
+
     fn refresh_live_bytes(&mut self) {
         self.reclaim.live_bytes = self.objects.values().map(PgObjects::mapped_bytes).sum();
         self.reclaim.retained_bytes = self
@@ -1722,6 +1890,7 @@ impl Core {
             leading,
             epoch: self.map.epoch,
             full,
+            hosted: self.raft.pgs().count() as u32,
         };
     }
 }
@@ -1833,6 +2002,27 @@ async fn fetch_chunk(
             other => return Err(format!("an answer of kind {}", other.kind())),
         }
     }
+}
+
+/// A replica's state of `pg` without its data, from the OSD at `address`; `None` if it
+/// cannot be had.
+async fn ask_pg_conf(address: SocketAddr, pg: PgId) -> Option<PgReplicaState> {
+    let attempt = async {
+        let client = Client::connect(address).await.ok()?;
+        let body = serde_json::to_vec(&OsdRequest::PgConf { pg }).ok()?;
+        match client.call(&Message::Control { body }).await.ok()? {
+            Message::Control { body } => {
+                serde_json::from_slice::<Result<PgReplicaState, String>>(&body)
+                    .ok()?
+                    .ok()
+            }
+            _ => None,
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), attempt)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// A peer's sending task: connects on demand, drops messages it cannot deliver (raft
@@ -2280,6 +2470,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     report.leading.len() as f64,
                 ),
                 (
+                    "pgs_hosted",
+                    gauge,
+                    "PG replicas this OSD hosts.",
+                    f64::from(report.hosted),
+                ),
+                (
                     "used_bytes",
                     gauge,
                     "Bytes of the device in use.",
@@ -2380,6 +2576,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         installing: HashMap::new(),
         next_transfer: 0,
         snapshots_sent: HashMap::new(),
+        membership_checks: std::collections::HashSet::new(),
     };
     core.adopt_map(Arc::new(map));
     core.refresh_live_bytes();
@@ -2387,7 +2584,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         let orphans: Vec<String> = core.restored.keys().map(ToString::to_string).collect();
         tracing::warn!(
             ?orphans,
-            "the log holds pgs the map does not give this osd; their data is kept, and the log is not reused while it is"
+            "the log holds pgs whose raft state could not be restored; their data is kept, and the log is not reused while it is"
         );
     }
     let core = tokio::spawn(async move {
@@ -2406,7 +2603,11 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 _ = ticker.tick() => {
                     core.raft.tick();
                     core.watch_snapshots_sent();
+                    core.reconfigure_pgs();
                     ticks += 1;
+                    if ticks.is_multiple_of(10) {
+                        core.check_memberships();
+                    }
                     if ticks.is_multiple_of(5) {
                         core.refresh_live_bytes();
                         core.update_report(capacity_bytes);

@@ -22,6 +22,21 @@ use crate::snapshot::{SNAPSHOT_BEGIN, SNAPSHOT_INSTALLED, SNAPSHOT_WRITE};
 
 /// Kind of a log entry holding a PG's raft hard state.
 pub const HARD_STATE: u8 = 16;
+/// Kind of a log entry recording that this OSD stopped hosting a PG (it was removed from
+/// the PG's members): replay forgets what came before it.
+pub const PG_REMOVED: u8 = 20;
+
+/// The log entry that records `pg` removed here.
+pub fn removed_entry(pg: PgId) -> Entry {
+    Entry {
+        kind: PG_REMOVED,
+        pg,
+        term: 0,
+        index: 0,
+        meta: [0u8; META_SIZE],
+        data: Vec::new(),
+    }
+}
 
 /// The log entries for one persist of a PG: its raft entries, then its hard state.
 pub fn to_log_entries(
@@ -127,6 +142,19 @@ pub fn restore(
         let group = restored.groups.entry(pg.pg).or_default();
         group.compacted = (pg.compacted_index, pg.compacted_term);
         group.applied = pg.applied;
+        group.confs = pg
+            .confs
+            .iter()
+            .map(|(index, bytes)| {
+                basalt_replication::decode_conf(bytes)
+                    .map(|conf| (*index, conf))
+                    .ok_or_else(|| PgLogError::Malformed {
+                        pg: pg.pg,
+                        index: *index,
+                        reason: "undecodable configuration".to_string(),
+                    })
+            })
+            .collect::<Result<_, PgLogError>>()?;
         group.hard_state = HardState {
             term: pg.term,
             vote: pg.vote,
@@ -179,14 +207,33 @@ pub fn restore(
                     asides.entry(entry.pg).or_default().apply_ref(&data);
                     continue;
                 }
+                PG_REMOVED => {
+                    restored.groups.remove(&entry.pg);
+                    restored.objects.remove(&entry.pg);
+                    asides.remove(&entry.pg);
+                    continue;
+                }
                 SNAPSHOT_INSTALLED => {
+                    // Its transfer began before the replay start: the checkpoint there was
+                    // cut after the install (none is cut during a transfer), and holds it.
+                    // (Replay can start at the batch that carries this entry.)
+                    let Some(objects) = asides.remove(&entry.pg) else {
+                        continue;
+                    };
                     let (index, term) = (meta_u64(&entry.meta, 0), meta_u64(&entry.meta, 8));
+                    let conf = basalt_replication::decode_conf(&entry.data).ok_or_else(|| {
+                        PgLogError::Malformed {
+                            pg: entry.pg,
+                            index,
+                            reason: "snapshot with an undecodable configuration".to_string(),
+                        }
+                    })?;
                     let group = restored.groups.entry(entry.pg).or_default();
                     group.entries.clear();
                     group.compacted = (index, term);
                     group.applied = index;
+                    group.confs = vec![(index, conf)];
                     group.hard_state.commit = group.hard_state.commit.max(index);
-                    let objects = asides.remove(&entry.pg).unwrap_or_default();
                     restored.objects.insert(entry.pg, objects);
                     continue;
                 }
@@ -381,7 +428,10 @@ mod tests {
                 .into_iter()
                 .enumerate()
                 .map(|(n, mut e)| {
-                    e.data.clear();
+                    // Replay leaves payloads on the device.
+                    if [kind::WRITE, SNAPSHOT_WRITE].contains(&e.kind) {
+                        e.data.clear();
+                    }
                     (e, first_offset + n as u64 * 4096)
                 })
                 .collect(),
@@ -395,12 +445,26 @@ mod tests {
         assert_eq!(unfinished.groups[&PG].entries.len(), 1);
         assert!(!unfinished.objects.contains_key(&PG));
         // Installed at index 10: the raft log restarts there and the objects are the copy.
-        received.push(installed_entry(PG, 10, 2));
-        let installed =
-            restore(None, &[batch(before, 0), batch(received, 1 << 20)]).expect("restores");
+        let conf = basalt_replication::ConfState::from((vec![1, 2, 4], vec![3]));
+        received.push(installed_entry(
+            PG,
+            10,
+            2,
+            basalt_replication::encode_conf(&conf),
+        ));
+        let installed = restore(
+            None,
+            &[batch(before.clone(), 0), batch(received.clone(), 1 << 20)],
+        )
+        .expect("restores");
         let group = &installed.groups[&PG];
         assert!(group.entries.is_empty());
         assert_eq!((group.compacted, group.applied), ((10, 2), 10));
+        assert_eq!(
+            group.confs,
+            vec![(10, conf)],
+            "the configuration of the snapshot"
+        );
         assert_eq!(group.hard_state.commit, 10);
         let objects = &installed.objects[&PG];
         // SNAPSHOT_BEGIN is the first entry: the run's payload is the second.
@@ -408,6 +472,40 @@ mod tests {
             objects.extents(object),
             vec![(8192, 4096, (1 << 20) + 4096)]
         );
+        // Replay starting at the batch that carries the install (the checkpoint before it
+        // was cut after the install) keeps what the checkpoint holds.
+        let marker = received.last().cloned().expect("the install entry");
+        let alone = restore(None, &[batch(vec![marker], 2 << 20)]).expect("restores");
+        assert!(
+            !alone.objects.contains_key(&PG),
+            "no empty index replaces anything"
+        );
+        assert!(alone.groups.get(&PG).is_none_or(|group| group.applied == 0));
+        // Removed from the PG afterwards: replay forgets it, and what follows starts anew.
+        let after = to_log_entries(
+            PG,
+            &[RaftEntry {
+                index: 1,
+                term: 5,
+                ..RaftEntry::default()
+            }],
+            None,
+        );
+        let removed = restore(
+            None,
+            &[
+                batch(before, 0),
+                batch(received, 1 << 20),
+                batch(vec![removed_entry(PG)], 2 << 20),
+                batch(after, 3 << 20),
+            ],
+        )
+        .expect("restores");
+        let group = &removed.groups[&PG];
+        assert_eq!(group.compacted, (0, 0));
+        assert_eq!(group.entries.len(), 1);
+        assert!(group.confs.is_empty());
+        assert!(!removed.objects.contains_key(&PG));
     }
 
     #[test]

@@ -147,7 +147,15 @@ pub fn pg_checkpoint(
         applied: applied.min(last),
         compacted_index,
         compacted_term,
-        voters: storage.conf_state().voters.clone(),
+        // Raft restarts from the configuration as of the applied index, and applies the
+        // changes after it again.
+        confs: storage
+            .confs()
+            .iter()
+            .enumerate()
+            .filter(|(n, (index, _))| *n == 0 || *index <= applied.min(last))
+            .map(|(_, (index, conf))| (*index, basalt_replication::encode_conf(conf)))
+            .collect(),
         entries,
         objects,
     }

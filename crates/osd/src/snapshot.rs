@@ -199,8 +199,9 @@ pub fn chunk_entries(pg: PgId, chunk: Chunk, first: bool) -> Vec<Entry> {
     entries
 }
 
-/// The log entry that records a snapshot (raft index, term) installed.
-pub fn installed_entry(pg: PgId, index: u64, term: u64) -> Entry {
+/// The log entry that records a snapshot (raft index, term) installed, with the raft
+/// configuration (encoded) as of it.
+pub fn installed_entry(pg: PgId, index: u64, term: u64, conf: Vec<u8>) -> Entry {
     let mut meta = [0u8; META_SIZE];
     meta[0..8].copy_from_slice(&index.to_le_bytes());
     meta[8..16].copy_from_slice(&term.to_le_bytes());
@@ -210,7 +211,7 @@ pub fn installed_entry(pg: PgId, index: u64, term: u64) -> Entry {
         term,
         index: 0,
         meta,
-        data: Vec::new(),
+        data: conf,
     }
 }
 

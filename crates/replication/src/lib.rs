@@ -12,6 +12,11 @@
 pub mod multi_raft;
 pub mod storage;
 
-pub use multi_raft::{Action, MultiRaft, ProposeError, Restored, decode_message, encode_message};
-pub use raft::eraftpb::{Entry as RaftEntry, EntryType, HardState, Message as RaftMessage};
+pub use multi_raft::{
+    Action, CAUGHT_UP_SLACK, MultiRaft, ProposeError, Reconfiguring, Restored, decode_conf,
+    decode_message, encode_conf, encode_message,
+};
+pub use raft::eraftpb::{
+    ConfState, Entry as RaftEntry, EntryType, HardState, Message as RaftMessage,
+};
 pub use storage::{Hydrate, PgStorage};

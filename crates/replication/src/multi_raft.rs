@@ -682,11 +682,9 @@ impl MultiRaft {
     pub fn reconfigure(&mut self, pg: PgId, target: &[OsdId]) -> Option<Reconfiguring> {
         let group = self.groups.get_mut(&pg)?;
         let raft = &group.node.raft;
+        // A new leader counts its predecessor's entries as a pending change until it has
+        // applied them all.
         if raft.state != StateRole::Leader || target.is_empty() || raft.has_pending_conf() {
-            return None;
-        }
-        // A new leader has not applied its predecessor's entries yet: wait for it.
-        if raft.raft_log.applied < raft.raft_log.committed {
             return None;
         }
         let conf = raft.prs().conf().to_conf_state();
@@ -706,6 +704,22 @@ impl MultiRaft {
         let voters: BTreeSet<u64> = conf.voters.iter().copied().collect();
         let learners: BTreeSet<u64> = conf.learners.iter().copied().collect();
         let done = voters == target && learners.is_empty();
+        let last = raft.raft_log.last_index();
+        let matched = |id: u64| raft.prs().get(id).map_or(0, |progress| progress.matched);
+        let caught_up = |id: u64| matched(id) + CAUGHT_UP_SLACK >= last;
+        // Leadership goes to a target member first: clients follow the map's members.
+        if !target.contains(&raft.id) {
+            let heir = voters
+                .intersection(&target)
+                .copied()
+                .filter(|id| caught_up(*id))
+                .max_by_key(|id| matched(*id));
+            if let Some(heir) = heir {
+                group.node.transfer_leader(heir);
+                return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
+            }
+        }
+
         let change = |id: u64, kind: ConfChangeType| {
             let mut single = ConfChangeSingle {
                 node_id: id,
@@ -736,9 +750,6 @@ impl MultiRaft {
                     .map(|()| Reconfiguring::AddingLearners(osd_list(missing)));
             }
         }
-        let last = raft.raft_log.last_index();
-        let matched = |id: u64| raft.prs().get(id).map_or(0, |progress| progress.matched);
-        let caught_up = |id: u64| matched(id) + CAUGHT_UP_SLACK >= last;
         let promote: Vec<u64> = learners.intersection(&target).copied().collect();
         let behind: Vec<u64> = promote
             .iter()
@@ -747,17 +758,6 @@ impl MultiRaft {
             .collect();
         if !behind.is_empty() {
             return Some(Reconfiguring::CatchingUp(osd_list(behind)));
-        }
-        if !target.contains(&raft.id) {
-            let heir = voters
-                .intersection(&target)
-                .copied()
-                .filter(|id| caught_up(*id))
-                .max_by_key(|id| matched(*id));
-            if let Some(heir) = heir {
-                group.node.transfer_leader(heir);
-                return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
-            }
         }
         if done {
             return None;

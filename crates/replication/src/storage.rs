@@ -257,23 +257,27 @@ impl Storage for PgStorage {
         Ok(self.last())
     }
 
-    /// A snapshot at the compaction point, metadata only: the follower fetches the PG's
-    /// objects itself (their state is at or after that point; applying the entries after
-    /// it makes the copy exact, since object operations set their ranges whatever was
-    /// there).
+    /// A snapshot, metadata only: the follower fetches the PG's objects itself (their
+    /// state is at or after the snapshot's index; applying the entries after it makes the
+    /// copy exact, since object operations set their ranges whatever was there).
+    ///
+    /// Its index is the compaction point, or the last configuration change applied if that
+    /// is later: raft refuses a snapshot whose configuration does not hold the follower
+    /// (a new member is in it only from the change that added it on), and the configuration
+    /// must be the one as of the snapshot's index.
     fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        if self.compacted.0 == 0 || self.compacted.0 < request_index {
+        let (changed, conf) = self.confs.last().expect("never empty");
+        let index = self.compacted.0.max(*changed);
+        if self.compacted.0 == 0 || index < request_index {
             return Err(raft::Error::Store(
                 StorageError::SnapshotTemporarilyUnavailable,
             ));
         }
         let mut snapshot = Snapshot::default();
         let metadata = snapshot.mut_metadata();
-        metadata.index = self.compacted.0;
-        metadata.term = self.compacted.1;
-        // The configuration as of the snapshot's index: changes after it come with the
-        // entries the follower gets next.
-        metadata.set_conf_state(self.confs[0].1.clone());
+        metadata.index = index;
+        metadata.term = self.term(index)?;
+        metadata.set_conf_state(conf.clone());
         Ok(snapshot)
     }
 }
@@ -392,9 +396,12 @@ mod tests {
         storage.compact(3);
         let snapshot = storage.snapshot(3, 4).expect("snapshot");
         assert_eq!(
-            snapshot.get_metadata().get_conf_state(),
-            &conf(&[1, 2, 3, 4]),
-            "the configuration as of index 3, not the one applied later"
+            (
+                snapshot.get_metadata().index,
+                snapshot.get_metadata().get_conf_state()
+            ),
+            (4, &conf(&[1, 2, 4])),
+            "a snapshot as of the last change applied, past the compaction point"
         );
         let kept: Vec<u64> = storage.confs().iter().map(|(at, _)| *at).collect();
         assert_eq!(kept, [2, 4]);
@@ -402,13 +409,14 @@ mod tests {
         storage.record_conf(4, conf(&[1, 2, 5]));
         assert_eq!(storage.confs().len(), 2);
         storage.compact(5);
+        let snapshot = storage.snapshot(5, 4).expect("snapshot");
         assert_eq!(
-            storage
-                .snapshot(5, 4)
-                .expect("snapshot")
-                .get_metadata()
-                .get_conf_state(),
-            &conf(&[1, 2, 5])
+            (
+                snapshot.get_metadata().index,
+                snapshot.get_metadata().get_conf_state()
+            ),
+            (5, &conf(&[1, 2, 5])),
+            "at the compaction point, with the configuration as of it"
         );
         let restored = PgStorage::restored(storage.confs().to_vec(), None, (5, 1));
         assert_eq!(restored.conf_state(), &conf(&[1, 2, 5]));

@@ -16,7 +16,7 @@
 //! block 1... the body, then zeroes to a whole block
 //! ```
 //!
-//! The body holds, per PG: hard state, applied index, compaction point, voters, the raft
+//! The body holds, per PG: hard state, applied index, compaction point, configurations, the raft
 //! entries retained after the compaction point, and the object index. All little-endian.
 
 use basalt_common::{ImageId, Lsn, ObjectKey, PgId, PoolId};
@@ -26,7 +26,7 @@ use crate::batch::BLOCK_SIZE;
 /// Marks a checkpoint.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"BSLTCKPT");
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
 
 /// A raft entry kept in a checkpoint (data as the OSD keeps it in memory: a write is a
 /// reference to its payload on the device).
@@ -62,8 +62,9 @@ pub struct PgCheckpoint {
     pub compacted_index: u64,
     /// Its term.
     pub compacted_term: u64,
-    /// Raft ids of the voters.
-    pub voters: Vec<u64>,
+    /// The raft configurations (encoded) as of the compaction point and after each change
+    /// applied since, with the changes' raft indexes.
+    pub confs: Vec<(u64, Vec<u8>)>,
     /// The entries after the compaction point that were durable at the cut, in order.
     pub entries: Vec<RetainedEntry>,
     /// The object index.
@@ -202,8 +203,12 @@ impl Checkpoint {
             ] {
                 body.u64(v);
             }
-            body.len(pg.voters.len());
-            pg.voters.iter().for_each(|v| body.u64(*v));
+            body.len(pg.confs.len());
+            for (index, conf) in &pg.confs {
+                body.u64(*index);
+                body.len(conf.len());
+                body.0.extend_from_slice(conf);
+            }
             body.len(pg.entries.len());
             for entry in &pg.entries {
                 body.u64(entry.index);
@@ -289,8 +294,10 @@ impl Checkpoint {
                 compacted_term: r.u64()?,
                 ..PgCheckpoint::default()
             };
-            for _ in 0..r.count(8)? {
-                state.voters.push(r.u64()?);
+            for _ in 0..r.count(12)? {
+                let index = r.u64()?;
+                let len = r.u32()? as usize;
+                state.confs.push((index, r.take(len)?.to_vec()));
             }
             for _ in 0..r.count(21)? {
                 let (index, term, entry_type) = (r.u64()?, r.u64()?, r.u8()?);
@@ -362,7 +369,10 @@ mod tests {
     fn pg_checkpoint() -> impl Strategy<Value = PgCheckpoint> {
         (
             (any::<u32>(), any::<u32>(), any::<[u64; 6]>()),
-            proptest::collection::vec(any::<u64>(), 0..5),
+            proptest::collection::vec(
+                (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..12)),
+                0..4,
+            ),
             proptest::collection::vec(
                 (
                     any::<u64>(),
@@ -381,42 +391,40 @@ mod tests {
                 0..5,
             ),
         )
-            .prop_map(
-                |((pool, index, v), voters, entries, objects)| PgCheckpoint {
-                    pg: PgId {
-                        pool: PoolId(pool),
-                        index,
-                    },
-                    term: v[0],
-                    vote: v[1],
-                    commit: v[2],
-                    applied: v[3],
-                    compacted_index: v[4],
-                    compacted_term: v[5],
-                    voters,
-                    entries: entries
-                        .into_iter()
-                        .map(|(index, term, entry_type, data)| RetainedEntry {
-                            index,
-                            term,
-                            entry_type,
-                            data,
-                        })
-                        .collect(),
-                    objects: objects
-                        .into_iter()
-                        .map(|(image, number, extents)| {
-                            (
-                                ObjectKey {
-                                    image: ImageId(image),
-                                    number,
-                                },
-                                extents,
-                            )
-                        })
-                        .collect(),
+            .prop_map(|((pool, index, v), confs, entries, objects)| PgCheckpoint {
+                pg: PgId {
+                    pool: PoolId(pool),
+                    index,
                 },
-            )
+                term: v[0],
+                vote: v[1],
+                commit: v[2],
+                applied: v[3],
+                compacted_index: v[4],
+                compacted_term: v[5],
+                confs,
+                entries: entries
+                    .into_iter()
+                    .map(|(index, term, entry_type, data)| RetainedEntry {
+                        index,
+                        term,
+                        entry_type,
+                        data,
+                    })
+                    .collect(),
+                objects: objects
+                    .into_iter()
+                    .map(|(image, number, extents)| {
+                        (
+                            ObjectKey {
+                                image: ImageId(image),
+                                number,
+                            },
+                            extents,
+                        )
+                    })
+                    .collect(),
+            })
     }
 
     fn checkpoint() -> impl Strategy<Value = Checkpoint> {

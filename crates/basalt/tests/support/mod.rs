@@ -516,14 +516,37 @@ impl ClusterProcesses {
     /// Waits until the replicas of every PG have applied the same entries and hold the same
     /// data (`basalt pg query`).
     pub fn wait_replicas_equal(&self, timeout: Duration) {
-        let pgs: Vec<String> = self
+        let pgs: Vec<(String, Vec<u64>)> = self
             .cli_json(&["pg", "ls"])
             .as_array()
             .expect("pg list")
             .iter()
-            .map(|pg| pg["pg"].as_str().expect("pg id").to_string())
+            .map(|pg| {
+                let mut members: Vec<u64> = pg["members"]
+                    .as_array()
+                    .expect("members")
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .collect();
+                members.sort_unstable();
+                (pg["pg"].as_str().expect("pg id").to_string(), members)
+            })
             .collect();
-        for pg in pgs {
+        // Each replica's raft voters are the map's members, and nothing is left over from a
+        // membership change.
+        let settled = |replica: &Value, members: &[u64]| {
+            let mut voters: Vec<u64> = replica["voters"]
+                .as_array()
+                .map(|v| v.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            voters.sort_unstable();
+            voters == members
+                && replica["learners"].as_array().is_some_and(Vec::is_empty)
+                && replica["voters_outgoing"]
+                    .as_array()
+                    .is_some_and(Vec::is_empty)
+        };
+        for (pg, members) in pgs {
             let start = Instant::now();
             loop {
                 let output = basalt()
@@ -536,6 +559,7 @@ impl ClusterProcesses {
                         && replicas.iter().all(|r| {
                             r["error"].is_null()
                                 && r["hosted"] == true
+                                && settled(r, &members)
                                 && r["applied"] == replicas[0]["applied"]
                                 && r["digest"] == replicas[0]["digest"]
                                 && r["mapped_bytes"] == replicas[0]["mapped_bytes"]
@@ -590,4 +614,62 @@ pub fn fio(uri: &str, args: &[&str]) -> Value {
         "fio reported an error: {json}"
     );
     report
+}
+
+/// A target exporting `pool/image` of the cluster over NBD; returns it and the URI.
+pub fn export_image(
+    dir: &std::path::Path,
+    cluster: &ClusterProcesses,
+    pool: &str,
+    image: &str,
+) -> (TargetProcess, String) {
+    let target = TargetProcess::start(dir, &[]);
+    target.rpc_ok(
+        "bdev_basalt_create",
+        json!({"name": "img", "pool": pool, "image": image, "mons": cluster.mon_addresses()}),
+    );
+    let port = target.start_nbd();
+    target.rpc_ok(
+        "nbd_server_add_export",
+        json!({"bdev_name": "img", "name": "img"}),
+    );
+    (target, format!("nbd://127.0.0.1:{port}/img"))
+}
+
+/// fio's arguments for a crc32c-verified random write of `size` (each block written once,
+/// so a later `--verify_only` run with the same arguments checks every block).
+pub fn verified_write(size: &str) -> Vec<String> {
+    [
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=8",
+        &format!("--size={size}"),
+        "--verify=crc32c",
+        "--randseed=1234",
+        "--verify_fatal=1",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect()
+}
+
+pub fn args(list: &[String]) -> Vec<&str> {
+    list.iter().map(String::as_str).collect()
+}
+
+pub fn http_get(address: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).expect("connect to metrics");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+}
+
+pub fn metric(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {metrics}"))
 }

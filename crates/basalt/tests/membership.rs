@@ -1,0 +1,88 @@
+//! PG membership changes as processes on loopback: an OSD marked out gives its PGs away
+//! and takes them back when marked in, while fio writes and verifies (a binary of its own,
+//! so that its four OSDs do not load the other cluster tests).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// Waits until the OSD serving metrics at `metrics` hosts PG replicas as `done` says.
+fn wait_hosted(metrics: &str, what: &str, done: impl Fn(f64) -> bool) -> f64 {
+    let mut hosted = f64::NAN;
+    wait_for(what, Duration::from_secs(180), || {
+        hosted = metric(&http_get(metrics, "/metrics"), "basalt_osd_pgs_hosted");
+        done(hosted)
+    });
+    hosted
+}
+
+/// An OSD marked out gives its PGs to the others while fio writes (raft membership changes:
+/// the new members catch up as learners, then replace it), and hosts nothing once they
+/// have; marked in again, PGs move back. Both data sets verify throughout, and after a
+/// crash of every OSD (the configurations come back from checkpoints and the log).
+#[test]
+fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
+    let dir = ScratchDir::new("cluster-out-in");
+    let metrics_port = free_port();
+    let metrics = format!("127.0.0.1:{metrics_port}");
+    let mut osds = vec![(None, Vec::new()); 3];
+    osds.push((None, vec!["--metrics-addr".to_string(), metrics.clone()]));
+    let mut cluster =
+        ClusterProcesses::start_custom(&dir.path, vec![format!("127.0.0.1:{}", free_port())], osds);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "16", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "64MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let first = verified_write("32M");
+    fio(&uri, &args(&first));
+    let before = wait_hosted(&metrics, "the last osd to host pgs", |n| n > 0.0);
+
+    // Out: while fio writes the second half, the PGs leave the OSD.
+    let victim = cluster.osd_id(3);
+    let started = Instant::now();
+    cluster.cli_ok(&["osd", "out", &victim.to_string()]);
+    let mut second = verified_write("32M");
+    second.push("--offset=32M".into());
+    let fio_uri = uri.clone();
+    let fio_args = second.clone();
+    let fio_run = std::thread::spawn(move || fio(&fio_uri, &args(&fio_args)));
+    wait_hosted(&metrics, "osd.3 to host no pg", |n| n == 0.0);
+    let moved = started.elapsed();
+    let report = fio_run.join().expect("fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(32 << 20)
+    );
+    cluster.wait_replicas_equal(Duration::from_secs(120));
+    eprintln!("{before} pg replicas moved off osd.{victim} in {moved:?}");
+    for run in [&first, &second] {
+        let mut verify = run.clone();
+        verify.push("--verify_only".into());
+        fio(&uri, &args(&verify));
+    }
+
+    // In: PGs come back to it, by snapshot or log.
+    cluster.cli_ok(&["osd", "in", &victim.to_string()]);
+    wait_hosted(&metrics, "osd.3 to host pgs again", |n| n > 0.0);
+    cluster.wait_replicas_equal(Duration::from_secs(180));
+
+    // Every OSD crashes and restarts: the configurations are durable.
+    drop(target);
+    for n in 0..4 {
+        cluster.kill_osd(n);
+    }
+    for n in 0..4 {
+        cluster.start_osd(n);
+    }
+    cluster.wait_osds_up(4);
+    cluster.wait_clean(Duration::from_secs(60));
+    cluster.wait_replicas_equal(Duration::from_secs(120));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    for run in [&first, &second] {
+        let mut verify = run.clone();
+        verify.push("--verify_only".into());
+        fio(&uri, &args(&verify));
+    }
+}
