@@ -630,7 +630,11 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
                 .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
             let state: Result<basalt_osd::daemon::PgReplicaState, String> = match address {
                 None => Err("no address".to_string()),
-                Some(address) => query_replica(address, pg).await,
+                Some(address) => {
+                    let request = basalt_osd::daemon::OsdRequest::PgQuery { pg };
+                    let answer_within = std::time::Duration::from_secs(30);
+                    basalt_osd::daemon::query_replica(address, &request, answer_within).await
+                }
             };
             states.push((*member, state));
         }
@@ -673,32 +677,4 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
         }
         Ok(ExitCode::SUCCESS)
     })
-}
-
-async fn query_replica(
-    address: std::net::SocketAddr,
-    pg: PgId,
-) -> Result<basalt_osd::daemon::PgReplicaState, String> {
-    let request = basalt_wire::Message::Control {
-        body: serde_json::to_vec(&basalt_osd::daemon::OsdRequest::PgQuery { pg })
-            .expect("requests encode"),
-    };
-    let client = tokio::time::timeout(
-        std::time::Duration::from_secs(2),
-        basalt_wire::tcp::Client::connect(address),
-    )
-    .await
-    .map_err(|_| "connect timed out".to_string())?
-    .map_err(|error| error.to_string())?;
-    let reply = tokio::time::timeout(std::time::Duration::from_secs(30), client.call(&request))
-        .await
-        .map_err(|_| "no answer".to_string())?
-        .map_err(|error| error.to_string())?;
-    match reply {
-        basalt_wire::Message::Control { body } => {
-            serde_json::from_slice::<Result<_, String>>(&body)
-                .map_err(|error| format!("malformed answer: {error}"))?
-        }
-        other => Err(format!("unexpected answer of kind {}", other.kind())),
-    }
 }

@@ -285,8 +285,7 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     qemu_io_ok(&uri, true, &["read -P 0xab 0 8M"]);
     wait_for(
         "status to name the full osds",
-        // Under the load of the other tests the cleaner takes a while to find nothing left.
-        Duration::from_secs(90),
+        Duration::from_secs(30),
         || {
             cluster
                 .cli_ok(&["status"])

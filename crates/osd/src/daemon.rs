@@ -1408,11 +1408,7 @@ impl Core {
             OsdRequest::PgQuery { pg } => (pg, true),
             OsdRequest::PgConf { pg } => (pg, false),
         };
-        let conf = self.raft.conf(pg);
-        let osds = |ids: Option<&Vec<u64>>| -> Vec<OsdId> {
-            ids.map(|ids| ids.iter().map(|id| OsdId((id - 1) as u32)).collect())
-                .unwrap_or_default()
-        };
+        let members = self.raft.members(pg).unwrap_or_default();
         let mut state = PgReplicaState {
             osd: self.id,
             pg,
@@ -1425,9 +1421,9 @@ impl Core {
             objects: 0,
             mapped_bytes: 0,
             digest: 0,
-            voters: osds(conf.map(|conf| &conf.voters)),
-            voters_outgoing: osds(conf.map(|conf| &conf.voters_outgoing)),
-            learners: osds(conf.map(|conf| &conf.learners)),
+            voters: members.voters,
+            voters_outgoing: members.voters_outgoing,
+            learners: members.learners,
         };
         if !with_data {
             let _ = reply_to.send(answer(Ok(state)));
@@ -1810,7 +1806,9 @@ impl Core {
             let (events, me) = (self.events.clone(), self.id);
             tokio::spawn(async move {
                 for (id, address) in members {
-                    if let Some(state) = ask_pg_conf(address, pg).await
+                    let request = OsdRequest::PgConf { pg };
+                    if let Ok(state) =
+                        query_replica(address, &request, Duration::from_secs(5)).await
                         && state.leader == Some(id)
                         && state.hosted
                         && !state.includes(me)
@@ -1879,7 +1877,9 @@ impl Core {
             .filter(|pg| self.raft.read_barrier(*pg).is_some())
             .collect();
         let c = &self.counters;
-        let full = self.space_for(1 << 20).is_err() && self.reclaimable_bytes() == 0;
+        // Full exactly when writes are refused with "no space" (not while they wait for
+        // the cleaner): the same test as theirs.
+        let full = matches!(self.space_for(1 << 20), Err(Status::NoSpace { .. }));
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = OsdReport {
             capacity_bytes,
             used_bytes: self.reclaim.live_bytes,
@@ -2004,25 +2004,29 @@ async fn fetch_chunk(
     }
 }
 
-/// A replica's state of `pg` without its data, from the OSD at `address`; `None` if it
-/// cannot be had.
-async fn ask_pg_conf(address: SocketAddr, pg: PgId) -> Option<PgReplicaState> {
-    let attempt = async {
-        let client = Client::connect(address).await.ok()?;
-        let body = serde_json::to_vec(&OsdRequest::PgConf { pg }).ok()?;
-        match client.call(&Message::Control { body }).await.ok()? {
-            Message::Control { body } => {
-                serde_json::from_slice::<Result<PgReplicaState, String>>(&body)
-                    .ok()?
-                    .ok()
-            }
-            _ => None,
-        }
+/// Asks the OSD at `address` for its replica's state of a PG (`request`): it has 2 s to
+/// accept the connection and `answer_within` to answer.
+pub async fn query_replica(
+    address: SocketAddr,
+    request: &OsdRequest,
+    answer_within: Duration,
+) -> Result<PgReplicaState, String> {
+    let request = Message::Control {
+        body: serde_json::to_vec(request).expect("requests encode"),
     };
-    tokio::time::timeout(Duration::from_secs(5), attempt)
+    let client = tokio::time::timeout(Duration::from_secs(2), Client::connect(address))
         .await
-        .ok()
-        .flatten()
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|error| error.to_string())?;
+    let reply = tokio::time::timeout(answer_within, client.call(&request))
+        .await
+        .map_err(|_| "no answer".to_string())?
+        .map_err(|error| error.to_string())?;
+    match reply {
+        Message::Control { body } => serde_json::from_slice::<Result<_, String>>(&body)
+            .map_err(|error| format!("malformed answer: {error}"))?,
+        other => Err(format!("unexpected answer of kind {}", other.kind())),
+    }
 }
 
 /// A peer's sending task: connects on demand, drops messages it cannot deliver (raft

@@ -396,6 +396,27 @@ mod tests {
         }
     }
 
+    /// Raft entry `index` of `term`: a write of 4 KiB of `fill` at `offset_bytes`.
+    fn write_entry(
+        object: ObjectKey,
+        offset_bytes: u32,
+        fill: u8,
+        index: u64,
+        term: u64,
+    ) -> RaftEntry {
+        let op = ObjectOp::Write {
+            object,
+            offset_bytes,
+            data: vec![fill; 4096],
+        };
+        RaftEntry {
+            index,
+            term,
+            data: op.encode().into(),
+            ..RaftEntry::default()
+        }
+    }
+
     #[test]
     fn an_installed_snapshot_replaces_the_pg_and_an_unfinished_one_is_dropped() {
         use crate::snapshot::{Chunk, chunk_entries, installed_entry};
@@ -403,18 +424,7 @@ mod tests {
             image: ImageId(1),
             number: 4,
         };
-        let old = ObjectOp::Write {
-            object,
-            offset_bytes: 0,
-            data: vec![1; 4096],
-        };
-        let raft_entry = RaftEntry {
-            index: 3,
-            term: 1,
-            data: old.encode().into(),
-            ..RaftEntry::default()
-        };
-        let before = to_log_entries(PG, &[raft_entry], None);
+        let before = to_log_entries(PG, &[write_entry(object, 0, 1, 3, 1)], None);
         let chunk = Chunk {
             objects: vec![(object, vec![(8192, vec![2; 4096])])],
             next: None,
@@ -510,20 +520,11 @@ mod tests {
 
     #[test]
     fn a_write_keeps_only_its_payload_as_data_and_replay_finds_it() {
-        let op = ObjectOp::Write {
-            object: ObjectKey {
-                image: ImageId(1),
-                number: 2,
-            },
-            offset_bytes: 4096,
-            data: vec![7; 4096],
+        let object = ObjectKey {
+            image: ImageId(1),
+            number: 2,
         };
-        let raft_entry = RaftEntry {
-            index: 5,
-            term: 2,
-            data: op.encode().into(),
-            ..RaftEntry::default()
-        };
+        let raft_entry = write_entry(object, 4096, 7, 5, 2);
         let log = to_log_entries(PG, std::slice::from_ref(&raft_entry), None);
         assert_eq!(
             log[0].data,

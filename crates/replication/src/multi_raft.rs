@@ -174,6 +174,32 @@ pub fn decode_conf(bytes: &[u8]) -> Option<ConfState> {
     ConfState::parse_from_bytes(bytes).ok()
 }
 
+/// A configuration change: `kind` for each of `first`, then `then` for each of `rest`
+/// (none: leave a joint configuration).
+fn conf_change(
+    first: &[u64],
+    kind: ConfChangeType,
+    rest: &[u64],
+    then: ConfChangeType,
+) -> ConfChangeV2 {
+    let single = |id: &u64, kind: ConfChangeType| {
+        let mut single = ConfChangeSingle {
+            node_id: *id,
+            ..ConfChangeSingle::default()
+        };
+        single.set_change_type(kind);
+        single
+    };
+    let changes: Vec<ConfChangeSingle> = first
+        .iter()
+        .map(|id| single(id, kind))
+        .chain(rest.iter().map(|id| single(id, then)))
+        .collect();
+    let mut change = ConfChangeV2::default();
+    change.set_changes(changes.into());
+    change
+}
+
 /// The configuration change a committed entry holds, if it holds one.
 fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
     use protobuf::Message as _;
@@ -182,14 +208,8 @@ fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
         EntryType::EntryConfChange => {
             // Not proposed by Basalt; read as the single change it is.
             let change = ConfChange::parse_from_bytes(&entry.data).ok()?;
-            let mut single = ConfChangeSingle {
-                node_id: change.node_id,
-                ..ConfChangeSingle::default()
-            };
-            single.set_change_type(change.get_change_type());
-            let mut v2 = ConfChangeV2::default();
-            v2.set_changes(vec![single].into());
-            Some(v2)
+            let kind = change.get_change_type();
+            Some(conf_change(&[change.node_id], kind, &[], kind))
         }
         EntryType::EntryNormal => None,
     }
@@ -218,8 +238,19 @@ pub enum Reconfiguring {
     },
 }
 
-fn osd_list(ids: impl IntoIterator<Item = u64>) -> Vec<OsdId> {
-    ids.into_iter().map(osd_of).collect()
+fn osd_list<'a>(ids: impl IntoIterator<Item = &'a u64>) -> Vec<OsdId> {
+    ids.into_iter().map(|id| osd_of(*id)).collect()
+}
+
+/// A replica's raft configuration, by OSD.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Members {
+    /// Voters (in a joint configuration, the incoming ones).
+    pub voters: Vec<OsdId>,
+    /// Voters leaving, in a joint configuration.
+    pub voters_outgoing: Vec<OsdId>,
+    /// Learners: new members catching up.
+    pub learners: Vec<OsdId>,
 }
 
 /// Every PG replica of one OSD.
@@ -649,24 +680,13 @@ impl MultiRaft {
     }
 
     /// This replica's configuration of `pg`, as of the last change applied.
-    pub fn conf(&self, pg: PgId) -> Option<&ConfState> {
-        self.groups
-            .get(&pg)
-            .map(|group| group.node.store().conf_state())
-    }
-
-    /// If this replica leads `pg`: whether `osd` is in its configuration (a voter, in a
-    /// joint configuration's either half, or a learner).
-    pub fn leader_conf_includes(&self, pg: PgId, osd: OsdId) -> Option<bool> {
-        let raft = self.led(pg)?;
-        let id = raft_id(osd);
-        let conf = raft.prs().conf().to_conf_state();
-        Some(
-            conf.voters.contains(&id)
-                || conf.voters_outgoing.contains(&id)
-                || conf.learners.contains(&id)
-                || conf.learners_next.contains(&id),
-        )
+    pub fn members(&self, pg: PgId) -> Option<Members> {
+        let conf = self.groups.get(&pg)?.node.store().conf_state();
+        Some(Members {
+            voters: osd_list(&conf.voters),
+            voters_outgoing: osd_list(&conf.voters_outgoing),
+            learners: osd_list(&conf.learners),
+        })
     }
 
     /// Stops hosting `pg` (this replica was removed from it).
@@ -688,17 +708,17 @@ impl MultiRaft {
             return None;
         }
         let conf = raft.prs().conf().to_conf_state();
-        let propose = |node: &mut RawNode<PgStorage>, changes: Vec<ConfChangeSingle>| {
-            let mut change = ConfChangeV2::default();
-            change.set_changes(changes.into());
+        let (add, remove) = (ConfChangeType::AddNode, ConfChangeType::RemoveNode);
+        let propose = |node: &mut RawNode<PgStorage>, change: ConfChangeV2, step| {
             node.propose_conf_change(Vec::new(), change)
+                .ok()
+                .map(|()| step)
         };
         if !conf.voters_outgoing.is_empty() {
             // raft leaves a joint configuration on its own, unless the leader changed
             // before it did.
-            return propose(&mut group.node, Vec::new())
-                .ok()
-                .map(|()| Reconfiguring::LeavingJoint);
+            let leave = conf_change(&[], add, &[], remove);
+            return propose(&mut group.node, leave, Reconfiguring::LeavingJoint);
         }
         let target: BTreeSet<u64> = target.iter().map(|osd| raft_id(*osd)).collect();
         let voters: BTreeSet<u64> = conf.voters.iter().copied().collect();
@@ -719,15 +739,6 @@ impl MultiRaft {
                 return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
             }
         }
-
-        let change = |id: u64, kind: ConfChangeType| {
-            let mut single = ConfChangeSingle {
-                node_id: id,
-                ..ConfChangeSingle::default()
-            };
-            single.set_change_type(kind);
-            single
-        };
         if !done {
             let missing: Vec<u64> = target
                 .difference(&voters)
@@ -736,18 +747,9 @@ impl MultiRaft {
                 .collect();
             let stray: Vec<u64> = learners.difference(&target).copied().collect();
             if !missing.is_empty() || !stray.is_empty() {
-                let changes = missing
-                    .iter()
-                    .map(|id| change(*id, ConfChangeType::AddLearnerNode))
-                    .chain(
-                        stray
-                            .iter()
-                            .map(|id| change(*id, ConfChangeType::RemoveNode)),
-                    )
-                    .collect();
-                return propose(&mut group.node, changes)
-                    .ok()
-                    .map(|()| Reconfiguring::AddingLearners(osd_list(missing)));
+                let change = conf_change(&missing, ConfChangeType::AddLearnerNode, &stray, remove);
+                let step = Reconfiguring::AddingLearners(osd_list(&missing));
+                return propose(&mut group.node, change, step);
             }
         }
         let promote: Vec<u64> = learners.intersection(&target).copied().collect();
@@ -757,7 +759,7 @@ impl MultiRaft {
             .filter(|id| !caught_up(*id))
             .collect();
         if !behind.is_empty() {
-            return Some(Reconfiguring::CatchingUp(osd_list(behind)));
+            return Some(Reconfiguring::CatchingUp(osd_list(&behind)));
         }
         if done {
             return None;
@@ -769,21 +771,15 @@ impl MultiRaft {
             .copied()
             .filter(|id| *id != raft.id)
             .collect();
-        let changes = promote
-            .iter()
-            .map(|id| change(*id, ConfChangeType::AddNode))
-            .chain(
-                removed
-                    .iter()
-                    .map(|id| change(*id, ConfChangeType::RemoveNode)),
-            )
-            .collect();
-        propose(&mut group.node, changes)
-            .ok()
-            .map(|()| Reconfiguring::Promoting {
-                added: osd_list(promote),
-                removed: osd_list(removed),
-            })
+        let step = Reconfiguring::Promoting {
+            added: osd_list(&promote),
+            removed: osd_list(&removed),
+        };
+        propose(
+            &mut group.node,
+            conf_change(&promote, add, &removed, remove),
+            step,
+        )
     }
 
     /// Reports a [`Action::Persist`] durable.

@@ -463,14 +463,16 @@ impl Cluster {
                 return false;
             };
             let target = &self.targets[pg];
-            let Some(conf) = leader.conf(*pg) else {
+            let Some(mut members) = leader.members(*pg) else {
                 return false;
             };
-            let mut voters: Vec<u64> = conf.voters.clone();
-            voters.sort_unstable();
-            let mut wanted: Vec<u64> = target.iter().map(|osd| u64::from(osd.0) + 1).collect();
+            members.voters.sort_unstable();
+            let mut wanted = target.clone();
             wanted.sort_unstable();
-            if voters != wanted || !conf.learners.is_empty() || !conf.voters_outgoing.is_empty() {
+            if members.voters != wanted
+                || !members.learners.is_empty()
+                || !members.voters_outgoing.is_empty()
+            {
                 return false;
             }
             let last = leader.last_index(*pg);
