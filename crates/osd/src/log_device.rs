@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use basalt_common::Lsn;
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
-use basalt_store::checkpoint::Checkpoint;
+use basalt_store::checkpoint::{Checkpoint, CheckpointError};
 use basalt_store::log::{LogWriter, Replayed, Ring, replay_trimmed};
 use basalt_store::object_op::kind;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -488,8 +488,12 @@ async fn read_checkpoints(
             let offset =
                 superblock.checkpoint_start_bytes + area * superblock.checkpoint_size_bytes;
             let header = pread(&file, offset, BLOCK_SIZE)?;
-            let Ok(len) = Checkpoint::length_from_header(&header) else {
-                continue;
+            let len = match Checkpoint::length_from_header(&header) {
+                Ok(len) => len,
+                Err(error @ CheckpointError::Version { .. }) => {
+                    return Err(other_format(area, &error));
+                }
+                Err(_) => continue,
             };
             if len as u64 > superblock.checkpoint_size_bytes {
                 tracing::warn!(area, len, "checkpoint longer than its area ignored");
@@ -505,6 +509,9 @@ async fn read_checkpoints(
                         best = Some(checkpoint);
                     }
                 }
+                Err(error @ CheckpointError::Version { .. }) => {
+                    return Err(other_format(area, &error));
+                }
                 Err(error) => tracing::warn!(area, %error, "checkpoint ignored"),
             }
         }
@@ -512,6 +519,18 @@ async fn read_checkpoints(
     })
     .await
     .map_err(|error| std::io::Error::other(format!("checkpoint task failed: {error}")))?
+}
+
+/// A checkpoint of another format is refused, not passed over: replay from the start of
+/// the ring would miss what the checkpoint holds once the log has been reused.
+fn other_format(area: u64, error: &CheckpointError) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!(
+            "checkpoint area {area}: {error}; this device was written by another version of \
+             basalt and cannot be read by this one"
+        ),
+    )
 }
 
 /// `len` bytes of `file` at `offset`, through a positioned read (buffered reads see what

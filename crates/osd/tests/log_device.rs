@@ -262,3 +262,58 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
     }
     std::fs::remove_file(path).expect("remove");
 }
+
+/// A checkpoint of another format stops the open with a clear error: ignoring it would
+/// replay from the ring's start and miss what it holds once the log has been reused.
+#[tokio::test(flavor = "current_thread")]
+async fn a_checkpoint_of_another_format_is_refused() {
+    use basalt_store::checkpoint::{Checkpoint, FORMAT_VERSION, MAGIC};
+    use std::os::unix::fs::FileExt;
+    let path = device_file("format", 32 << 20);
+    LogDevice::format(&path, [5; 16]).await.expect("format");
+    let device = LogDevice::open(&path).await.expect("open").device;
+    let checkpoint = Checkpoint {
+        sequence: 1,
+        replay_lsn: Lsn(1),
+        tail_lsn: Lsn(1),
+        ..Checkpoint::default()
+    };
+    device
+        .write_checkpoint(0, &checkpoint)
+        .await
+        .expect("checkpoint");
+    drop(device);
+    LogDevice::open(&path)
+        .await
+        .expect("a checkpoint of this format opens");
+
+    // Find the checkpoint by its magic and give it another version, with a valid header
+    // checksum: only the version is wrong.
+    let bytes = std::fs::read(&path).expect("read");
+    let at = (0..bytes.len())
+        .step_by(4096)
+        .find(|at| bytes[*at..*at + 8] == MAGIC.to_le_bytes())
+        .expect("checkpoint on the device");
+    let mut header = bytes[at..at + 4096].to_vec();
+    header[8..10].copy_from_slice(&(FORMAT_VERSION - 1).to_le_bytes());
+    let crc = crc32c::crc32c(&header[..68]);
+    header[68..72].copy_from_slice(&crc.to_le_bytes());
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open for write");
+    file.write_all_at(&header, at as u64).expect("patch");
+    drop(file);
+
+    let error = LogDevice::open(&path)
+        .await
+        .err()
+        .expect("another format is refused");
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("checkpoint format {}", FORMAT_VERSION - 1))
+            && message.contains("another version of basalt"),
+        "{message}"
+    );
+    std::fs::remove_file(path).expect("remove");
+}
