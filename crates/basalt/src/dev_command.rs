@@ -296,6 +296,7 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         () = watch => {}
     }
     target.nbd.stop();
+    target.nvmf.shutdown();
     drop(children);
     println!("basalt dev: stopped");
     Ok(())

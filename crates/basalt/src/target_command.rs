@@ -50,5 +50,6 @@ async fn serve(args: TargetArgs) -> anyhow::Result<()> {
     }
     tracing::info!("target stopping");
     target.nbd.stop();
+    target.nvmf.shutdown();
     Ok(())
 }

@@ -194,9 +194,14 @@ pub fn incoming_cpu(socket: &impl AsRawFd) -> Option<usize> {
 impl Drop for Reactors {
     fn drop(&mut self) {
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        let current = std::thread::current().id();
         for (stop, thread) in threads {
             let _ = stop.send(());
-            let _ = thread.join();
+            // The last owner can be a task on one of these threads (a connection holding
+            // its server): that thread stops by itself once the task returns.
+            if thread.thread().id() != current {
+                let _ = thread.join();
+            }
         }
     }
 }

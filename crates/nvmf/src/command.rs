@@ -64,6 +64,10 @@ pub const CNS_CONTROLLER: u8 = 0x01;
 pub const CNS_ACTIVE_NAMESPACES: u8 = 0x02;
 /// Identify CNS: namespace identification descriptors (UUID, NGUID, EUI-64).
 pub const CNS_NAMESPACE_DESCRIPTORS: u8 = 0x03;
+/// Identify CNS: the I/O command set specific Identify Namespace (CSI in CDW11).
+pub const CNS_NAMESPACE_COMMAND_SET: u8 = 0x05;
+/// Identify CNS: the I/O command set specific Identify Controller (CSI in CDW11).
+pub const CNS_CONTROLLER_COMMAND_SET: u8 = 0x06;
 
 /// Log page id (Get Log Page CDW10 bits 7:0): error information.
 pub const LOG_ERROR: u8 = 0x01;

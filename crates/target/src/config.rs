@@ -3,7 +3,8 @@
 //! ```json
 //! {"subsystems": [
 //!   {"subsystem": "bdev", "config": [{"method": "bdev_malloc_create", "params": {...}}]},
-//!   {"subsystem": "nbd",  "config": [{"method": "nbd_server_start",   "params": {...}}]}
+//!   {"subsystem": "nbd",  "config": [{"method": "nbd_server_start",   "params": {...}}]},
+//!   {"subsystem": "nvmf", "config": [{"method": "nvmf_create_transport", "params": {...}}]}
 //! ]}
 //! ```
 //!
@@ -43,7 +44,7 @@ fn null_as_empty<'de, D: serde::Deserializer<'de>>(
 }
 
 /// Subsystems in load order.
-pub const SUBSYSTEMS: &[&str] = &["bdev", "nbd"];
+pub const SUBSYSTEMS: &[&str] = &["bdev", "nbd", "nvmf"];
 
 /// The configuration of a running target.
 pub fn save(target: &Target) -> TargetConfig {
@@ -54,6 +55,7 @@ pub fn save(target: &Target) -> TargetConfig {
             config: match name {
                 "bdev" => target.bdevs.config(),
                 "nbd" => basalt_nbd::rpc::config(&target.nbd),
+                "nvmf" => basalt_nvmf::rpc::config(&target.nvmf),
                 _ => Vec::new(),
             },
         })

@@ -6,6 +6,7 @@ use basalt_bdev::BdevRegistry;
 use basalt_common::RpcError;
 use basalt_io::{Placement, Reactors};
 use basalt_nbd::NbdServer;
+use basalt_nvmf::NvmfTarget;
 use serde_json::{Value, json};
 
 use crate::config;
@@ -24,6 +25,8 @@ pub struct Target {
     pub bdevs: BdevRegistry,
     /// The NBD frontend.
     pub nbd: Arc<NbdServer>,
+    /// The NVMe/TCP frontend.
+    pub nvmf: Arc<NvmfTarget>,
     /// The threads that serve frontend connections.
     pub reactors: Arc<Reactors>,
 }
@@ -34,9 +37,11 @@ impl Target {
     pub fn new(reactor_count: usize, placement: Placement) -> std::io::Result<Arc<Self>> {
         let reactors = Arc::new(Reactors::start_with(reactor_count, "reactor", placement)?);
         let nbd = NbdServer::new(reactors.clone());
+        let nvmf = NvmfTarget::new(reactors.clone());
         Ok(Arc::new(Self {
             bdevs: BdevRegistry::new(),
             nbd,
+            nvmf,
             reactors,
         }))
     }
@@ -47,6 +52,7 @@ impl Target {
             .iter()
             .chain(basalt_bdev::rpc::METHODS)
             .chain(basalt_nbd::rpc::METHODS)
+            .chain(basalt_nvmf::rpc::METHODS)
             .copied()
             .collect();
         methods.sort_unstable();
@@ -74,7 +80,12 @@ impl Target {
                     return result;
                 }
                 if let Some(result) =
-                    basalt_nbd::rpc::call(&self.nbd, &self.bdevs, method, params).await
+                    basalt_nbd::rpc::call(&self.nbd, &self.bdevs, method, params.clone()).await
+                {
+                    return result;
+                }
+                if let Some(result) =
+                    basalt_nvmf::rpc::call(&self.nvmf, &self.bdevs, method, params).await
                 {
                     return result;
                 }

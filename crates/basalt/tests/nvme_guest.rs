@@ -1,0 +1,104 @@
+//! The Linux kernel's NVMe/TCP initiator, with nvme-cli, fio and ext4, against
+//! `basalt target`: a small Linux guest under QEMU (scripts/guest) runs
+//! `tests/guest/nvme_tcp.sh` against a target on the host's loopback.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::json;
+use support::{ScratchDir, TargetProcess};
+
+const NQN: &str = "nqn.2016-06.io.basalt:guest";
+const RESTRICTED_NQN: &str = "nqn.2016-06.io.basalt:restricted";
+
+#[test]
+fn the_linux_initiator_uses_the_target() {
+    let dir = ScratchDir::new("nvme-guest");
+    let target = TargetProcess::start(&dir.path, &[]);
+    for (name, blocks) in [("Malloc0", 262_144), ("Malloc1", 65_536), ("Malloc2", 2048)] {
+        target.rpc_ok(
+            "bdev_malloc_create",
+            json!({"name": name, "num_blocks": blocks, "block_size": 512}),
+        );
+    }
+    target.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
+    target.rpc_ok(
+        "nvmf_create_subsystem",
+        json!({"nqn": NQN, "allow_any_host": true, "serial_number": "BASALTGUEST1"}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc0"}}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "listen_address": {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1", "trsvcid": "0"}}),
+    );
+    let subsystems = target.rpc_ok("nvmf_get_subsystems", json!({"nqn": NQN}));
+    let port = subsystems[0]["listen_addresses"][0]["trsvcid"]
+        .as_str()
+        .expect("trsvcid")
+        .to_string();
+    target.rpc_ok(
+        "nvmf_create_subsystem",
+        json!({"nqn": RESTRICTED_NQN, "allow_any_host": false}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": RESTRICTED_NQN, "host": "nqn.2014-08.org.nvmexpress:uuid:11111111-2222-4333-8444-555555555555"}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": RESTRICTED_NQN, "namespace": {"bdev_name": "Malloc2"}}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": RESTRICTED_NQN, "listen_address": {"trtype": "TCP", "traddr": "127.0.0.1", "trsvcid": port}}),
+    );
+
+    // The guest connects here when it wants namespace 2 added to its subsystem.
+    let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
+    let trigger_port = trigger.local_addr().expect("address").port();
+    let socket = target.socket.clone();
+    let hot_add = std::thread::spawn(move || {
+        let (stream, _) = trigger.accept().expect("the guest asks for a namespace");
+        let answer = support::rpc_call(
+            &socket,
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc1", "nsid": 2}}),
+        );
+        assert_eq!(answer["result"], json!(2), "{answer}");
+        let mut stream = stream;
+        stream.write_all(b"added\n").expect("answer the guest");
+        let mut line = String::new();
+        let _ = BufReader::new(stream).read_line(&mut line);
+    });
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_tcp.sh");
+    let run = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
+    let output = Command::new(run)
+        .args([script, &port, NQN, RESTRICTED_NQN, &trigger_port.to_string()])
+        .env("BASALT_GUEST_TIMEOUT", "600")
+        .output()
+        .expect("run the guest");
+    let console = String::from_utf8_lossy(&output.stdout);
+    let errors = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "guest failed ({}):\n{console}\n{errors}\ntarget log:\n{}",
+        output.status,
+        target.log_text()
+    );
+    assert!(console.contains("nvme_tcp: done"), "{console}");
+    hot_add.join().expect("hot add");
+
+    // The controller went away with the guest's disconnect.
+    support::wait_for("no controller left", Duration::from_secs(10), || {
+        target.rpc_ok("nvmf_subsystem_get_controllers", json!({"nqn": NQN})) == json!([])
+    });
+    target.stop();
+}

@@ -1,0 +1,725 @@
+//! One NVMe/TCP connection (one queue pair), in one task: ICReq/ICResp, Connect, then
+//! commands until the host closes, the controller is torn down or a fatal error.
+//!
+//! The task decodes every PDU in its receive buffer, starts each command (a future kept
+//! in a list, polled in place, as the NBD server does), asks for write data with one R2T
+//! per command and gathers its H2CData, and writes every ready response in one socket
+//! write. Reads go out as one C2HData PDU, flagged SUCCESS (no response capsule) when
+//! the host disabled SQ flow control. A fatal PDU error sends a C2HTermReq and closes;
+//! commands already on a bdev are waited for (their buffers are the bdev's until then)
+//! but not answered.
+
+use std::collections::HashMap;
+use std::future::poll_fn;
+use std::io;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use basalt_io::DmaBuf;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::command::*;
+use crate::completion::{Cqe, Status};
+use crate::controller::{Controller, Response};
+use crate::decoder::{PduError, decode, term_req_error_data};
+use crate::fabrics::*;
+use crate::identify::ASYNC_EVENT_REQUESTS_MAX;
+use crate::io_command::{self, Prepared, ResponseFuture};
+use crate::pdu::*;
+use crate::subsystem::{ListenAddress, TransportOptions};
+use crate::target::{BoundQueue, NvmfTarget};
+
+/// How long a new connection may take to send its ICReq and Connect.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes read from the socket at a time, at least.
+const READ_CHUNK_BYTES: usize = 256 << 10;
+/// Unwritten output past which the connection stops reading commands.
+const OUTPUT_BYTES_MAX: usize = 16 << 20;
+
+/// A command under way: its future, how many bytes of data the host takes back (its
+/// SGL length), and whether it is an Asynchronous Event Request (waits for an event, no
+/// I/O: dropped when the connection ends).
+struct InFlight {
+    future: ResponseFuture,
+    data_limit: u32,
+    async_event: bool,
+}
+
+/// Write data being gathered after an R2T.
+struct Transfer {
+    sqe: Sqe,
+    prepared: Prepared,
+    buffer: DmaBuf,
+    received: usize,
+    /// A data digest failed: the data is read and dropped, the command fails.
+    failed: bool,
+}
+
+struct Connection {
+    target: Arc<NvmfTarget>,
+    via: ListenAddress,
+    options: TransportOptions,
+    negotiated: Negotiated,
+    queue: Option<BoundQueue>,
+    closed: Option<watch::Receiver<bool>>,
+    input: Vec<u8>,
+    input_start: usize,
+    output: Vec<u8>,
+    output_start: usize,
+    in_flight: Vec<InFlight>,
+    transfers: HashMap<u16, Transfer>,
+    next_transfer_tag: u16,
+    sq_head: u16,
+    /// Still reading commands.
+    reading: bool,
+    /// A fatal error or a teardown: nothing more is answered.
+    terminating: bool,
+}
+
+/// Serves one connection accepted on `via`.
+pub async fn serve(
+    target: Arc<NvmfTarget>,
+    stream: TcpStream,
+    via: ListenAddress,
+) -> io::Result<()> {
+    let Some(options) = target.transport() else {
+        return Ok(());
+    };
+    let (mut reader, mut writer) = stream.into_split();
+    let mut connection = Connection {
+        target,
+        via,
+        options,
+        negotiated: Negotiated::initial(Role::Controller),
+        queue: None,
+        closed: None,
+        input: Vec::with_capacity(READ_CHUNK_BYTES),
+        input_start: 0,
+        output: Vec::with_capacity(READ_CHUNK_BYTES),
+        output_start: 0,
+        in_flight: Vec::new(),
+        transfers: HashMap::new(),
+        next_transfer_tag: 0,
+        sq_head: 0,
+        reading: true,
+        terminating: false,
+    };
+    let connect_deadline = Instant::now() + CONNECT_TIMEOUT;
+    let result = loop {
+        connection.process_input();
+        if connection.is_finished() {
+            break Ok(());
+        }
+        let can_read = connection.can_read();
+        if can_read {
+            connection.make_room_to_read();
+        }
+        let has_output = connection.output_start < connection.output.len();
+        let has_in_flight = !connection.in_flight.is_empty();
+        let deadline = connection.deadline(connect_deadline);
+        let reading = connection.reading;
+        let closed = &mut connection.closed;
+        tokio::select! {
+            biased;
+            responses = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
+                for (response, data_limit) in responses {
+                    connection.respond(response, data_limit);
+                }
+            }
+            written = writer.write(&connection.output[connection.output_start..]), if has_output => {
+                match written {
+                    Ok(0) => break Err(io::ErrorKind::WriteZero.into()),
+                    Ok(written) => {
+                        connection.output_start += written;
+                        connection.compact_output();
+                    }
+                    Err(error) => break Err(error),
+                }
+            }
+            read = reader.read_buf(&mut connection.input), if can_read => {
+                match read {
+                    Ok(0) => connection.stop_reading(),
+                    Ok(_) => {}
+                    Err(error) => {
+                        connection.stop_reading();
+                        connection.terminating = true;
+                        tracing::debug!(%error, "nvmf connection read failed");
+                    }
+                }
+            }
+            _ = wait_closed(closed), if reading => {
+                connection.stop_reading();
+                connection.terminating = true;
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                connection.check_deadlines(connect_deadline);
+            }
+        }
+    };
+    if let Some(queue) = connection.queue.take() {
+        connection.target.disconnect(&queue);
+    }
+    // Commands on a bdev own their buffers until they complete: wait for them.
+    connection.in_flight.retain(|command| !command.async_event);
+    while !connection.in_flight.is_empty() {
+        poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)).await;
+    }
+    let _ = writer.shutdown().await;
+    result
+}
+
+async fn wait_closed(closed: &mut Option<watch::Receiver<bool>>) {
+    match closed {
+        Some(closed) => {
+            let _ = closed.wait_for(|closed| *closed).await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Takes every completed command out of `in_flight`; pending while none has completed.
+fn poll_ready(in_flight: &mut Vec<InFlight>, cx: &mut Context<'_>) -> Poll<Vec<(Response, u32)>> {
+    let mut ready = Vec::new();
+    let mut index = 0;
+    while index < in_flight.len() {
+        match in_flight[index].future.as_mut().poll(cx) {
+            Poll::Ready(response) => {
+                let command = in_flight.swap_remove(index);
+                ready.push((response, command.data_limit));
+            }
+            Poll::Pending => index += 1,
+        }
+    }
+    if ready.is_empty() {
+        Poll::Pending
+    } else {
+        Poll::Ready(ready)
+    }
+}
+
+fn ready(response: Response) -> ResponseFuture {
+    Box::pin(std::future::ready(response))
+}
+
+impl Connection {
+    fn is_finished(&self) -> bool {
+        !self.reading
+            && self.output_start == self.output.len()
+            && (self.terminating || self.in_flight.iter().all(|command| command.async_event))
+    }
+
+    fn can_read(&self) -> bool {
+        let depth_max = self
+            .queue
+            .as_ref()
+            .map_or(1, |queue| usize::from(queue.sq_size));
+        self.reading
+            && !self.terminating
+            && self.in_flight.len() + self.transfers.len() <= depth_max + ASYNC_EVENT_REQUESTS_MAX
+            && self.output.len() - self.output_start < OUTPUT_BYTES_MAX
+    }
+
+    fn stop_reading(&mut self) {
+        self.reading = false;
+        // No host left to take an event.
+        self.in_flight.retain(|command| !command.async_event);
+    }
+
+    fn make_room_to_read(&mut self) {
+        if self.input_start > 0 && self.input_start == self.input.len() {
+            self.input.clear();
+            self.input_start = 0;
+        }
+        let want = READ_CHUNK_BYTES.max(self.negotiated.pdu_size_max());
+        if self.input.capacity() - self.input.len() < READ_CHUNK_BYTES {
+            self.input.drain(..self.input_start);
+            self.input_start = 0;
+            self.input.reserve(want);
+        }
+    }
+
+    fn compact_output(&mut self) {
+        if self.output_start == self.output.len() {
+            self.output.clear();
+            self.output_start = 0;
+        }
+    }
+
+    /// The next time something must be checked: the connect deadline until Connect, then
+    /// the controller's keep-alive deadline on an admin queue.
+    fn deadline(&self, connect_deadline: Instant) -> Option<Instant> {
+        if !self.reading {
+            return None;
+        }
+        match &self.queue {
+            None => Some(connect_deadline),
+            Some(queue) if queue.qid == 0 => queue
+                .controller
+                .keep_alive_deadline()
+                .map(Instant::from_std),
+            Some(_) => None,
+        }
+    }
+
+    fn check_deadlines(&mut self, connect_deadline: Instant) {
+        let now = Instant::now();
+        match &self.queue {
+            None if now >= connect_deadline => {
+                tracing::info!(via = %self.via.address, "nvmf connection sent no Connect in time");
+                self.stop_reading();
+                self.terminating = true;
+            }
+            Some(queue) if queue.qid == 0 => {
+                let controller = &queue.controller;
+                if controller
+                    .keep_alive_deadline()
+                    .is_some_and(|deadline| Instant::from_std(deadline) <= now)
+                {
+                    tracing::warn!(
+                        subnqn = %controller.subsystem.nqn,
+                        hostnqn = %controller.host_nqn,
+                        controller = controller.id,
+                        "keep alive timeout expired: controller torn down"
+                    );
+                    controller.close();
+                    self.stop_reading();
+                    self.terminating = true;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Decodes and handles every whole PDU in the input buffer.
+    fn process_input(&mut self) {
+        let input = std::mem::take(&mut self.input);
+        while self.reading && !self.terminating && self.input_start < input.len() {
+            let bytes = &input[self.input_start..];
+            match decode(bytes, &self.negotiated) {
+                Ok(None) => break,
+                Ok(Some((pdu, used))) => {
+                    self.input_start += used;
+                    self.handle(pdu, &bytes[..used]);
+                }
+                Err(PduError::DataDigest {
+                    pdu_type,
+                    command_id,
+                    pdu_size_bytes,
+                    ..
+                }) => {
+                    let raw = &bytes[..(pdu_size_bytes as usize).min(bytes.len())];
+                    self.input_start += raw.len();
+                    self.data_digest_failed(pdu_type, command_id, raw);
+                }
+                Err(error) => {
+                    tracing::info!(via = %self.via.address, %error, "nvmf pdu refused, connection closed");
+                    self.terminate(&error, term_req_error_data(bytes));
+                }
+            }
+        }
+        self.input = input;
+    }
+
+    /// Sends the C2HTermReq for `error` (if one is due) and stops.
+    fn terminate(&mut self, error: &PduError, error_data: &[u8]) {
+        if let Some(term) = error.term_req(Role::Controller, error_data) {
+            encode(&term, &self.negotiated, &mut self.output);
+        }
+        self.stop_reading();
+        self.terminating = true;
+    }
+
+    fn handle(&mut self, pdu: Pdu<'_>, raw: &[u8]) {
+        match pdu {
+            Pdu::IcReq(ic_req) => {
+                let maxh2cdata = self.options.io_unit_size;
+                let in_capsule = IN_CAPSULE_DATA_SIZE_ADMIN.max(self.options.in_capsule_data_size);
+                let (ic_resp, negotiated) =
+                    Negotiated::accept_ic_req(&ic_req, maxh2cdata, in_capsule);
+                encode(&Pdu::IcResp(ic_resp), &self.negotiated, &mut self.output);
+                self.negotiated = negotiated;
+            }
+            Pdu::H2CTermReq(term) => {
+                tracing::info!(
+                    via = %self.via.address,
+                    status = term.fatal_error_status,
+                    information = term.fatal_error_information,
+                    "host terminated the connection"
+                );
+                self.stop_reading();
+                self.terminating = true;
+            }
+            Pdu::CapsuleCmd(capsule) => self.command(capsule.sqe, capsule.data),
+            Pdu::H2CData(data) => self.h2c_data(&data, raw),
+            // The decoder lets through only what a controller receives.
+            Pdu::IcResp(_)
+            | Pdu::C2HTermReq(_)
+            | Pdu::CapsuleResp(_)
+            | Pdu::C2HData(_)
+            | Pdu::R2T(_) => {
+                self.terminate(
+                    &PduError::InvalidHeaderField {
+                        pdu_type: pdu.pdu_type(),
+                        offset: 0,
+                        value: u32::from(pdu.pdu_type()),
+                    },
+                    raw,
+                );
+            }
+        }
+    }
+
+    fn push(&mut self, future: ResponseFuture, data_limit: u32) {
+        self.in_flight.push(InFlight {
+            future,
+            data_limit,
+            async_event: false,
+        });
+    }
+
+    fn push_response(&mut self, response: Response) {
+        self.push(ready(response), 0);
+    }
+
+    fn command(&mut self, sqe: Sqe, data: &[u8]) {
+        let id = sqe.command_id;
+        let Some(queue) = &self.queue else {
+            if sqe.opcode == FABRICS && sqe.fabrics_command_type() == FCTYPE_CONNECT {
+                self.connect(&sqe, data);
+            } else {
+                self.push_response(Response::status(
+                    id,
+                    Status::COMMAND_SEQUENCE_ERROR.with_dnr(),
+                ));
+            }
+            return;
+        };
+        self.sq_head = (self.sq_head + 1) % queue.sq_size;
+        let controller = queue.controller.clone();
+        let admin = queue.qid == 0;
+        if admin {
+            controller.keep_alive();
+        }
+        if sqe.opcode == FABRICS {
+            self.fabrics(sqe, admin);
+            return;
+        }
+        let sgl = sqe.data_pointer;
+        let in_capsule_max = if admin {
+            IN_CAPSULE_DATA_SIZE_ADMIN
+        } else {
+            self.options.in_capsule_data_size
+        };
+        let status = if sqe.fuse() != 0 || sqe.psdt() != PSDT_SGL {
+            Some(Status::INVALID_FIELD.with_dnr())
+        } else if !sgl.is_in_capsule() && !sgl.is_transport() {
+            Some(Status::SGL_DESCRIPTOR_TYPE_INVALID.with_dnr())
+        } else if sgl.is_in_capsule()
+            && (sgl.length as usize != data.len() || data.len() > in_capsule_max as usize)
+        {
+            Some(Status::DATA_SGL_LENGTH_INVALID.with_dnr())
+        } else if !controller.is_ready() {
+            Some(Status::COMMAND_SEQUENCE_ERROR)
+        } else {
+            None
+        };
+        if let Some(status) = status {
+            self.push_response(Response::status(id, status));
+            return;
+        }
+        if admin {
+            self.admin_command(sqe, &controller);
+        } else {
+            self.io_command(sqe, data, controller);
+        }
+    }
+
+    fn admin_command(&mut self, sqe: Sqe, controller: &Arc<Controller>) {
+        let id = sqe.command_id;
+        if sqe.opcode == ADMIN_ASYNC_EVENT_REQUEST {
+            let outstanding = self.in_flight.iter().filter(|c| c.async_event).count();
+            if outstanding >= ASYNC_EVENT_REQUESTS_MAX {
+                self.push_response(Response::status(id, Status::ASYNC_EVENT_LIMIT_EXCEEDED));
+                return;
+            }
+            let controller = controller.clone();
+            self.in_flight.push(InFlight {
+                future: Box::pin(async move { Response::dw0(id, controller.next_event().await) }),
+                data_limit: 0,
+                async_event: true,
+            });
+            return;
+        }
+        let target = &self.target;
+        let host_nqn = controller.host_nqn.clone();
+        let response = controller.admin(&sqe, || target.discovery_records(&host_nqn));
+        self.push(ready(response), sqe.data_pointer.length);
+    }
+
+    fn io_command(&mut self, sqe: Sqe, data: &[u8], controller: Arc<Controller>) {
+        let prepared = match io_command::prepare(&sqe, &controller) {
+            Ok(prepared) => prepared,
+            Err(response) => {
+                self.push_response(response);
+                return;
+            }
+        };
+        let len = prepared.data_len_bytes as usize;
+        if len == 0 || !data.is_empty() {
+            let buffer = if data.is_empty() {
+                DmaBuf::zeroed(0)
+            } else {
+                DmaBuf::from_slice(data)
+            };
+            let limit = sqe.data_pointer.length;
+            self.push(
+                io_command::execute(sqe, prepared, buffer, controller),
+                limit,
+            );
+            return;
+        }
+        // The data is to come in H2CData PDUs: ask for all of it with one R2T.
+        let tag = self.free_transfer_tag();
+        encode(
+            &Pdu::R2T(R2T {
+                command_id: sqe.command_id,
+                transfer_tag: tag,
+                offset_bytes: 0,
+                len_bytes: prepared.data_len_bytes,
+            }),
+            &self.negotiated,
+            &mut self.output,
+        );
+        self.transfers.insert(
+            tag,
+            Transfer {
+                sqe,
+                prepared,
+                buffer: DmaBuf::zeroed(len),
+                received: 0,
+                failed: false,
+            },
+        );
+    }
+
+    fn free_transfer_tag(&mut self) -> u16 {
+        loop {
+            let tag = self.next_transfer_tag;
+            self.next_transfer_tag = self.next_transfer_tag.wrapping_add(1);
+            if !self.transfers.contains_key(&tag) {
+                return tag;
+            }
+        }
+    }
+
+    fn h2c_data(&mut self, data: &H2CData<'_>, raw: &[u8]) {
+        let invalid = |offset: u32, value: u32| PduError::InvalidHeaderField {
+            pdu_type: PDU_TYPE_H2C_DATA,
+            offset,
+            value,
+        };
+        let Some(transfer) = self.transfers.get_mut(&data.transfer_tag) else {
+            self.terminate(&invalid(10, u32::from(data.transfer_tag)), raw);
+            return;
+        };
+        if transfer.sqe.command_id != data.command_id {
+            self.terminate(&invalid(8, u32::from(data.command_id)), raw);
+            return;
+        }
+        let offset = data.data_offset_bytes as usize;
+        let end = offset + data.data.len();
+        if offset != transfer.received || end > transfer.buffer.len() {
+            let error = PduError::DataOutOfRange {
+                pdu_type: PDU_TYPE_H2C_DATA,
+                offset_bytes: data.data_offset_bytes,
+                len_bytes: data.data.len() as u32,
+            };
+            self.terminate(&error, raw);
+            return;
+        }
+        transfer.buffer[offset..end].copy_from_slice(data.data);
+        transfer.received = end;
+        if end == transfer.buffer.len() {
+            self.finish_transfer(data.transfer_tag);
+        }
+    }
+
+    /// A PDU whose data digest failed: its command fails with a transient transport
+    /// error (the host may retry it); the connection goes on.
+    fn data_digest_failed(&mut self, pdu_type: u8, command_id: u16, raw: &[u8]) {
+        tracing::info!(via = %self.via.address, pdu_type, command_id, "data digest mismatch");
+        if pdu_type == PDU_TYPE_CAPSULE_CMD {
+            if let Some(queue) = &self.queue {
+                self.sq_head = (self.sq_head + 1) % queue.sq_size;
+            }
+            self.push_response(Response::status(
+                command_id,
+                Status::TRANSIENT_TRANSPORT_ERROR,
+            ));
+            return;
+        }
+        // H2CData: its header was checked (the header digest too); read where it goes.
+        let field = |at: usize| {
+            raw.get(at..at + 4)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        let tag = raw
+            .get(10..12)
+            .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+        let (offset, len) = (field(12) as usize, field(16) as usize);
+        match self.transfers.get_mut(&tag) {
+            Some(transfer)
+                if transfer.sqe.command_id == command_id
+                    && offset == transfer.received
+                    && offset + len <= transfer.buffer.len() =>
+            {
+                transfer.failed = true;
+                transfer.received = offset + len;
+                if transfer.received == transfer.buffer.len() {
+                    self.finish_transfer(tag);
+                }
+            }
+            _ => {
+                let error = PduError::DataOutOfRange {
+                    pdu_type,
+                    offset_bytes: offset as u32,
+                    len_bytes: len as u32,
+                };
+                self.terminate(&error, raw);
+            }
+        }
+    }
+
+    fn finish_transfer(&mut self, tag: u16) {
+        let Some(transfer) = self.transfers.remove(&tag) else {
+            return;
+        };
+        let id = transfer.sqe.command_id;
+        if transfer.failed {
+            self.push_response(Response::status(id, Status::TRANSIENT_TRANSPORT_ERROR));
+            return;
+        }
+        let Some(queue) = &self.queue else {
+            return;
+        };
+        let controller = queue.controller.clone();
+        self.push(
+            io_command::execute(transfer.sqe, transfer.prepared, transfer.buffer, controller),
+            0,
+        );
+    }
+
+    fn connect(&mut self, sqe: &Sqe, data: &[u8]) {
+        let id = sqe.command_id;
+        let command = ConnectCommand::from_sqe(sqe);
+        let connect_data = match ConnectData::decode(data) {
+            Ok(connect_data) => connect_data,
+            Err(error) => {
+                tracing::info!(via = %self.via.address, %error, "connect data refused");
+                self.push_response(Response {
+                    dw0: connect_invalid_parameter_dw0(error.invalid_parameter_offset(), true),
+                    ..Response::status(id, Status::CONNECT_INVALID_PARAMETERS.with_dnr())
+                });
+                return;
+            }
+        };
+        match self
+            .target
+            .connect(id, &command, &connect_data, self.via, self.options)
+        {
+            Ok(queue) => {
+                let controller_id = queue.controller.id;
+                self.closed = Some(queue.controller.closed());
+                self.sq_head = 1 % queue.sq_size;
+                self.queue = Some(queue);
+                self.push_response(Response::dw0(id, connect_response_dw0(controller_id)));
+            }
+            Err(response) => self.push_response(response),
+        }
+    }
+
+    fn fabrics(&mut self, sqe: Sqe, admin: bool) {
+        let id = sqe.command_id;
+        let Some(queue) = &self.queue else {
+            return;
+        };
+        let controller = queue.controller.clone();
+        let response = match sqe.fabrics_command_type() {
+            FCTYPE_CONNECT => Response::status(id, Status::COMMAND_SEQUENCE_ERROR.with_dnr()),
+            FCTYPE_PROPERTY_GET if admin => {
+                match controller.property_get(&PropertyCommand::from_sqe(&sqe)) {
+                    Ok(value) => Response {
+                        dw0: value as u32,
+                        dw1: (value >> 32) as u32,
+                        ..Response::status(id, Status::SUCCESS)
+                    },
+                    Err(status) => Response::status(id, status),
+                }
+            }
+            FCTYPE_PROPERTY_SET if admin => {
+                match controller.property_set(&PropertyCommand::from_sqe(&sqe)) {
+                    Ok(()) => Response::status(id, Status::SUCCESS),
+                    Err(status) => Response::status(id, status),
+                }
+            }
+            FCTYPE_DISCONNECT => {
+                // The response goes out, then the connection closes (and with an admin
+                // queue, its controller).
+                self.reading = false;
+                Response::status(id, Status::SUCCESS)
+            }
+            _ => Response::status(id, Status::INVALID_OPCODE.with_dnr()),
+        };
+        self.push_response(response);
+    }
+
+    /// Encodes a command's end: C2HData with its data, then a response capsule unless
+    /// the data PDU carries SUCCESS.
+    fn respond(&mut self, response: Response, data_limit: u32) {
+        if self.terminating {
+            return;
+        }
+        let (qid, flow_control_disabled) = self.queue.as_ref().map_or((0, false), |queue| {
+            (queue.qid, queue.sq_flow_control_disabled)
+        });
+        if response.status.is_success()
+            && let Some(data) = &response.data
+            && data_limit > 0
+        {
+            let len = data.len().min(data_limit as usize);
+            let success = self.options.c2h_success && flow_control_disabled;
+            encode(
+                &Pdu::C2HData(C2HData {
+                    command_id: response.command_id,
+                    data_offset_bytes: 0,
+                    data: &data[..len],
+                    last: true,
+                    success,
+                }),
+                &self.negotiated,
+                &mut self.output,
+            );
+            if success {
+                return;
+            }
+        }
+        let cqe = Cqe {
+            dw0: response.dw0,
+            dw1: response.dw1,
+            sq_head: self.sq_head,
+            sq_id: qid,
+            command_id: response.command_id,
+            status: response.status,
+            phase: false,
+        };
+        encode(
+            &Pdu::CapsuleResp(CapsuleResp { cqe }),
+            &self.negotiated,
+            &mut self.output,
+        );
+    }
+}

@@ -1,0 +1,613 @@
+//! Our initiator against our target over loopback TCP: every command, several queues,
+//! digests on and off, R2T for large writes, hosts refused, keep-alive expiry,
+//! namespace change notices, discovery, and bad PDUs.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use basalt_bdev::BdevRegistry;
+use basalt_io::Reactors;
+use basalt_nvmf::NvmfTarget;
+use basalt_nvmf::command::*;
+use basalt_nvmf::completion::Status;
+use basalt_nvmf::host::{Host, HostOptions};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const NQN: &str = "nqn.2016-06.io.basalt:test";
+const BLOCK: u32 = 512;
+const BLOCKS: u64 = 16384; // 8 MiB
+
+struct Fixture {
+    target: Arc<NvmfTarget>,
+    registry: BdevRegistry,
+    address: SocketAddr,
+    _reactors: Arc<Reactors>,
+}
+
+async fn rpc(
+    fixture: &Fixture,
+    method: &str,
+    params: Value,
+) -> Result<Value, basalt_common::RpcError> {
+    basalt_nvmf::rpc::call(&fixture.target, &fixture.registry, method, params)
+        .await
+        .expect("an nvmf method")
+}
+
+fn add_malloc(registry: &BdevRegistry, name: &str) {
+    let params = json!({"name": name, "num_blocks": BLOCKS, "block_size": BLOCK});
+    basalt_bdev::rpc::call(registry, "bdev_malloc_create", params)
+        .expect("a bdev method")
+        .expect("malloc bdev");
+}
+
+/// A target with one subsystem (allow any host) exporting an 8 MiB malloc bdev on a free
+/// loopback port.
+async fn fixture(transport: Value) -> Fixture {
+    let reactors = Arc::new(Reactors::start(1, "test-reactor").expect("reactors"));
+    let target = NvmfTarget::new(reactors.clone());
+    let registry = BdevRegistry::new();
+    add_malloc(&registry, "Malloc0");
+    let mut fixture = Fixture {
+        target,
+        registry,
+        address: "127.0.0.1:0".parse().expect("address"),
+        _reactors: reactors,
+    };
+    rpc(&fixture, "nvmf_create_transport", transport)
+        .await
+        .expect("transport");
+    rpc(
+        &fixture,
+        "nvmf_create_subsystem",
+        json!({"nqn": NQN, "allow_any_host": true, "serial_number": "BASALT0001"}),
+    )
+    .await
+    .expect("subsystem");
+    let nsid = rpc(
+        &fixture,
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc0"}}),
+    )
+    .await
+    .expect("namespace");
+    assert_eq!(nsid, json!(1));
+    rpc(
+        &fixture,
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "listen_address": {"trtype": "tcp", "adrfam": "IPv4", "traddr": "127.0.0.1", "trsvcid": "0"}}),
+    )
+    .await
+    .expect("listener");
+    let subsystems = rpc(&fixture, "nvmf_get_subsystems", json!({"nqn": NQN}))
+        .await
+        .expect("get");
+    let port: u16 = subsystems[0]["listen_addresses"][0]["trsvcid"]
+        .as_str()
+        .expect("trsvcid")
+        .parse()
+        .expect("port");
+    fixture.address = SocketAddr::from(([127, 0, 0, 1], port));
+    fixture
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+async fn read_write_cycle(host: &Host, queue: usize, lba: u64, len: usize, seed: u8) {
+    let data = pattern(seed, len);
+    host.write(queue, 1, lba, data.clone(), BLOCK, false)
+        .await
+        .expect("write");
+    let back = host
+        .read(queue, 1, lba, (len / BLOCK as usize) as u32, BLOCK)
+        .await
+        .expect("read");
+    assert_eq!(back, data, "lba {lba}, {len} bytes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_with_and_without_digests() {
+    let fixture = fixture(json!({"trtype": "TCP", "in_capsule_data_size": 4096})).await;
+    for digests in [false, true] {
+        let options = HostOptions {
+            header_digest: digests,
+            data_digest: digests,
+            io_queues: 2,
+            ..HostOptions::default()
+        };
+        let host = Host::connect(fixture.address, NQN, options)
+            .await
+            .expect("connect");
+        assert_eq!(host.io.len(), 2);
+        let id = &host.identify;
+        assert_eq!(&id[4..14], b"BASALT0001");
+        assert_eq!(u16::from_le_bytes([id[78], id[79]]), host.controller_id);
+        assert_eq!(&id[768..768 + NQN.len()], NQN.as_bytes());
+        assert_eq!(host.namespaces().await.expect("namespaces"), vec![1]);
+        assert_eq!(
+            host.namespace_geometry(1).await.expect("geometry"),
+            (BLOCK, BLOCKS)
+        );
+        let descriptors = host
+            .identify(CNS_NAMESPACE_DESCRIPTORS, 1)
+            .await
+            .expect("descriptors");
+        assert_eq!(descriptors[0], 2, "NGUID first");
+
+        // In-capsule (4 KiB), then R2T (128 KiB, 32 KiB) writes, on both queues.
+        read_write_cycle(&host, 0, 0, 4096, 1).await;
+        read_write_cycle(&host, 1, 100, 128 << 10, 2).await;
+        read_write_cycle(&host, 0, BLOCKS - 64, 32 << 10, 3).await;
+        host.write(0, 1, 8, pattern(4, 4096), BLOCK, true)
+            .await
+            .expect("fua write");
+        host.flush(1, 1).await.expect("flush");
+
+        // Write zeroes and deallocate read back as zeroes.
+        host.write_zeroes(0, 1, 100, 8, false)
+            .await
+            .expect("write zeroes");
+        let zeroed = host.read(0, 1, 96, 16, BLOCK).await.expect("read");
+        assert!(zeroed[4 * 512..12 * 512].iter().all(|b| *b == 0));
+        assert_eq!(
+            zeroed[12 * 512..],
+            pattern(2, 128 << 10)[8 * 512..12 * 512],
+            "right of the zeroes"
+        );
+        host.deallocate(1, 1, &[(120, 8), (200, 16)])
+            .await
+            .expect("deallocate");
+        let freed = host.read(1, 1, 120, 8, BLOCK).await.expect("read");
+        assert!(freed.iter().all(|b| *b == 0));
+
+        // Errors carry the right status.
+        let past_end = host
+            .read(0, 1, BLOCKS - 1, 2, BLOCK)
+            .await
+            .expect_err("past the end");
+        assert_eq!(
+            past_end.status().map(|s| (s.sct(), s.sc())),
+            Some((0, 0x80)),
+            "{past_end}"
+        );
+        let no_namespace = host
+            .read(0, 7, 0, 1, BLOCK)
+            .await
+            .expect_err("no namespace 7");
+        assert_eq!(
+            no_namespace.status().map(|s| s.sc()),
+            Some(0x0b),
+            "{no_namespace}"
+        );
+        let bad_opcode = host
+            .io(
+                0,
+                Sqe {
+                    opcode: 0x7e,
+                    namespace_id: 1,
+                    ..Sqe::default()
+                },
+                Vec::new(),
+                0,
+            )
+            .await
+            .expect_err("opcode");
+        assert_eq!(bad_opcode.status(), Some(Status::INVALID_OPCODE.with_dnr()));
+        let too_large = host
+            .read(0, 1, 0, 512, BLOCK)
+            .await
+            .expect_err("above MDTS");
+        assert_eq!(
+            too_large.status().map(|s| s.sc()),
+            Some(0x02),
+            "{too_large}"
+        );
+
+        // Log pages and features.
+        let health = host
+            .log_page(LOG_HEALTH, 0, 512, false)
+            .await
+            .expect("health");
+        assert_eq!(health[3], 100, "available spare");
+        assert!(
+            u64::from_le_bytes(health[80..88].try_into().expect("in range")) >= 4,
+            "write commands counted"
+        );
+        let effects = host
+            .log_page(LOG_COMMAND_EFFECTS, 0, 4096, false)
+            .await
+            .expect("effects");
+        assert_eq!(effects[1024 + 4] & 3, 3, "write changes content");
+        let unknown = host
+            .log_page(0x42, 0, 512, false)
+            .await
+            .expect_err("unknown log");
+        assert_eq!(unknown.status().map(|s| (s.sct(), s.sc())), Some((1, 0x09)));
+        let keep_alive = Sqe {
+            opcode: ADMIN_GET_FEATURES,
+            cdw10: u32::from(FEATURE_KEEP_ALIVE_TIMER),
+            ..Sqe::default()
+        };
+        assert_eq!(
+            host.admin(keep_alive, Vec::new(), 0)
+                .await
+                .expect("get kato")
+                .cqe
+                .dw0,
+            10_000
+        );
+        let queues = Sqe {
+            opcode: ADMIN_GET_FEATURES,
+            cdw10: u32::from(FEATURE_NUMBER_OF_QUEUES),
+            ..Sqe::default()
+        };
+        assert_eq!(
+            host.admin(queues, Vec::new(), 0)
+                .await
+                .expect("get queues")
+                .cqe
+                .dw0,
+            0x0001_0001
+        );
+
+        let controllers = rpc(
+            &fixture,
+            "nvmf_subsystem_get_controllers",
+            json!({"nqn": NQN}),
+        )
+        .await
+        .expect("controllers");
+        assert_eq!(controllers.as_array().map(Vec::len), Some(1));
+        assert_eq!(controllers[0]["num_io_qpairs"], json!(2));
+        drop(host);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_commands_in_flight_on_several_queues() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let options = HostOptions {
+        io_queues: 4,
+        queue_depth: 32,
+        ..HostOptions::default()
+    };
+    let host = Arc::new(
+        Host::connect(fixture.address, NQN, options)
+            .await
+            .expect("connect"),
+    );
+    let mut tasks = Vec::new();
+    for worker in 0..64u64 {
+        let host = host.clone();
+        tasks.push(tokio::spawn(async move {
+            let lba = worker * 64;
+            let data = pattern(worker as u8, 8192);
+            host.write(worker as usize, 1, lba, data.clone(), BLOCK, false)
+                .await
+                .expect("write");
+            let back = host
+                .read(worker as usize + 1, 1, lba, 16, BLOCK)
+                .await
+                .expect("read");
+            assert_eq!(back, data);
+        }));
+    }
+    for task in tasks {
+        task.await.expect("worker");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r2t_only_writes_and_small_h2c_pdus() {
+    // A 4 KiB MAXH2CDATA splits a 128 KiB write into 32 H2CData PDUs.
+    let fixture =
+        fixture(json!({"trtype": "TCP", "io_unit_size": 4096, "in_capsule_data_size": 0})).await;
+    let options = HostOptions {
+        no_in_capsule_data: true,
+        data_digest: true,
+        ..HostOptions::default()
+    };
+    let host = Host::connect(fixture.address, NQN, options)
+        .await
+        .expect("connect");
+    read_write_cycle(&host, 0, 0, 128 << 10, 9).await;
+    read_write_cycle(&host, 0, 1000, 512, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_not_allowed_are_refused() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    rpc(
+        &fixture,
+        "nvmf_subsystem_allow_any_host",
+        json!({"nqn": NQN, "allow_any_host": false}),
+    )
+    .await
+    .expect("deny");
+    let options = HostOptions::default();
+    let refused = Host::connect(fixture.address, NQN, options.clone())
+        .await
+        .err()
+        .expect("refused");
+    let status = refused.status().expect("an nvme status");
+    assert_eq!(
+        (status.sct(), status.sc()),
+        (1, 0x84),
+        "connect invalid host: {refused}"
+    );
+    rpc(
+        &fixture,
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": options.host_nqn}),
+    )
+    .await
+    .expect("allow");
+    Host::connect(fixture.address, NQN, options)
+        .await
+        .expect("allowed now");
+    let unknown = Host::connect(
+        fixture.address,
+        "nqn.2016-06.io.basalt:nothing",
+        HostOptions::default(),
+    )
+    .await
+    .err()
+    .expect("unknown subsystem");
+    assert_eq!(unknown.status().map(|s| s.sc()), Some(0x82), "{unknown}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_host_loses_its_controller() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let options = HostOptions {
+        keep_alive_timeout_ms: 300,
+        send_keep_alive: false,
+        ..HostOptions::default()
+    };
+    let host = Host::connect(fixture.address, NQN, options)
+        .await
+        .expect("connect");
+    read_write_cycle(&host, 0, 0, 4096, 1).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let controllers = rpc(
+        &fixture,
+        "nvmf_subsystem_get_controllers",
+        json!({"nqn": NQN}),
+    )
+    .await
+    .expect("controllers");
+    assert_eq!(controllers, json!([]), "the controller is gone");
+    host.read(0, 1, 0, 8, BLOCK)
+        .await
+        .expect_err("its queues are closed");
+
+    // A host that sends Keep Alive keeps its controller.
+    let options = HostOptions {
+        keep_alive_timeout_ms: 300,
+        ..HostOptions::default()
+    };
+    let host = Host::connect(fixture.address, NQN, options)
+        .await
+        .expect("connect");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    read_write_cycle(&host, 0, 0, 4096, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let host = Arc::new(
+        Host::connect(fixture.address, NQN, HostOptions::default())
+            .await
+            .expect("connect"),
+    );
+    let config = Sqe {
+        opcode: ADMIN_SET_FEATURES,
+        cdw10: u32::from(FEATURE_ASYNC_EVENT_CONFIGURATION),
+        cdw11: 1 << 8,
+        ..Sqe::default()
+    };
+    host.admin(config, Vec::new(), 0)
+        .await
+        .expect("enable notices");
+    let waiting = {
+        let host = host.clone();
+        tokio::spawn(async move {
+            let request = Sqe {
+                opcode: ADMIN_ASYNC_EVENT_REQUEST,
+                ..Sqe::default()
+            };
+            host.admin(request, Vec::new(), 0).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "no event yet");
+    add_malloc(&fixture.registry, "Malloc1");
+    let nsid = rpc(
+        &fixture,
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc1", "nsid": 5}}),
+    )
+    .await
+    .expect("add");
+    assert_eq!(nsid, json!(5));
+    let event = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("event in time")
+        .expect("task")
+        .expect("aer");
+    assert_eq!(
+        event.cqe.dw0, 0x0004_0002,
+        "notice: namespace attribute changed, log page 04h"
+    );
+    let changed = host
+        .log_page(LOG_CHANGED_NAMESPACES, 0, 4096, false)
+        .await
+        .expect("changed list");
+    assert_eq!(&changed[..8], &[5, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(host.namespaces().await.expect("namespaces"), vec![1, 5]);
+    // The bdev is claimed: it cannot be deleted while exported.
+    rpc(
+        &fixture,
+        "nvmf_subsystem_remove_ns",
+        json!({"nqn": NQN, "nsid": 5}),
+    )
+    .await
+    .expect("remove");
+    assert_eq!(host.namespaces().await.expect("namespaces"), vec![1]);
+
+    // Discovery: the subsystem on its listener.
+    let discovery = Host::connect(
+        fixture.address,
+        basalt_nvmf::fabrics::DISCOVERY_NQN,
+        HostOptions {
+            io_queues: 0,
+            ..HostOptions::default()
+        },
+    )
+    .await
+    .expect("discovery connect");
+    assert_eq!(discovery.identify[111], 2, "a discovery controller");
+    let header = discovery
+        .log_page(LOG_DISCOVERY, 0, 1024, false)
+        .await
+        .expect("header");
+    let records = u64::from_le_bytes(header[8..16].try_into().expect("in range"));
+    assert_eq!(records, 2, "the discovery subsystem and ours");
+    let page = discovery
+        .log_page(LOG_DISCOVERY, 0, 3 * 1024, false)
+        .await
+        .expect("page");
+    let entry = &page[2048..3072];
+    assert_eq!(entry[2], 2, "an NVM subsystem");
+    assert_eq!(&entry[256..256 + NQN.len()], NQN.as_bytes());
+    assert_eq!(
+        std::str::from_utf8(&entry[32..64])
+            .expect("ascii")
+            .trim_end(),
+        fixture.address.port().to_string()
+    );
+}
+
+/// Reads until the peer closes; returns what arrived.
+async fn read_to_close(stream: &mut tokio::net::TcpStream) -> Vec<u8> {
+    let mut received = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut received)).await;
+    received
+}
+
+fn ic_req() -> Vec<u8> {
+    let mut pdu = vec![0u8; 128];
+    pdu[2] = 128;
+    pdu[4] = 128;
+    pdu
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_pdus_get_a_term_req_and_spare_other_connections() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let host = Host::connect(fixture.address, NQN, HostOptions::default())
+        .await
+        .expect("connect");
+
+    // A CapsuleCmd before ICReq: a PDU sequence error.
+    let mut stream = tokio::net::TcpStream::connect(fixture.address)
+        .await
+        .expect("connect");
+    let mut capsule = vec![0u8; 72];
+    capsule[0] = 0x04;
+    capsule[2] = 72;
+    capsule[4] = 72;
+    stream.write_all(&capsule).await.expect("send");
+    let reply = read_to_close(&mut stream).await;
+    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq");
+    assert_eq!(
+        u16::from_le_bytes([reply[8], reply[9]]),
+        0x02,
+        "PDU sequence error"
+    );
+
+    // An unknown PDU type after ICReq: invalid header field at byte 0.
+    let mut stream = tokio::net::TcpStream::connect(fixture.address)
+        .await
+        .expect("connect");
+    stream.write_all(&ic_req()).await.expect("icreq");
+    let mut resp = [0u8; 128];
+    stream.read_exact(&mut resp).await.expect("icresp");
+    assert_eq!(resp[0], 0x01);
+    stream
+        .write_all(&[0x0f, 0, 8, 0, 8, 0, 0, 0])
+        .await
+        .expect("send");
+    let reply = read_to_close(&mut stream).await;
+    assert_eq!(reply.first(), Some(&0x03));
+    assert_eq!(
+        u16::from_le_bytes([reply[8], reply[9]]),
+        0x01,
+        "invalid header field"
+    );
+
+    // A PLEN far beyond what was negotiated: data transfer limit exceeded.
+    let mut stream = tokio::net::TcpStream::connect(fixture.address)
+        .await
+        .expect("connect");
+    stream.write_all(&ic_req()).await.expect("icreq");
+    stream.read_exact(&mut resp).await.expect("icresp");
+    let mut huge = capsule.clone();
+    huge[3] = 72;
+    huge[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
+    stream.write_all(&huge).await.expect("send");
+    let reply = read_to_close(&mut stream).await;
+    assert_eq!(reply.first(), Some(&0x03));
+    assert_eq!(
+        u16::from_le_bytes([reply[8], reply[9]]),
+        0x05,
+        "data transfer limit exceeded"
+    );
+
+    // Random bytes, many times: never a panic, always a close.
+    for seed in 0..20u64 {
+        let mut stream = tokio::net::TcpStream::connect(fixture.address)
+            .await
+            .expect("connect");
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let noise: Vec<u8> = (0..512)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let mut bytes = if seed % 2 == 0 { ic_req() } else { Vec::new() };
+        bytes.extend_from_slice(&noise);
+        let _ = stream.write_all(&bytes).await;
+        let _ = read_to_close(&mut stream).await;
+    }
+
+    // A command before Connect: command sequence error, connection kept.
+    let mut stream = tokio::net::TcpStream::connect(fixture.address)
+        .await
+        .expect("connect");
+    stream.write_all(&ic_req()).await.expect("icreq");
+    stream.read_exact(&mut resp).await.expect("icresp");
+    let mut identify = capsule.clone();
+    identify[8] = ADMIN_IDENTIFY;
+    identify[10] = 7; // command id
+    stream.write_all(&identify).await.expect("send");
+    let mut response = [0u8; 24];
+    stream.read_exact(&mut response).await.expect("response");
+    assert_eq!(response[0], 0x05, "a response capsule");
+    assert_eq!(u16::from_le_bytes([response[20], response[21]]), 7);
+    let status = Status::from_field(u16::from_le_bytes([response[22], response[23]]));
+    assert_eq!(status.sc(), 0x0c, "command sequence error");
+
+    // The well-behaved host never noticed.
+    read_write_cycle(&host, 0, 0, 8192, 5).await;
+}
