@@ -81,7 +81,13 @@ fn the_linux_initiator_uses_the_target() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_tcp.sh");
     let run = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
     let output = Command::new(run)
-        .args([script, &port, NQN, RESTRICTED_NQN, &trigger_port.to_string()])
+        .args([
+            script,
+            &port,
+            NQN,
+            RESTRICTED_NQN,
+            &trigger_port.to_string(),
+        ])
         .env("BASALT_GUEST_TIMEOUT", "600")
         .output()
         .expect("run the guest");
@@ -94,6 +100,9 @@ fn the_linux_initiator_uses_the_target() {
         target.log_text()
     );
     assert!(console.contains("nvme_tcp: done"), "{console}");
+    if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
+        eprintln!("{console}");
+    }
     hot_add.join().expect("hot add");
 
     // The controller went away with the guest's disconnect.
