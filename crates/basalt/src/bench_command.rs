@@ -13,13 +13,14 @@ use basalt_bdev::malloc::MallocBdev;
 use basalt_bench::{Device, Pattern, Progress, ProgressFn, Workload};
 use basalt_common::ByteSize;
 use basalt_nbd::NbdUri;
+use basalt_nvmf::host::NvmfUri;
 use basalt_osd::log_device::LogDevice;
 
 /// Options of `basalt bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// An in-process bdev: `malloc:SIZE` (e.g. malloc:1GiB) or `file:PATH`.
-    #[arg(long, conflicts_with = "nbd", required_unless_present_any = ["nbd", "osd_log", "image"])]
+    #[arg(long, conflicts_with = "nbd", required_unless_present_any = ["nbd", "nvmf", "osd_log", "image"])]
     pub bdev: Option<String>,
     /// A Basalt image, POOL/NAME, through the native client (the monitors from --mon,
     /// --conf or $BASALT_CONF).
@@ -30,6 +31,10 @@ pub struct BenchArgs {
     /// An NBD export: nbd://HOST[:PORT]/EXPORT (one connection per worker).
     #[arg(long)]
     pub nbd: Option<NbdUri>,
+    /// An NVMe/TCP subsystem's first namespace: nvme+tcp://ADDRESS[:PORT]/NQN (one I/O
+    /// queue per worker).
+    #[arg(long, conflicts_with_all = ["bdev", "nbd", "image", "osd_log"])]
+    pub nvmf: Option<NvmfUri>,
     /// An OSD log device on this file or block device, FORMATTED FIRST (its contents are
     /// lost); each write is one durable 4 KiB-aligned append. Writes only.
     #[arg(long, conflicts_with_all = ["bdev", "nbd"])]
@@ -161,6 +166,12 @@ async fn open_device(args: &BenchArgs) -> anyhow::Result<(Device, String)> {
             device,
             format!("nbd://{}:{}/{}", uri.host, uri.port, uri.export),
         ));
+    }
+    if let Some(uri) = &args.nvmf {
+        let device = Device::connect_nvmf(uri, args.workers, args.iodepth)
+            .await
+            .with_context(|| format!("connecting to nvme+tcp://{}/{}", uri.address, uri.nqn))?;
+        return Ok((device, format!("nvme+tcp://{}/{}", uri.address, uri.nqn)));
     }
     let spec = args.bdev.as_deref().unwrap_or_default();
     let bdev: Arc<dyn Bdev> = if let Some(size) = spec.strip_prefix("malloc:") {

@@ -2,7 +2,7 @@
 //!
 //! One monitor and three OSDs, each its own `basalt mon` / `basalt osd` process with its
 //! data under the data directory, and a target in this process that exports the image
-//! `dev/disk0` over NBD on loopback. It writes a client config (`basalt.toml`) for the CLI,
+//! `dev/disk0` over NBD and NVMe/TCP on loopback. It writes a client config (`basalt.toml`) for the CLI,
 //! prints how to connect, and on Ctrl-C or SIGTERM stops everything. Run again, it reuses
 //! the data.
 
@@ -23,6 +23,8 @@ use serde_json::json;
 pub const POOL: &str = "dev";
 /// The image it exports.
 pub const IMAGE: &str = "disk0";
+/// The NVMe subsystem that exports the image.
+pub const NQN: &str = "nqn.2016-06.io.basalt:disk0";
 
 /// Options of `basalt dev`.
 #[derive(clap::Args)]
@@ -36,6 +38,9 @@ pub struct DevArgs {
     /// NBD port on 127.0.0.1.
     #[arg(long, default_value_t = 10809)]
     pub nbd_port: u16,
+    /// NVMe/TCP port on 127.0.0.1.
+    #[arg(long, default_value_t = 4420)]
+    pub nvmf_port: u16,
     /// The monitor's port on 127.0.0.1.
     #[arg(long, default_value_t = 6780)]
     pub mon_port: u16,
@@ -240,6 +245,19 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
             "nbd_server_add_export",
             json!({"bdev_name": IMAGE, "name": IMAGE}),
         ),
+        ("nvmf_create_transport", json!({"trtype": "TCP"})),
+        (
+            "nvmf_create_subsystem",
+            json!({"nqn": NQN, "allow_any_host": true, "serial_number": "BASALT-DEV-DISK0", "model_number": "Basalt image dev/disk0"}),
+        ),
+        (
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": NQN, "namespace": {"bdev_name": IMAGE}}),
+        ),
+        (
+            "nvmf_subsystem_add_listener",
+            json!({"nqn": NQN, "listen_address": {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1", "trsvcid": args.nvmf_port.to_string()}}),
+        ),
     ];
     for (method, params) in calls {
         target
@@ -262,6 +280,10 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         dir.display()
     );
     println!("  NBD export:  {uri}");
+    println!(
+        "  NVMe/TCP:    nvme connect -t tcp -a 127.0.0.1 -s {} -n {NQN}",
+        args.nvmf_port
+    );
     println!("  CLI:         export BASALT_CONF={}", conf.display());
     println!("               basalt status; basalt pg ls; basalt image ls");
     println!(
@@ -272,6 +294,10 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         "  try:         qemu-io -f raw {uri} -c 'write -P 0xab 0 64k' -c 'read -P 0xab 0 64k'"
     );
     println!("  bench:       basalt bench --nbd {uri} --rw randwrite --iodepth 32 --runtime 10");
+    println!(
+        "               basalt bench --nvmf nvme+tcp://127.0.0.1:{}/{NQN} --rw randwrite --iodepth 32 --runtime 10",
+        args.nvmf_port
+    );
     println!("  logs:        {}/{{mon,osd.N}}.log", dir.display());
     println!("Ctrl-C stops it.");
     let _ = std::process::Command::new(std::env::current_exe()?)

@@ -13,7 +13,7 @@ use support::*;
 /// Starts `basalt dev` in `dir`; returns it, the URI it printed and its remaining output.
 fn start_dev(
     dir: &ScratchDir,
-    nbd_port: u16,
+    (nbd_port, nvmf_port): (u16, u16),
     mon_port: u16,
 ) -> (
     std::process::Child,
@@ -31,6 +31,8 @@ fn start_dev(
             "8",
             "--nbd-port",
             &nbd_port.to_string(),
+            "--nvmf-port",
+            &nvmf_port.to_string(),
             "--mon-port",
             &mon_port.to_string(),
             "--data-dir",
@@ -81,14 +83,14 @@ fn stop_dev(
 fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
     require("qemu-io");
     let dir = ScratchDir::new("dev");
-    let (nbd_port, mon_port) = (free_port(), free_port());
-    let (child, uri, lines) = start_dev(&dir, nbd_port, mon_port);
+    let (ports, mon_port) = ((free_port(), free_port()), free_port());
+    let (child, uri, lines) = start_dev(&dir, ports, mon_port);
     let socket = dir.join("target.sock");
     wait_for("the dev target's socket", Duration::from_secs(20), || {
         socket.exists()
     });
     qemu_io_ok(&uri, false, &["write -P 0xab 0 64k", "flush"]);
-    qemu_io_ok(&uri, true, &["read -P 0xab 0 64k", "read -P 0 64k 64k"]);
+    qemu_io_ok(&uri, true, &["read -P 0xab 0 64k", "read -P 0 32M 64k"]);
     let bdevs = run_ok(
         basalt()
             .arg("rpc")
@@ -105,6 +107,32 @@ fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
     );
     assert!(status.contains("3 osds: 3 up, 3 in"), "{status}");
     assert!(status.contains("8 active+clean"), "{status}");
+
+    // The same image over NVMe/TCP, through our initiator: written and verified on two
+    // I/O queues, 8 commands in flight on each.
+    let nvmf = format!(
+        "nvme+tcp://127.0.0.1:{}/nqn.2016-06.io.basalt:disk0",
+        ports.1
+    );
+    let report = run_ok(basalt().args([
+        "bench",
+        "--nvmf",
+        &nvmf,
+        "--rw",
+        "randwrite",
+        "--verify",
+        "--workers",
+        "2",
+        "--iodepth",
+        "8",
+        "--io-count",
+        "2000",
+        "--size",
+        "8MiB",
+    ]));
+    assert!(report.contains(", 0 mismatches"), "{report}");
+    assert!(!report.contains("errors:"), "{report}");
+    qemu_io_ok(&uri, false, &["write -P 0xab 0 64k", "flush"]);
     stop_dev(child, lines);
     assert!(!socket.exists(), "the socket is removed on exit");
     assert!(
@@ -113,7 +141,7 @@ fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
     );
 
     // Started again on the same directory: the same image, the same data.
-    let (child, uri, lines) = start_dev(&dir, nbd_port, mon_port);
-    qemu_io_ok(&uri, true, &["read -P 0xab 0 64k", "read -P 0 64k 64k"]);
+    let (child, uri, lines) = start_dev(&dir, ports, mon_port);
+    qemu_io_ok(&uri, true, &["read -P 0xab 0 64k", "read -P 0 32M 64k"]);
     stop_dev(child, lines);
 }

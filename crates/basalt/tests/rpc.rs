@@ -297,6 +297,29 @@ fn restart_from_saved_config_keeps_bdevs_exports_and_data() {
     );
     let uri = format!("nbd://127.0.0.1:{port}/vol");
     qemu_io_ok(&uri, false, &["write -P 0x5a 1M 3M", "flush"]);
+    let nqn = "nqn.2016-06.io.basalt:saved";
+    target.rpc_ok(
+        "nvmf_create_transport",
+        json!({"trtype": "TCP", "in_capsule_data_size": 8192}),
+    );
+    target.rpc_ok(
+        "nvmf_create_subsystem",
+        json!({"nqn": nqn, "serial_number": "SAVED1"}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": nqn, "host": "nqn.2016-06.io.basalt:host1"}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": nqn, "namespace": {"bdev_name": "disk", "nsid": 3}}),
+    );
+    let nvmf_port = free_port().to_string();
+    target.rpc_ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "traddr": "127.0.0.1", "trsvcid": nvmf_port}}),
+    );
+    let subsystems = target.rpc_ok("nvmf_get_subsystems", Value::Null);
     let config = target.rpc_ok("save_config", Value::Null);
     let before = target.rpc_ok("bdev_get_bdevs", Value::Null);
     let config_path = dir.join("config.json");
@@ -330,6 +353,16 @@ fn restart_from_saved_config_keeps_bdevs_exports_and_data() {
         .filter_map(|e| e["name"].as_str())
         .collect();
     assert_eq!(names, ["ram", "vol"]);
+    assert_eq!(
+        target.rpc_ok("nvmf_get_subsystems", Value::Null),
+        subsystems,
+        "the same subsystems, namespaces (uuids included), hosts and listeners"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", nvmf_port.parse::<u16>().expect("port")))
+            .is_ok(),
+        "the listener is back"
+    );
     assert_eq!(
         target.rpc_ok("save_config", Value::Null),
         config,
@@ -371,4 +404,109 @@ fn bad_config_files_are_refused_with_the_file_named() {
             "{name}: {stderr}"
         );
     }
+}
+
+/// The nvmf_* methods refuse bad parameters with an error naming them.
+#[test]
+fn nvmf_methods_name_what_is_wrong() {
+    let dir = ScratchDir::new("rpc-nvmf");
+    let target = TargetProcess::start(&dir.path, &[]);
+    let nqn = "nqn.2016-06.io.basalt:rpc";
+    let listen = |port: &str| json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1", "trsvcid": port}});
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"num_blocks": 64, "block_size": 512, "name": "m0"}),
+    );
+    target.rpc_ok("nvmf_create_subsystem", json!({"nqn": nqn}));
+    let message = target.rpc_err("nvmf_subsystem_add_listener", listen("0"), INVALID_PARAMS);
+    assert!(message.contains("nvmf_create_transport"), "{message}");
+    let message = target.rpc_err(
+        "nvmf_create_transport",
+        json!({"trtype": "TCP", "max_io_size": 100000}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("max_io_size"), "{message}");
+    let message = target.rpc_err(
+        "nvmf_create_transport",
+        json!({"trtype": "RDMA"}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("trtype"), "{message}");
+    let message = target.rpc_err(
+        "nvmf_create_transport",
+        json!({"trtype": "TCP", "max_queue_dept": 64}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("max_queue_dept"), "{message}");
+    target.rpc_ok(
+        "nvmf_create_transport",
+        json!({"trtype": "TCP", "max_queue_depth": 64}),
+    );
+    target.rpc_err("nvmf_create_transport", json!({"trtype": "TCP"}), EXISTS);
+    let transports = target.rpc_ok("nvmf_get_transports", Value::Null);
+    assert_eq!(transports[0]["max_queue_depth"], json!(64), "{transports}");
+
+    let message = target.rpc_err(
+        "nvmf_create_subsystem",
+        json!({"nqn": "nqn.2016-6.x:y"}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("yyyy-mm"), "{message}");
+    let message = target.rpc_err(
+        "nvmf_create_subsystem",
+        json!({"nqn": "nqn.2016-06.io.basalt:b", "serial_number": "x".repeat(21)}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("serial_number"), "{message}");
+    target.rpc_err("nvmf_create_subsystem", json!({"nqn": nqn}), EXISTS);
+    target.rpc_err(
+        "nvmf_create_subsystem",
+        json!({"nqn": "nqn.2014-08.org.nvmexpress.discovery"}),
+        EXISTS,
+    );
+    let missing = json!({"nqn": "nqn.2016-06.io.basalt:none", "namespace": {"bdev_name": "m0"}});
+    target.rpc_err("nvmf_subsystem_add_ns", missing, NO_DEVICE);
+    target.rpc_err(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": nqn, "namespace": {"bdev_name": "nope"}}),
+        NO_DEVICE,
+    );
+    let message = target.rpc_err(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": nqn, "namespace": {"bdev_name": "m0", "nsid": 33}}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("nsid"), "{message}");
+    assert_eq!(
+        target.rpc_ok(
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": nqn, "namespace": {"bdev_name": "m0"}})
+        ),
+        json!(1)
+    );
+    let message = target.rpc_err("bdev_malloc_delete", json!({"name": "m0"}), BUSY);
+    assert!(
+        message.contains("nvmf"),
+        "an exported bdev cannot be deleted: {message}"
+    );
+    target.rpc_err(
+        "nvmf_subsystem_remove_ns",
+        json!({"nqn": nqn, "nsid": 9}),
+        NO_DEVICE,
+    );
+    let message = target.rpc_err(
+        "nvmf_subsystem_add_listener",
+        listen("http"),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("trsvcid"), "{message}");
+    let message = target.rpc_err(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": nqn, "host": "host1"}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("host"), "{message}");
+    target.rpc_ok("nvmf_delete_subsystem", json!({"nqn": nqn}));
+    target.rpc_ok("bdev_malloc_delete", json!({"name": "m0"}));
+    target.rpc_err("nvmf_delete_subsystem", json!({"nqn": nqn}), NO_DEVICE);
 }

@@ -1,5 +1,5 @@
 //! What a benchmark measures: an in-process bdev, an NBD export through one connection
-//! per worker (so the server sees `workers` connections, as fio's nbd engine makes), or an
+//! per worker, an NVMe/TCP namespace through one I/O queue per worker (so the server sees `workers` connections, as fio's nbd engine makes), or an
 //! OSD log device (each write is one durable append; it shows what group commit buys).
 
 use std::io;
@@ -10,6 +10,7 @@ use basalt_client::Image;
 use basalt_common::{PgId, PoolId};
 use basalt_io::DmaBuf;
 use basalt_nbd::{NbdClient, NbdUri};
+use basalt_nvmf::host::{Host, HostOptions, NvmfUri};
 use basalt_osd::log_device::LogDevice;
 use basalt_store::batch::{BLOCK_SIZE, Entry, META_SIZE};
 
@@ -23,6 +24,16 @@ pub enum Device {
     Log(Arc<LogDevice>),
     /// A Basalt image through the native client.
     Image(Arc<Image>),
+    /// A namespace over NVMe/TCP, one I/O queue per worker.
+    Nvmf(Arc<NvmfNamespace>),
+}
+
+/// A namespace of a connected NVMe/TCP controller.
+pub struct NvmfNamespace {
+    host: Host,
+    nsid: u32,
+    block_size: u32,
+    block_count: u64,
 }
 
 /// The span of offsets a log device is driven over (appends have no address; the offset
@@ -39,6 +50,35 @@ impl Device {
         Ok(Device::Nbd(clients))
     }
 
+    /// Connects one I/O queue per worker, each `iodepth` deep, to the first namespace of
+    /// the subsystem at `uri`.
+    pub async fn connect_nvmf(uri: &NvmfUri, workers: usize, iodepth: usize) -> io::Result<Self> {
+        let options = HostOptions {
+            io_queues: u16::try_from(workers.max(1)).map_err(io::Error::other)?,
+            queue_depth: u16::try_from(iodepth + 1).unwrap_or(u16::MAX).clamp(2, 128),
+            ..HostOptions::default()
+        };
+        let host = Host::connect(uri.address, &uri.nqn, options)
+            .await
+            .map_err(io::Error::other)?;
+        let nsid = *host
+            .namespaces()
+            .await
+            .map_err(io::Error::other)?
+            .first()
+            .ok_or_else(|| io::Error::other(format!("subsystem {} has no namespace", uri.nqn)))?;
+        let (block_size, block_count) = host
+            .namespace_geometry(nsid)
+            .await
+            .map_err(io::Error::other)?;
+        Ok(Device::Nvmf(Arc::new(NvmfNamespace {
+            host,
+            nsid,
+            block_size,
+            block_count,
+        })))
+    }
+
     /// Size in bytes.
     pub fn size_bytes(&self) -> u64 {
         match self {
@@ -46,6 +86,7 @@ impl Device {
             Device::Nbd(clients) => clients[0].size_bytes(),
             Device::Log(_) => LOG_SPAN_BYTES,
             Device::Image(image) => image.size_bytes().unwrap_or(0),
+            Device::Nvmf(namespace) => namespace.block_count * u64::from(namespace.block_size),
         }
     }
 
@@ -56,6 +97,7 @@ impl Device {
             Device::Nbd(clients) => u64::from(clients[0].block_size_min()),
             Device::Log(_) => BLOCK_SIZE as u64,
             Device::Image(_) => 512,
+            Device::Nvmf(namespace) => u64::from(namespace.block_size),
         }
     }
 
@@ -66,6 +108,7 @@ impl Device {
             Device::Nbd(clients) => WorkerDevice::Nbd(clients[worker % clients.len()].clone()),
             Device::Log(log) => WorkerDevice::Log(log.clone()),
             Device::Image(image) => WorkerDevice::Image(image.clone()),
+            Device::Nvmf(namespace) => WorkerDevice::Nvmf(namespace.clone(), worker),
         }
     }
 }
@@ -81,6 +124,8 @@ pub enum WorkerDevice {
     Log(Arc<LogDevice>),
     /// A Basalt image through the native client.
     Image(Arc<Image>),
+    /// A namespace over NVMe/TCP, and the worker's I/O queue.
+    Nvmf(Arc<NvmfNamespace>, usize),
 }
 
 /// Bytes read, in whichever buffer the device returned.
@@ -124,6 +169,17 @@ impl WorkerDevice {
                 .await
                 .map(ReadData::Vec)
                 .map_err(io::Error::other),
+            WorkerDevice::Nvmf(namespace, queue) => {
+                let blocks = u32::try_from(len_bytes / u64::from(namespace.block_size))
+                    .map_err(io::Error::other)?;
+                let lba = offset_bytes / u64::from(namespace.block_size);
+                namespace
+                    .host
+                    .read(*queue, namespace.nsid, lba, blocks, namespace.block_size)
+                    .await
+                    .map(ReadData::Vec)
+                    .map_err(io::Error::other)
+            }
             WorkerDevice::Log(_) => Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "an osd log device is only written",
@@ -148,6 +204,21 @@ impl WorkerDevice {
                 .write(offset_bytes, &data)
                 .await
                 .map_err(io::Error::other),
+            WorkerDevice::Nvmf(namespace, queue) => {
+                let lba = offset_bytes / u64::from(namespace.block_size);
+                namespace
+                    .host
+                    .write(
+                        *queue,
+                        namespace.nsid,
+                        lba,
+                        data.to_vec(),
+                        namespace.block_size,
+                        false,
+                    )
+                    .await
+                    .map_err(io::Error::other)
+            }
             WorkerDevice::Log(log) => {
                 let block = offset_bytes / BLOCK_SIZE as u64;
                 let mut meta = [0u8; META_SIZE];

@@ -804,3 +804,72 @@ pub fn rw_sqe(opcode: u8, nsid: u32, lba: u64, blocks: u32, fua: bool) -> Sqe {
         ..Sqe::default()
     }
 }
+
+/// Where a subsystem is: `nvme+tcp://ADDRESS:PORT/NQN` (the port defaults to 4420).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmfUri {
+    /// The controller's address.
+    pub address: SocketAddr,
+    /// The subsystem NQN.
+    pub nqn: String,
+}
+
+/// The NVMe/TCP port registered with IANA.
+pub const DEFAULT_PORT: u16 = 4420;
+
+impl std::str::FromStr for NvmfUri {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let rest = text
+            .strip_prefix("nvme+tcp://")
+            .ok_or_else(|| format!("{text:?} does not start with nvme+tcp://"))?;
+        let (authority, nqn) = rest
+            .split_once('/')
+            .ok_or_else(|| format!("{text:?} has no /NQN after the address"))?;
+        crate::subsystem::validate_nqn(nqn)?;
+        let address = match authority.parse::<SocketAddr>() {
+            Ok(address) => address,
+            Err(_) => {
+                let ip: std::net::IpAddr = authority
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse()
+                    .map_err(|_| {
+                        format!("{authority:?} is not an IP address with an optional port")
+                    })?;
+                SocketAddr::new(ip, DEFAULT_PORT)
+            }
+        };
+        Ok(Self {
+            address,
+            nqn: nqn.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris() {
+        let uri: NvmfUri = "nvme+tcp://127.0.0.1:4421/nqn.2016-06.io.basalt:disk0"
+            .parse()
+            .expect("uri");
+        assert_eq!(uri.address, "127.0.0.1:4421".parse().expect("address"));
+        assert_eq!(uri.nqn, "nqn.2016-06.io.basalt:disk0");
+        let default_port: NvmfUri = "nvme+tcp://[::1]/nqn.2016-06.io.basalt:a"
+            .parse()
+            .expect("uri");
+        assert_eq!(default_port.address.port(), DEFAULT_PORT);
+        for bad in [
+            "nbd://127.0.0.1/x",
+            "nvme+tcp://127.0.0.1:4420",
+            "nvme+tcp://host:4420/nqn.2016-06.io.basalt:a",
+            "nvme+tcp://127.0.0.1:4420/not-an-nqn",
+        ] {
+            assert!(bad.parse::<NvmfUri>().is_err(), "{bad}");
+        }
+    }
+}
