@@ -67,7 +67,7 @@ done
 [ -n "$port" ] || die "no free port in 14420-14520"
 URI="nvme+tcp://127.0.0.1:$port/$NQN"
 log "target pid $TARGET_PID, $URI"
-"$BASALT" bench --nvmf "$URI" --rw write --bs 1MiB --iodepth 8 --io-count $((size_bytes >> 20)) >/dev/null
+"$BASALT" bench --nvmf "$URI" --rw write --bs 128KiB --iodepth 8 --io-count $((size_bytes >> 17)) >/dev/null
 
 # One run; prints "IOPS MEAN_US P99_US".
 measure() {

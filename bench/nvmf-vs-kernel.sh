@@ -102,10 +102,11 @@ device_of() {
 kernel_device=$(device_of "$kernel_nqn")
 basalt_device=$(device_of "$basalt_nqn")
 nvme list
-# Written once, so that reads return data.
+# Written once, so that reads return data (in 64 KiB writes: 1 MiB writes crash the
+# 6.1 kernel target under hardened usercopy, "kernel BUG at mm/usercopy.c:101").
 for device in "$kernel_device" "$basalt_device"; do
-  fio --name=fill --filename="$device" --direct=1 --ioengine=libaio --iodepth=8 --rw=write \
-    --bs=1M --size=$((size_mib))M >/dev/null
+  timeout 300 fio --name=fill --filename="$device" --direct=1 --ioengine=libaio --iodepth=8 --rw=write \
+    --bs=64k --size=$((size_mib))M >/dev/null
 done
 
 # Terse output (version 3): read IOPS in field 8, read mean latency (µs) in 40; write
@@ -115,7 +116,7 @@ for rw in randread randwrite; do
     for who in kernel basalt; do
       device=$kernel_device
       [ "$who" = basalt ] && device=$basalt_device
-      line=$(fio --name=bench --filename="$device" --direct=1 --ioengine=libaio --iodepth="$qd" \
+      line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 --ioengine=libaio --iodepth="$qd" \
         --rw="$rw" --bs=4k --runtime="$runtime" --time_based --ramp_time=2 --minimal)
       if [ "$rw" = randread ]; then
         echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $8, $40 }'

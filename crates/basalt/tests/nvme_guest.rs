@@ -1,22 +1,32 @@
 //! The Linux kernel's NVMe/TCP initiator, with nvme-cli, fio and ext4, against
 //! `basalt target`: a small Linux guest under QEMU (scripts/guest) runs
-//! `tests/guest/nvme_tcp.sh` against a target on the host's loopback.
+//! `tests/guest/nvme_tcp.sh` against a target on the host's loopback. And the other way
+//! round, as a cross-check: our initiator (`basalt bench --nvmf`) against the Linux
+//! kernel's target in the guest (`tests/guest/nvmet.sh`). The guests run one at a time.
 
 mod support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::{ScratchDir, TargetProcess};
 
 const NQN: &str = "nqn.2016-06.io.basalt:guest";
 const RESTRICTED_NQN: &str = "nqn.2016-06.io.basalt:restricted";
+const RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
+
+/// One guest at a time: two TCG guests on a 2-core machine would each run at half speed.
+static GUEST: Mutex<()> = Mutex::new(());
 
 #[test]
 fn the_linux_initiator_uses_the_target() {
+    let _guest = GUEST
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = ScratchDir::new("nvme-guest");
     let target = TargetProcess::start(&dir.path, &[]);
     for (name, blocks) in [("Malloc0", 262_144), ("Malloc1", 65_536), ("Malloc2", 2048)] {
@@ -79,8 +89,7 @@ fn the_linux_initiator_uses_the_target() {
     });
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_tcp.sh");
-    let run = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
-    let output = Command::new(run)
+    let output = Command::new(RUN)
         .args([
             script,
             &port,
@@ -110,4 +119,109 @@ fn the_linux_initiator_uses_the_target() {
         target.rpc_ok("nvmf_subsystem_get_controllers", json!({"nqn": NQN})) == json!([])
     });
     target.stop();
+}
+
+#[test]
+fn our_initiator_uses_the_linux_target() {
+    let _guest = GUEST
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let nqn = "nqn.2014-08.io.basalt:kernel";
+    let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
+    let trigger_port = trigger.local_addr().expect("address").port();
+    let forwarded = support::free_port();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvmet.sh");
+    let mut guest = Command::new(RUN)
+        .args([script, nqn, &trigger_port.to_string()])
+        .env("BASALT_GUEST_TIMEOUT", "600")
+        .env(
+            "BASALT_GUEST_NETDEV",
+            format!("hostfwd=tcp:127.0.0.1:{forwarded}-:4420"),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the guest");
+
+    // The guest calls back once the kernel target listens.
+    trigger.set_nonblocking(true).expect("nonblocking");
+    let start = Instant::now();
+    let stream = loop {
+        match trigger.accept() {
+            Ok((stream, _)) => break stream,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Ok(Some(status)) = guest.try_wait() {
+                    let output = guest.wait_with_output().expect("output");
+                    panic!(
+                        "guest ended ({status}) before its target listened:\n{}",
+                        String::from_utf8_lossy(&output.stdout)
+                    );
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(300),
+                    "no call from the guest"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(error) => panic!("accept: {error}"),
+        }
+    };
+    stream.set_nonblocking(false).expect("blocking");
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("ready line");
+    assert_eq!(line.trim(), "ready");
+
+    let uri = format!("nvme+tcp://127.0.0.1:{forwarded}/{nqn}");
+    let bench = support::basalt()
+        .args([
+            "bench",
+            "--nvmf",
+            &uri,
+            "--rw",
+            "randwrite",
+            "--verify",
+            "--workers",
+            "2",
+            "--iodepth",
+            "8",
+            "--io-count",
+            "1500",
+            "--size",
+            "16MiB",
+        ])
+        .output()
+        .expect("basalt bench");
+    let large = support::basalt()
+        .args([
+            "bench",
+            "--nvmf",
+            &uri,
+            "--rw",
+            "write",
+            "--bs",
+            "256KiB",
+            "--verify",
+            "--iodepth",
+            "4",
+            "--io-count",
+            "64",
+            "--size",
+            "16MiB",
+        ])
+        .output()
+        .expect("basalt bench");
+    let mut stream = stream;
+    stream.write_all(b"done\n").expect("tell the guest");
+    let output = guest.wait_with_output().expect("guest output");
+    let console = String::from_utf8_lossy(&output.stdout);
+    for (what, run) in [("4 KiB", &bench), ("256 KiB", &large)] {
+        let report = String::from_utf8_lossy(&run.stdout);
+        assert!(
+            run.status.success() && report.contains(", 0 mismatches"),
+            "{what} writes against nvmet: {report}{}\nguest:\n{console}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
+    assert!(output.status.success(), "guest failed:\n{console}");
 }
