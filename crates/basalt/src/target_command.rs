@@ -20,10 +20,15 @@ pub struct TargetArgs {
     /// Reactor threads serving frontend connections (default: one per core).
     #[arg(short = 'm', long)]
     pub reactors: Option<usize>,
-    /// Where new connections go: incoming-cpu (the reactor on the CPU the connection's
-    /// packets arrive on) or round-robin.
+    /// Where new connections (NBD connections, NVMe/TCP queue pairs) go: incoming-cpu (the
+    /// reactor on the CPU the connection's packets arrive on), round-robin, or
+    /// weighted-round-robin (smooth, by --reactor-weights).
     #[arg(long, default_value = "incoming-cpu")]
     pub reactor_placement: Placement,
+    /// Weights of the reactors for weighted-round-robin, one per reactor (e.g. 2,1 gives
+    /// the first reactor twice the connections of the second).
+    #[arg(long, value_delimiter = ',')]
+    pub reactor_weights: Vec<u32>,
 }
 
 pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
@@ -36,6 +41,15 @@ pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
 async fn serve(args: TargetArgs) -> anyhow::Result<()> {
     let reactors = args.reactors.unwrap_or_else(crate::core_count);
     let target = Target::new(reactors, args.reactor_placement).context("starting the reactors")?;
+    if !args.reactor_weights.is_empty() {
+        if args.reactor_placement != Placement::WeightedRoundRobin {
+            anyhow::bail!("--reactor-weights needs --reactor-placement weighted-round-robin");
+        }
+        target
+            .reactors
+            .set_weights(&args.reactor_weights)
+            .context("--reactor-weights")?;
+    }
     if let Some(path) = &args.config {
         config::load(&target, path)
             .await

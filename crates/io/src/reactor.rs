@@ -31,6 +31,10 @@ pub enum Placement {
     /// when no reactor is on that CPU.
     #[default]
     IncomingCpu,
+    /// Smooth weighted round robin over the reactors' weights (see
+    /// [`Reactors::set_weights`]; equal weights by default, which is round robin): a
+    /// reactor of weight 2 gets twice the connections of one of weight 1, interleaved.
+    WeightedRoundRobin,
 }
 
 impl std::str::FromStr for Placement {
@@ -40,8 +44,9 @@ impl std::str::FromStr for Placement {
         match text {
             "round-robin" => Ok(Placement::RoundRobin),
             "incoming-cpu" => Ok(Placement::IncomingCpu),
+            "weighted-round-robin" => Ok(Placement::WeightedRoundRobin),
             _ => Err(format!(
-                "unknown placement {text:?} (round-robin, incoming-cpu)"
+                "unknown placement {text:?} (round-robin, incoming-cpu, weighted-round-robin)"
             )),
         }
     }
@@ -53,6 +58,8 @@ pub struct Reactors {
     cpus: Vec<Option<usize>>,
     placement: Placement,
     next: AtomicUsize,
+    /// Weight of each reactor, and its running credit for smooth weighted round robin.
+    weights: Mutex<Vec<(u32, i64)>>,
     threads: Mutex<Vec<(oneshot::Sender<()>, JoinHandle<()>)>>,
 }
 
@@ -103,6 +110,7 @@ impl Reactors {
             cpus,
             placement,
             next: AtomicUsize::new(0),
+            weights: Mutex::new(vec![(1, 0); count]),
             threads: Mutex::new(threads),
         })
     }
@@ -120,6 +128,7 @@ impl Reactors {
     {
         let by_cpu = match self.placement {
             Placement::RoundRobin => None,
+            Placement::WeightedRoundRobin => Some(self.next_weighted()),
             Placement::IncomingCpu => incoming_cpu
                 .and_then(|cpu| self.cpus.iter().position(|pinned| *pinned == Some(cpu))),
         };
@@ -129,6 +138,41 @@ impl Reactors {
             }
             None => self.spawn(task),
         }
+    }
+
+    /// Sets the reactors' weights for [`Placement::WeightedRoundRobin`]: one per reactor,
+    /// not all zero.
+    pub fn set_weights(&self, weights: &[u32]) -> io::Result<()> {
+        if weights.len() != self.handles.len() || weights.iter().all(|w| *w == 0) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} reactor weights for {} reactors (one each, not all zero)",
+                    weights.len(),
+                    self.handles.len()
+                ),
+            ));
+        }
+        *self.weights.lock().unwrap_or_else(|p| p.into_inner()) =
+            weights.iter().map(|w| (*w, 0)).collect();
+        Ok(())
+    }
+
+    /// The next reactor by smooth weighted round robin: every reactor's credit grows by its
+    /// weight, the one with the most credit is chosen and pays the total weight.
+    fn next_weighted(&self) -> usize {
+        let mut weights = self.weights.lock().unwrap_or_else(|p| p.into_inner());
+        let total: i64 = weights.iter().map(|(w, _)| i64::from(*w)).sum();
+        let mut best = 0;
+        for index in 0..weights.len() {
+            let (weight, credit) = &mut weights[index];
+            *credit += i64::from(*weight);
+            if *credit > weights[best].1 {
+                best = index;
+            }
+        }
+        weights[best].1 -= total;
+        best
     }
 
     /// Runs `task` on the next reactor in turn.
@@ -213,6 +257,32 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
+    fn weighted_round_robin_interleaves_by_weight() {
+        let reactors =
+            Reactors::start_with(3, "test-weighted", Placement::WeightedRoundRobin).expect("start");
+        let picks: Vec<usize> = (0..6).map(|_| reactors.next_weighted()).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2], "equal weights: round robin");
+        reactors.set_weights(&[5, 1, 1]).expect("weights");
+        let picks: Vec<usize> = (0..7).map(|_| reactors.next_weighted()).collect();
+        assert_eq!(
+            picks,
+            [0, 0, 1, 0, 2, 0, 0],
+            "nginx's smooth sequence for 5:1:1"
+        );
+        reactors
+            .set_weights(&[0, 3, 1])
+            .expect("a zero weight gets nothing");
+        let picks: Vec<usize> = (0..8).map(|_| reactors.next_weighted()).collect();
+        assert_eq!(picks.iter().filter(|p| **p == 0).count(), 0);
+        assert_eq!(picks.iter().filter(|p| **p == 1).count(), 6);
+        assert!(
+            reactors.set_weights(&[1, 1]).is_err(),
+            "one weight per reactor"
+        );
+        assert!(reactors.set_weights(&[0, 0, 0]).is_err(), "not all zero");
+    }
+
+    #[test]
     fn tasks_go_round_robin_to_named_threads() {
         let reactors = Reactors::start(2, "test-reactor").expect("start");
         let (names, seen) = std::sync::mpsc::channel();
@@ -268,6 +338,10 @@ mod tests {
         assert_eq!(
             "incoming-cpu".parse::<Placement>(),
             Ok(Placement::IncomingCpu)
+        );
+        assert_eq!(
+            "weighted-round-robin".parse::<Placement>(),
+            Ok(Placement::WeightedRoundRobin)
         );
         assert!("cpu".parse::<Placement>().is_err());
     }

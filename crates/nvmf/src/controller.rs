@@ -3,7 +3,7 @@
 //! its asynchronous events and its keep-alive clock, and it answers admin commands.
 //! The I/O commands are in `crate::io_command`; the sockets in `crate::connection`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -82,6 +82,14 @@ impl Response {
     }
 }
 
+/// The calling thread's name (a reactor's, for a connection), for `nvmf_subsystem_get_qpairs`.
+fn current_thread_name() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("unnamed")
+        .to_string()
+}
+
 /// CC.EN.
 const CC_ENABLE: u32 = 1;
 /// CC.SHN (bits 15:14).
@@ -102,7 +110,8 @@ struct ControllerState {
     cc: u32,
     csts: u32,
     io_queues_granted: Option<u16>,
-    io_queues: BTreeSet<u16>,
+    /// Connected I/O queues and the reactor thread serving each.
+    io_queues: BTreeMap<u16, String>,
     keep_alive_timeout_ms: u32,
     async_event_config: u32,
     events: VecDeque<u32>,
@@ -141,13 +150,16 @@ pub struct Controller {
     pub options: TransportOptions,
     /// Counts for the health log page.
     pub counters: ControllerCounters,
+    /// The thread serving the admin queue.
+    admin_thread: String,
     state: Mutex<ControllerState>,
     events: Notify,
     closed: watch::Sender<bool>,
 }
 
 impl Controller {
-    /// A new controller (disabled, no I/O queue) for `host_nqn` on `subsystem`.
+    /// A new controller (disabled, no I/O queue) for `host_nqn` on `subsystem`, created on
+    /// the thread that serves its admin queue.
     pub fn new(
         id: u16,
         subsystem: Arc<Subsystem>,
@@ -164,11 +176,12 @@ impl Controller {
             host_id,
             options,
             counters: ControllerCounters::default(),
+            admin_thread: current_thread_name(),
             state: Mutex::new(ControllerState {
                 cc: 0,
                 csts: 0,
                 io_queues_granted: None,
-                io_queues: BTreeSet::new(),
+                io_queues: BTreeMap::new(),
                 keep_alive_timeout_ms,
                 async_event_config: 0,
                 events: VecDeque::new(),
@@ -210,7 +223,20 @@ impl Controller {
 
     /// The connected I/O queue ids.
     pub fn io_queues(&self) -> Vec<u16> {
-        self.lock().io_queues.iter().copied().collect()
+        self.lock().io_queues.keys().copied().collect()
+    }
+
+    /// Every connected queue (the admin queue first) and the thread serving it.
+    pub fn queue_threads(&self) -> Vec<(u16, String)> {
+        let state = self.lock();
+        std::iter::once((0, self.admin_thread.clone()))
+            .chain(
+                state
+                    .io_queues
+                    .iter()
+                    .map(|(qid, thread)| (*qid, thread.clone())),
+            )
+            .collect()
     }
 
     /// I/O queues the host may connect: what Set Features granted, else the maximum.
@@ -232,9 +258,10 @@ impl Controller {
         if qid > max {
             return Err(Status::CONNECT_INVALID_PARAMETERS);
         }
-        if !state.io_queues.insert(qid) {
+        if state.io_queues.contains_key(&qid) {
             return Err(Status::COMMAND_SEQUENCE_ERROR);
         }
+        state.io_queues.insert(qid, current_thread_name());
         Ok(())
     }
 

@@ -174,12 +174,12 @@ async fn dispatch(
                 .ok_or_else(|| no_subsystem(&params.nqn))?;
             let mut qpairs = Vec::new();
             for controller in subsystem.lock().controllers.values() {
-                for qid in std::iter::once(0).chain(controller.io_queues()) {
+                for (qid, thread) in controller.queue_threads() {
                     qpairs.push(json!({
                         "cntlid": controller.id,
                         "qid": qid,
                         "state": "active",
-                        "thread": "reactor",
+                        "thread": thread,
                     }));
                 }
             }

@@ -46,7 +46,15 @@ fn add_malloc(registry: &BdevRegistry, name: &str) {
 /// A target with one subsystem (allow any host) exporting an 8 MiB malloc bdev on a free
 /// loopback port.
 async fn fixture(transport: Value) -> Fixture {
-    let reactors = Arc::new(Reactors::start(1, "test-reactor").expect("reactors"));
+    fixture_on(
+        Reactors::start(1, "test-reactor").expect("reactors"),
+        transport,
+    )
+    .await
+}
+
+async fn fixture_on(reactors: Reactors, transport: Value) -> Fixture {
+    let reactors = Arc::new(reactors);
     let target = NvmfTarget::new(reactors.clone());
     let registry = BdevRegistry::new();
     add_malloc(&registry, "Malloc0");
@@ -224,6 +232,35 @@ async fn every_command_with_and_without_digests() {
             .await
             .expect("effects");
         assert_eq!(effects[1024 + 4] & 3, 3, "write changes content");
+        let firmware = host
+            .log_page(LOG_FIRMWARE_SLOT, 0, 512, false)
+            .await
+            .expect("firmware");
+        assert_eq!(
+            (firmware[0], &firmware[8..16]),
+            (1, &b"basalt01"[..]),
+            "slot 1 active"
+        );
+        let errors = host
+            .log_page(LOG_ERROR, 0, 64, false)
+            .await
+            .expect("error log");
+        assert_eq!(errors, vec![0; 64], "no error entries");
+        let abort = Sqe {
+            opcode: ADMIN_ABORT,
+            cdw10: 1 << 16,
+            ..Sqe::default()
+        };
+        assert_eq!(
+            host.admin(abort, Vec::new(), 0)
+                .await
+                .expect("abort")
+                .cqe
+                .dw0
+                & 1,
+            1,
+            "not aborted"
+        );
         let unknown = host
             .log_page(0x42, 0, 512, false)
             .await
@@ -610,4 +647,184 @@ async fn bad_pdus_get_a_term_req_and_spare_other_connections() {
 
     // The well-behaved host never noticed.
     read_write_cycle(&host, 0, 0, 8192, 5).await;
+}
+
+/// Queue pairs go to reactors as the placement says, and `nvmf_subsystem_get_qpairs`
+/// names the reactor thread serving each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_pairs_are_placed_by_weight() {
+    use basalt_io::Placement;
+    let reactors =
+        Reactors::start_with(2, "weighted", Placement::WeightedRoundRobin).expect("reactors");
+    reactors.set_weights(&[0, 1]).expect("weights");
+    let fixture = fixture_on(reactors, json!({"trtype": "TCP"})).await;
+    let options = HostOptions {
+        io_queues: 3,
+        ..HostOptions::default()
+    };
+    let host = Host::connect(fixture.address, NQN, options)
+        .await
+        .expect("connect");
+    read_write_cycle(&host, 2, 0, 4096, 1).await;
+    let qpairs = rpc(&fixture, "nvmf_subsystem_get_qpairs", json!({"nqn": NQN}))
+        .await
+        .expect("qpairs");
+    let threads: Vec<&str> = qpairs
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|q| q["thread"].as_str())
+        .collect();
+    assert_eq!(
+        threads, ["weighted-1"; 4],
+        "all on the reactor of weight 1: {qpairs}"
+    );
+    let stats = rpc(&fixture, "nvmf_get_stats", Value::Null)
+        .await
+        .expect("stats");
+    assert_eq!(
+        stats["poll_groups"][0]["current_io_qpairs"],
+        json!(3),
+        "{stats}"
+    );
+    assert_eq!(
+        stats["poll_groups"][0]["current_admin_qpairs"],
+        json!(1),
+        "{stats}"
+    );
+    drop(host);
+
+    let reactors =
+        Reactors::start_with(2, "even", Placement::WeightedRoundRobin).expect("reactors");
+    let fixture = fixture_on(reactors, json!({"trtype": "TCP"})).await;
+    let host = Host::connect(
+        fixture.address,
+        NQN,
+        HostOptions {
+            io_queues: 3,
+            ..HostOptions::default()
+        },
+    )
+    .await
+    .expect("connect");
+    let qpairs = rpc(&fixture, "nvmf_subsystem_get_qpairs", json!({"nqn": NQN}))
+        .await
+        .expect("qpairs");
+    let threads: Vec<&str> = qpairs
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|q| q["thread"].as_str())
+        .collect();
+    assert_eq!(
+        threads,
+        ["even-0", "even-1", "even-0", "even-1"],
+        "equal weights alternate: {qpairs}"
+    );
+    drop(host);
+}
+
+/// Digests: a bad data digest fails its command with a transient transport error and the
+/// connection goes on; a bad header digest ends it with a TermReq. H2CData beyond
+/// MAXH2CDATA is refused before its data is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_digests_and_oversized_data_pdus() {
+    use basalt_nvmf::pdu::{CapsuleCmd, Negotiated, Pdu, Role, encode};
+    use basalt_nvmf::{SglDescriptor, Status};
+    let fixture = fixture(json!({"trtype": "TCP", "io_unit_size": 4096})).await;
+    let host_side = Negotiated {
+        role: Role::Host,
+        established: true,
+        header_digest: true,
+        data_digest: true,
+        receive_pda: 0,
+        send_pda: 0,
+        data_size_max: 1 << 20,
+        in_capsule_data_size_max: 0,
+    };
+    let mut stream = tokio::net::TcpStream::connect(fixture.address)
+        .await
+        .expect("connect");
+    let mut request = ic_req();
+    request[11] = 0b11; // header and data digests
+    stream.write_all(&request).await.expect("icreq");
+    let mut resp = [0u8; 128];
+    stream.read_exact(&mut resp).await.expect("icresp");
+    assert_eq!(resp[11], 0b11, "digests granted");
+
+    let capsule = |command_id: u16| {
+        let sqe = Sqe {
+            opcode: FABRICS,
+            command_id,
+            namespace_id: u32::from(basalt_nvmf::fabrics::FCTYPE_PROPERTY_GET),
+            data_pointer: SglDescriptor::in_capsule(16),
+            ..Sqe::default()
+        };
+        let mut bytes = Vec::new();
+        encode(
+            &Pdu::CapsuleCmd(CapsuleCmd {
+                sqe,
+                data: &[7; 16],
+            }),
+            &host_side,
+            &mut bytes,
+        );
+        bytes
+    };
+    let mut bad_data = capsule(41);
+    let last = bad_data.len() - 1;
+    bad_data[last] ^= 0xff;
+    stream.write_all(&bad_data).await.expect("send");
+    let mut response = [0u8; 28]; // CapsuleResp with its header digest
+    stream.read_exact(&mut response).await.expect("response");
+    assert_eq!(response[0], 0x05, "a response capsule");
+    assert_eq!(u16::from_le_bytes([response[20], response[21]]), 41);
+    let status = Status::from_field(u16::from_le_bytes([response[22], response[23]]));
+    assert_eq!(
+        status,
+        Status::TRANSIENT_TRANSPORT_ERROR,
+        "the command failed, retryably"
+    );
+    assert_eq!(
+        crc32c::crc32c(&response[..24]).to_le_bytes(),
+        response[24..28],
+        "the response carries a header digest"
+    );
+
+    let mut bad_header = capsule(42);
+    bad_header[72] ^= 0xff; // the header digest follows the 72-byte header
+    stream.write_all(&bad_header).await.expect("send");
+    let reply = read_to_close(&mut stream).await;
+    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq");
+    assert_eq!(
+        u16::from_le_bytes([reply[8], reply[9]]),
+        0x03,
+        "header digest error"
+    );
+
+    // H2CData with 8 KiB of data when MAXH2CDATA is 4 KiB.
+    let mut stream = tokio::net::TcpStream::connect(fixture.address)
+        .await
+        .expect("connect");
+    stream.write_all(&ic_req()).await.expect("icreq");
+    stream.read_exact(&mut resp).await.expect("icresp");
+    assert_eq!(
+        u32::from_le_bytes([resp[12], resp[13], resp[14], resp[15]]),
+        4096,
+        "MAXH2CDATA"
+    );
+    let mut data = vec![0u8; 24];
+    data[0] = 0x06;
+    data[2] = 24;
+    data[3] = 24;
+    data[4..8].copy_from_slice(&(24u32 + 8192).to_le_bytes());
+    data[16..20].copy_from_slice(&8192u32.to_le_bytes());
+    stream.write_all(&data).await.expect("send");
+    let reply = read_to_close(&mut stream).await;
+    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq");
+    assert_eq!(
+        u16::from_le_bytes([reply[8], reply[9]]),
+        0x05,
+        "data transfer limit exceeded"
+    );
 }
