@@ -270,8 +270,12 @@ enum Event {
         chunk: Result<Chunk, String>,
         ack: oneshot::Sender<bool>,
     },
-    /// A PG's leader says this replica is no longer in the PG's configuration.
-    Removed { pg: PgId },
+    /// A PG's leader says this replica is no longer in the PG's configuration; the
+    /// replica's last log entry (index, term) when it asked.
+    Removed {
+        pg: PgId,
+        log_when_asked: Option<(u64, u64)>,
+    },
     /// A membership check of a PG is over.
     MembershipChecked { pg: PgId },
     /// A snapshot chunk is durable: its runs lie at these device offsets.
@@ -577,7 +581,16 @@ impl Core {
                 }
             }
             Event::Failed(reason) => return Err(OsdError::Internal(reason)),
-            Event::Removed { pg } => self.remove_pg(pg),
+            Event::Removed { pg, log_when_asked } => {
+                // Entries taken since the question mean a leader added this replica back
+                // (an OSD out and in again while its map lags): it may already count on
+                // them, so the data stays. The next check asks again.
+                if self.raft.last_log_id(pg) == log_when_asked {
+                    self.remove_pg(pg);
+                } else {
+                    tracing::info!(%pg, "removal not applied: the replica took entries since it asked");
+                }
+            }
             Event::MembershipChecked { pg } => {
                 self.membership_checks.remove(&pg);
             }
@@ -1804,6 +1817,7 @@ impl Core {
                 .collect();
             self.membership_checks.insert(pg);
             let (events, me) = (self.events.clone(), self.id);
+            let log_when_asked = self.raft.last_log_id(pg);
             tokio::spawn(async move {
                 for (id, address) in members {
                     let request = OsdRequest::PgConf { pg };
@@ -1813,7 +1827,7 @@ impl Core {
                         && state.hosted
                         && !state.includes(me)
                     {
-                        let _ = events.send(Event::Removed { pg });
+                        let _ = events.send(Event::Removed { pg, log_when_asked });
                         break;
                     }
                 }

@@ -496,6 +496,15 @@ impl MultiRaft {
             .map(|group| group.node.raft.raft_log.last_index())
     }
 
+    /// The index and term of the last entry in this replica's log of `pg`: it changes
+    /// whenever the replica takes entries from a leader.
+    pub fn last_log_id(&self, pg: PgId) -> Option<(u64, u64)> {
+        self.groups.get(&pg).map(|group| {
+            let log = &group.node.raft.raft_log;
+            (log.last_index(), log.last_term())
+        })
+    }
+
     /// The index a read must wait to see applied before it is served by this replica, or
     /// `None` if this replica cannot serve reads: it does not lead the PG, or it has not yet
     /// committed an entry of its own term (until then it may not know every entry an earlier
