@@ -230,8 +230,12 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     .await?;
 
     let socket = dir.join("target.sock");
-    let target = Target::new(crate::core_count(), basalt_io::Placement::IncomingCpu)
-        .context("starting the reactors")?;
+    let target = Target::new(
+        crate::core_count(),
+        basalt_io::Placement::IncomingCpu,
+        dir.to_path_buf(),
+    )
+    .context("starting the reactors")?;
     let calls = [
         (
             "bdev_basalt_create",
@@ -323,6 +327,7 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     }
     target.nbd.stop();
     target.nvmf.shutdown();
+    target.vhost.shutdown();
     drop(children);
     println!("basalt dev: stopped");
     Ok(())

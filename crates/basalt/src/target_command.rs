@@ -17,6 +17,9 @@ pub struct TargetArgs {
     /// Start from this configuration (the JSON `save_config` returns).
     #[arg(short = 'c', long)]
     pub config: Option<PathBuf>,
+    /// Directory of the vhost-user sockets (one per controller, named after it).
+    #[arg(short = 'S', long, default_value = "/var/tmp")]
+    pub vhost_socket_dir: PathBuf,
     /// Reactor threads serving frontend connections (default: one per core).
     #[arg(short = 'm', long)]
     pub reactors: Option<usize>,
@@ -40,7 +43,12 @@ pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
 
 async fn serve(args: TargetArgs) -> anyhow::Result<()> {
     let reactors = args.reactors.unwrap_or_else(crate::core_count);
-    let target = Target::new(reactors, args.reactor_placement).context("starting the reactors")?;
+    let target = Target::new(
+        reactors,
+        args.reactor_placement,
+        args.vhost_socket_dir.clone(),
+    )
+    .context("starting the reactors")?;
     if !args.reactor_weights.is_empty() {
         if args.reactor_placement != Placement::WeightedRoundRobin {
             anyhow::bail!("--reactor-weights needs --reactor-placement weighted-round-robin");
@@ -65,5 +73,6 @@ async fn serve(args: TargetArgs) -> anyhow::Result<()> {
     tracing::info!("target stopping");
     target.nbd.stop();
     target.nvmf.shutdown();
+    target.vhost.shutdown();
     Ok(())
 }

@@ -48,6 +48,7 @@ const LAYERS: &[&str] = &[
     "target",
     "nbd",
     "nvmf",
+    "vhost",
     "bdev",
     "client",
     "osd",

@@ -44,7 +44,7 @@ fn null_as_empty<'de, D: serde::Deserializer<'de>>(
 }
 
 /// Subsystems in load order.
-pub const SUBSYSTEMS: &[&str] = &["bdev", "nbd", "nvmf"];
+pub const SUBSYSTEMS: &[&str] = &["bdev", "nbd", "nvmf", "vhost_blk"];
 
 /// The configuration of a running target.
 pub fn save(target: &Target) -> TargetConfig {
@@ -56,6 +56,7 @@ pub fn save(target: &Target) -> TargetConfig {
                 "bdev" => target.bdevs.config(),
                 "nbd" => basalt_nbd::rpc::config(&target.nbd),
                 "nvmf" => basalt_nvmf::rpc::config(&target.nvmf),
+                "vhost_blk" => basalt_vhost::rpc::config(&target.vhost),
                 _ => Vec::new(),
             },
         })

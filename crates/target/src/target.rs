@@ -7,6 +7,7 @@ use basalt_common::RpcError;
 use basalt_io::{Placement, Reactors};
 use basalt_nbd::NbdServer;
 use basalt_nvmf::NvmfTarget;
+use basalt_vhost::VhostServer;
 use serde_json::{Value, json};
 
 use crate::config;
@@ -27,21 +28,30 @@ pub struct Target {
     pub nbd: Arc<NbdServer>,
     /// The NVMe/TCP frontend.
     pub nvmf: Arc<NvmfTarget>,
+    /// The vhost-user-blk frontend.
+    pub vhost: Arc<VhostServer>,
     /// The threads that serve frontend connections.
     pub reactors: Arc<Reactors>,
 }
 
 impl Target {
     /// A target with no bdevs and no frontend listening, serving connections on
-    /// `reactor_count` reactor threads that new connections reach by `placement`.
-    pub fn new(reactor_count: usize, placement: Placement) -> std::io::Result<Arc<Self>> {
+    /// `reactor_count` reactor threads that new connections reach by `placement`, with
+    /// its vhost-user sockets in `vhost_socket_dir`.
+    pub fn new(
+        reactor_count: usize,
+        placement: Placement,
+        vhost_socket_dir: std::path::PathBuf,
+    ) -> std::io::Result<Arc<Self>> {
         let reactors = Arc::new(Reactors::start_with(reactor_count, "reactor", placement)?);
         let nbd = NbdServer::new(reactors.clone());
         let nvmf = NvmfTarget::new(reactors.clone());
+        let vhost = Arc::new(VhostServer::new(reactors.clone(), vhost_socket_dir));
         Ok(Arc::new(Self {
             bdevs: BdevRegistry::new(),
             nbd,
             nvmf,
+            vhost,
             reactors,
         }))
     }
@@ -53,6 +63,7 @@ impl Target {
             .chain(basalt_bdev::rpc::METHODS)
             .chain(basalt_nbd::rpc::METHODS)
             .chain(basalt_nvmf::rpc::METHODS)
+            .chain(basalt_vhost::rpc::METHODS)
             .copied()
             .collect();
         methods.sort_unstable();
@@ -85,7 +96,12 @@ impl Target {
                     return result;
                 }
                 if let Some(result) =
-                    basalt_nvmf::rpc::call(&self.nvmf, &self.bdevs, method, params).await
+                    basalt_nvmf::rpc::call(&self.nvmf, &self.bdevs, method, params.clone()).await
+                {
+                    return result;
+                }
+                if let Some(result) =
+                    basalt_vhost::rpc::call(&self.vhost, &self.bdevs, method, params)
                 {
                     return result;
                 }

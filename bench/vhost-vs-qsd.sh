@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Basalt's vhost-user-blk controller against qemu-storage-daemon's vhost-user-blk export,
+# both serving a file on the host (O_DIRECT, io_uring) to one guest (scripts/guest, QEMU
+# TCG) that sees them as /dev/vda (Basalt) and /dev/vdb (qemu-storage-daemon); fio in
+# the guest (libaio, direct, one job) measures each, Basalt first, case by case. Issue #5
+# aims at >= 1.0x qemu-storage-daemon.
+#
+# Usage: bench/vhost-vs-qsd.sh [REPORT.md]
+# Environment: SIZE_MIB (each file, default 256), RUNTIME (seconds per run, default 10),
+# BASALT (default target/release/basalt, built if absent).
+set -euo pipefail
+
+if [ "${1:-}" != "--guest" ]; then
+    SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    REPO_ROOT=$(cd "$SCRIPT_DIR/.." && pwd)
+    REPORT=${1:-}
+    SIZE_MIB=${SIZE_MIB:-256}
+    RUNTIME=${RUNTIME:-10}
+    BASALT=${BASALT:-$REPO_ROOT/target/release/basalt}
+    [ -x "$BASALT" ] || (cd "$REPO_ROOT" && cargo build --release -p basalt) >&2
+    command -v qemu-storage-daemon >/dev/null || { echo "qemu-storage-daemon not found (apt-get install qemu-system-common)" >&2; exit 1; }
+    work=$(mktemp -d "${TMPDIR:-/var/tmp}/basalt-vhost-bench.XXXXXX")
+    pids=()
+    trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$work"' EXIT
+    for disk in basalt qsd; do
+        dd if=/dev/zero of="$work/$disk.img" bs=1M count="$SIZE_MIB" status=none
+    done
+    "$BASALT" target -r "$work/rpc.sock" -S "$work" >"$work/target.log" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 100); do [ -S "$work/rpc.sock" ] && break; sleep 0.1; done
+    rpc() { "$BASALT" rpc -s "$work/rpc.sock" "$@" >/dev/null; }
+    rpc bdev_uring_create "{\"filename\":\"$work/basalt.img\",\"name\":\"disk\",\"block_size\":512}"
+    rpc vhost_create_blk_controller '{"ctrlr":"vhost.0","dev_name":"disk","max_queues":1}'
+    qemu-storage-daemon \
+        --blockdev "driver=file,node-name=file0,filename=$work/qsd.img,cache.direct=on,aio=io_uring" \
+        --export "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path=$work/qsd.sock,writable=on,num-queues=1" \
+        >"$work/qsd.log" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 100); do [ -S "$work/qsd.sock" ] && [ -S "$work/vhost.0" ] && break; sleep 0.1; done
+    console=$work/console.log
+    BASALT_GUEST_TIMEOUT=1200 "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" -- \
+        -chardev "socket,id=vu0,path=$work/vhost.0" -device vhost-user-blk-pci,chardev=vu0,num-queues=1 \
+        -chardev "socket,id=vu1,path=$work/qsd.sock" -device vhost-user-blk-pci,chardev=vu1,num-queues=1 \
+        | tee "$console" >&2
+    {
+        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run, TCG guest, files on the host)"
+        echo
+        echo "| case | qemu-storage-daemon IOPS | qsd mean µs | Basalt IOPS | Basalt mean µs | Basalt / qsd |"
+        echo "|---|---:|---:|---:|---:|---:|"
+        awk '/^RESULT / {
+            key = $3 " QD" $4
+            if (!(key in seen)) { order[++n] = key; seen[key] = 1 }
+            iops[$2, key] = $5; lat[$2, key] = $6
+        }
+        END {
+            for (i = 1; i <= n; i++) {
+                k = order[i]
+                printf "| 4k %s | %d | %.1f | %d | %.1f | %.2f |\n", k, iops["qsd", k], lat["qsd", k], iops["basalt", k], lat["basalt", k], (iops["qsd", k] > 0 ? iops["basalt", k] / iops["qsd", k] : 0)
+            }
+        }' "$console"
+    } | if [ -n "$REPORT" ]; then tee "$REPORT"; else cat; fi
+    exit 0
+fi
+
+# --- inside the guest -------------------------------------------------------------------
+runtime=$2
+modprobe virtio_blk
+for _ in $(seq 100); do [ -b /dev/vda ] && [ -b /dev/vdb ] && break; sleep 0.1; done
+# Terse output (version 3): read IOPS in field 8, read mean latency (µs) in 40; write
+# IOPS in 49, write mean latency in 81.
+for rw in randread randwrite; do
+  for qd in 1 32; do
+    for who in basalt qsd; do
+      device=/dev/vda
+      [ "$who" = qsd ] && device=/dev/vdb
+      line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 \
+        --ioengine=libaio --iodepth="$qd" --rw="$rw" --bs=4k --runtime="$runtime" --time_based \
+        --ramp_time=2 --minimal)
+      if [ "$rw" = randread ]; then
+        echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $8, $40 }'
+      else
+        echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $49, $81 }'
+      fi
+    done
+  done
+done

@@ -1,0 +1,148 @@
+//! QEMU virtual machines on vhost-user-blk controllers of `basalt target`: a small Linux
+//! guest (scripts/guest) sees two virtio disks served by the target and runs
+//! `tests/guest/vhost_blk.sh` on them. Also the controllers' RPC errors.
+
+mod support;
+
+use std::process::Command;
+
+use serde_json::{Value, json};
+use support::{ScratchDir, TargetProcess};
+
+const RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
+
+#[test]
+fn a_guest_uses_vhost_user_blk_controllers() {
+    let dir = ScratchDir::new("vhost-guest");
+    let sockets = dir.join("sockets");
+    std::fs::create_dir_all(&sockets).expect("socket dir");
+    let target = TargetProcess::start(&dir.path, &["-S", sockets.to_str().expect("utf8")]);
+    for (name, blocks) in [("Malloc0", 131_072u64), ("Malloc1", 8192)] {
+        target.rpc_ok(
+            "bdev_malloc_create",
+            json!({"name": name, "num_blocks": blocks, "block_size": 512}),
+        );
+    }
+    target.rpc_ok(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "vhost.0", "dev_name": "Malloc0", "max_queues": 2}),
+    );
+    target.rpc_ok(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "vhost.ro", "dev_name": "Malloc1", "readonly": true, "max_queues": 1}),
+    );
+    let bdevs = target.rpc_ok("bdev_get_bdevs", json!({"name": "Malloc0"}));
+    let serial: String = bdevs[0]["uuid"]
+        .as_str()
+        .expect("uuid")
+        .replace('-', "")
+        .chars()
+        .take(20)
+        .collect();
+    let socket = |name: &str| sockets.join(name).display().to_string();
+    let boot = |script: &str, args: &[&str], done: &str| {
+        let output = Command::new(RUN)
+            .arg(script)
+            .args(args)
+            .arg("--")
+            .args(["-chardev", &format!("socket,id=vu0,path={}", socket("vhost.0"))])
+            .args(["-device", "vhost-user-blk-pci,chardev=vu0,num-queues=2"])
+            .args(["-chardev", &format!("socket,id=vu1,path={}", socket("vhost.ro"))])
+            .args(["-device", "vhost-user-blk-pci,chardev=vu1,num-queues=1"])
+            .env("BASALT_GUEST_TIMEOUT", "600")
+            .output()
+            .expect("run the guest");
+        let console = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && console.contains(done),
+            "guest failed ({}):\n{console}\n{}\ntarget log:\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            target.log_text()
+        );
+        if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
+            eprintln!("{console}");
+        }
+    };
+    let size = (64u64 << 20).to_string();
+    boot(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/vhost_blk.sh"),
+        &[&size, &serial],
+        "vhost_blk: done",
+    );
+    // A new QEMU (the VM restarted) attaches to the same controllers and finds the files.
+    boot(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/vhost_again.sh"),
+        &[],
+        "vhost_again: done",
+    );
+    // QEMU is gone: the controllers are detached and can be deleted.
+    support::wait_for(
+        "controllers detached",
+        std::time::Duration::from_secs(10),
+        || {
+            let list = target.rpc_ok("vhost_get_controllers", Value::Null);
+            list.as_array()
+                .is_some_and(|l| l.iter().all(|c| c["attached"] == json!(false)))
+        },
+    );
+    let config = target.rpc_ok("save_config", Value::Null);
+    assert!(
+        config.to_string().contains("vhost_create_blk_controller"),
+        "{config}"
+    );
+    target.rpc_ok("vhost_delete_controller", json!({"ctrlr": "vhost.0"}));
+    assert!(!sockets.join("vhost.0").exists(), "its socket is gone");
+    target.rpc_ok("bdev_malloc_delete", json!({"name": "Malloc0"}));
+    target.stop();
+}
+
+#[test]
+fn vhost_methods_name_what_is_wrong() {
+    let dir = ScratchDir::new("vhost-rpc");
+    let target = TargetProcess::start(&dir.path, &["-S", dir.path.to_str().expect("utf8")]);
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"name": "m0", "num_blocks": 64, "block_size": 512}),
+    );
+    let invalid = |params: Value, needle: &str| {
+        let message = target.rpc_err("vhost_create_blk_controller", params, -32602);
+        assert!(message.contains(needle), "{message}");
+    };
+    invalid(json!({"ctrlr": "../x", "dev_name": "m0"}), "ctrlr");
+    invalid(
+        json!({"ctrlr": "v", "dev_name": "m0", "packed_ring": true}),
+        "packed_ring",
+    );
+    invalid(
+        json!({"ctrlr": "v", "dev_name": "m0", "max_queues": 0}),
+        "max_queues",
+    );
+    invalid(
+        json!({"ctrlr": "v", "dev_name": "m0", "cpumask": "0x1"}),
+        "cpumask",
+    );
+    target.rpc_err(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "v", "dev_name": "nope"}),
+        -19,
+    );
+    target.rpc_ok(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "v", "dev_name": "m0"}),
+    );
+    assert!(
+        dir.join("v").exists(),
+        "the socket is in the socket directory"
+    );
+    target.rpc_err(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "v", "dev_name": "m0"}),
+        -17,
+    );
+    target.rpc_err("bdev_malloc_delete", json!({"name": "m0"}), -16);
+    target.rpc_err("vhost_get_controllers", json!({"name": "w"}), -19);
+    target.rpc_ok("vhost_delete_controller", json!({"ctrlr": "v"}));
+    target.rpc_err("vhost_delete_controller", json!({"ctrlr": "v"}), -19);
+    target.rpc_ok("bdev_malloc_delete", json!({"name": "m0"}));
+}

@@ -1,0 +1,642 @@
+//! The vhost-user-blk device: features, configuration space, and the vrings' requests.
+//!
+//! The vring worker thread (vhost-user-backend's) never waits for a bdev: it parses each
+//! request, copies a write's data out of guest memory, and starts the request on a
+//! reactor. The request's task writes its result (read data, status byte) into guest
+//! memory and queues its completion; an eventfd wakes the worker, which puts completions
+//! on the used rings and signals the guest.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use basalt_bdev::Bdev;
+use basalt_io::{DmaBuf, Reactors};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_queue::QueueOwnedT;
+use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
+};
+
+use crate::request::*;
+
+/// Guest memory as the backend sees it.
+pub type Memory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// Descriptors per vring at most.
+pub const QUEUE_SIZE_MAX: usize = 1024;
+/// Data segments per request the driver may use (SEG_MAX).
+pub const SEGMENTS_MAX: u32 = 128;
+/// Segments per discard or write zeroes request.
+pub const DISCARD_SEGMENTS_MAX: u32 = 32;
+/// How long stopping a vring waits for its requests in flight.
+const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// virtio-blk feature bits.
+const VIRTIO_BLK_F_SEG_MAX: u64 = 1 << 2;
+const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+const VIRTIO_BLK_F_BLK_SIZE: u64 = 1 << 6;
+const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+const VIRTIO_BLK_F_TOPOLOGY: u64 = 1 << 10;
+const VIRTIO_BLK_F_MQ: u64 = 1 << 12;
+const VIRTIO_BLK_F_DISCARD: u64 = 1 << 13;
+const VIRTIO_BLK_F_WRITE_ZEROES: u64 = 1 << 14;
+const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
+const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
+const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+
+/// What a controller exports and how.
+#[derive(Clone)]
+pub struct BlkOptions {
+    /// The bdev.
+    pub bdev: Arc<dyn Bdev>,
+    /// Refuse writes, discard and write zeroes.
+    pub readonly: bool,
+    /// Request queues offered (the guest may use fewer).
+    pub queues: u16,
+    /// GET_ID's answer.
+    pub serial: String,
+}
+
+struct Completion {
+    queue: u16,
+    head: u16,
+    used_len: u32,
+}
+
+/// The device behind one controller.
+pub struct BlkBackend {
+    options: BlkOptions,
+    memory: RwLock<Option<Memory>>,
+    event_idx: AtomicBool,
+    reactors: Arc<Reactors>,
+    completions: Arc<Mutex<Vec<Completion>>>,
+    completion_consumer: EventConsumer,
+    completion_notifier: Arc<EventNotifier>,
+    in_flight: Vec<AtomicUsize>,
+    /// A frontend has set its memory table (connected).
+    pub attached: AtomicBool,
+}
+
+/// The epoll data of the completion eventfd: past the queues and the exit event.
+pub fn completion_event(queues: u16) -> u16 {
+    queues + 1
+}
+
+impl BlkBackend {
+    /// A device over `options`, whose requests run on `reactors`.
+    pub fn new(options: BlkOptions, reactors: Arc<Reactors>) -> io::Result<Self> {
+        let (completion_consumer, completion_notifier) =
+            new_event_consumer_and_notifier(EventFlag::NONBLOCK)?;
+        let in_flight = (0..options.queues).map(|_| AtomicUsize::new(0)).collect();
+        Ok(Self {
+            options,
+            memory: RwLock::new(None),
+            event_idx: AtomicBool::new(false),
+            reactors,
+            completions: Arc::new(Mutex::new(Vec::new())),
+            completion_consumer,
+            completion_notifier: Arc::new(completion_notifier),
+            in_flight,
+            attached: AtomicBool::new(false),
+        })
+    }
+
+    /// The eventfd the worker watches for completions.
+    pub fn completion_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.completion_consumer.as_raw_fd()
+    }
+
+    /// The configuration space (struct virtio_blk_config, 60 bytes).
+    fn config(&self) -> [u8; 60] {
+        let info = self.options.bdev.info();
+        let mut config = [0u8; 60];
+        let sectors = info.size_bytes() / SECTOR_SIZE;
+        config[0..8].copy_from_slice(&sectors.to_le_bytes());
+        config[12..16].copy_from_slice(&SEGMENTS_MAX.to_le_bytes()); // seg_max
+        config[20..24].copy_from_slice(&info.block_size.to_le_bytes()); // blk_size
+        // Topology: physical block = logical block (exponent 0), minimum I/O one block.
+        config[26..28].copy_from_slice(&1u16.to_le_bytes());
+        config[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
+        let sectors_max = u32::MAX;
+        config[36..40].copy_from_slice(&sectors_max.to_le_bytes()); // max_discard_sectors
+        config[40..44].copy_from_slice(&DISCARD_SEGMENTS_MAX.to_le_bytes());
+        let alignment = info.block_size / 512;
+        config[44..48].copy_from_slice(&alignment.to_le_bytes()); // discard_sector_alignment
+        config[48..52].copy_from_slice(&sectors_max.to_le_bytes()); // max_write_zeroes_sectors
+        config[52..56].copy_from_slice(&DISCARD_SEGMENTS_MAX.to_le_bytes());
+        config[56] = 1; // write_zeroes_may_unmap
+        config
+    }
+
+    /// Starts every request the guest made available on `queue`.
+    fn process_queue(&self, queue: u16, vring: &VringRwLock<Memory>) -> io::Result<()> {
+        let Some(memory) = self
+            .memory
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        else {
+            return Ok(());
+        };
+        let event_idx = self.event_idx.load(Ordering::Relaxed);
+        loop {
+            if event_idx {
+                vring.disable_notification().map_err(io::Error::other)?;
+            }
+            let chains: Vec<_> = {
+                let mut state = vring.get_mut();
+                state
+                    .get_queue_mut()
+                    .iter(memory.memory())
+                    .map_err(io::Error::other)?
+                    .collect()
+            };
+            for chain in chains {
+                let head = chain.head_index();
+                let descriptors: Descriptors = chain
+                    .clone()
+                    .map(|d| (d.addr(), d.len(), d.is_write_only()))
+                    .collect();
+                self.start(queue, head, &descriptors, &memory);
+            }
+            if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts one request (or completes it at once when it is malformed).
+    fn start(&self, queue: u16, head: u16, descriptors: &Descriptors, memory: &Memory) {
+        self.in_flight[usize::from(queue)].fetch_add(1, Ordering::AcqRel);
+        let guest = memory.memory();
+        let request = match parse(descriptors, &*guest) {
+            Ok(request) => request,
+            Err((error, status)) => {
+                tracing::debug!(queue, head, %error, "malformed virtio-blk request");
+                let used_len = match status {
+                    Some(status) if guest.write_obj(STATUS_IOERR, status).is_ok() => 1,
+                    _ => 0,
+                };
+                self.complete(Completion {
+                    queue,
+                    head,
+                    used_len,
+                });
+                return;
+            }
+        };
+        // A write's data is copied out now, on this thread; the guest may reuse nothing
+        // until the request completes, but the bdev wants its own buffer.
+        let mut data = None;
+        if request.kind == TYPE_OUT
+            || request.kind == TYPE_DISCARD
+            || request.kind == TYPE_WRITE_ZEROES
+        {
+            let len = request.readable_len();
+            if len > basalt_bdev::IO_BYTES_MAX {
+                self.finish_now(queue, head, &request, STATUS_IOERR, memory);
+                return;
+            }
+            let mut buffer = DmaBuf::zeroed(len as usize);
+            if read_runs(&*guest, &request.readable, &mut buffer).is_err() {
+                self.finish_now(queue, head, &request, STATUS_IOERR, memory);
+                return;
+            }
+            data = Some(buffer);
+        }
+        drop(guest);
+        let bdev = self.options.bdev.clone();
+        let readonly = self.options.readonly;
+        let serial = self.options.serial.clone();
+        let memory = memory.clone();
+        let (completions, notifier) = (self.completions.clone(), self.completion_notifier.clone());
+        self.reactors.spawn(async move {
+            let (status, written) = run(&*bdev, readonly, &serial, &request, data, &memory).await;
+            let guest = memory.memory();
+            let used_len = if guest.write_obj(status, request.status).is_ok() {
+                written + 1
+            } else {
+                0
+            };
+            completions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Completion {
+                    queue,
+                    head,
+                    used_len,
+                });
+            let _ = notifier.notify();
+        });
+    }
+
+    fn finish_now(&self, queue: u16, head: u16, request: &Request, status: u8, memory: &Memory) {
+        let used_len = u32::from(memory.memory().write_obj(status, request.status).is_ok());
+        self.complete(Completion {
+            queue,
+            head,
+            used_len,
+        });
+    }
+
+    fn complete(&self, completion: Completion) {
+        self.completions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(completion);
+        let _ = self.completion_notifier.notify();
+    }
+
+    /// Puts every completed request on its used ring and signals the guest.
+    fn drain_completions(&self, vrings: &[VringRwLock<Memory>]) -> io::Result<()> {
+        let _ = self.completion_consumer.consume();
+        let completions =
+            std::mem::take(&mut *self.completions.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut touched = vec![false; vrings.len()];
+        for completion in completions {
+            let queue = usize::from(completion.queue);
+            self.in_flight[queue].fetch_sub(1, Ordering::AcqRel);
+            let Some(vring) = vrings.get(queue) else {
+                continue;
+            };
+            if vring.add_used(completion.head, completion.used_len).is_ok() {
+                touched[queue] = true;
+            }
+        }
+        for (queue, vring) in vrings.iter().enumerate() {
+            if touched[queue] && vring.needs_notification().unwrap_or(true) {
+                vring.signal_used_queue()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs a request on the bdev; the status and the bytes written into the guest's buffers.
+async fn run(
+    bdev: &dyn Bdev,
+    readonly: bool,
+    serial: &str,
+    request: &Request,
+    data: Option<DmaBuf>,
+    memory: &Memory,
+) -> (u8, u32) {
+    let info = bdev.info();
+    let offset = request.sector.checked_mul(SECTOR_SIZE);
+    let changes = matches!(request.kind, TYPE_OUT | TYPE_DISCARD | TYPE_WRITE_ZEROES);
+    if changes && readonly {
+        return (STATUS_IOERR, 0);
+    }
+    match request.kind {
+        TYPE_IN => {
+            let len = request.writable_len();
+            let Some(extent) = offset.and_then(|offset| info.data_extent(offset, len).ok()) else {
+                return (STATUS_IOERR, 0);
+            };
+            match bdev.read(extent).await {
+                Ok(buffer) => match write_runs(&*memory.memory(), &request.writable, &buffer) {
+                    Ok(written) => (STATUS_OK, written as u32),
+                    Err(_) => (STATUS_IOERR, 0),
+                },
+                Err(error) => {
+                    tracing::debug!(%error, "virtio-blk read failed");
+                    (STATUS_IOERR, 0)
+                }
+            }
+        }
+        TYPE_OUT => {
+            let data = data.unwrap_or_else(|| DmaBuf::zeroed(0));
+            let Some(extent) =
+                offset.and_then(|offset| info.data_extent(offset, data.len() as u64).ok())
+            else {
+                return (STATUS_IOERR, 0);
+            };
+            match bdev.write(extent, data, false).await {
+                Ok(()) => (STATUS_OK, 0),
+                Err(error) => {
+                    tracing::debug!(%error, "virtio-blk write failed");
+                    (STATUS_IOERR, 0)
+                }
+            }
+        }
+        TYPE_FLUSH => match bdev.flush().await {
+            Ok(()) => (STATUS_OK, 0),
+            Err(_) => (STATUS_IOERR, 0),
+        },
+        TYPE_GET_ID => {
+            let mut id = [0u8; ID_SIZE];
+            let bytes = serial.as_bytes();
+            let len = bytes.len().min(ID_SIZE);
+            id[..len].copy_from_slice(&bytes[..len]);
+            match write_runs(&*memory.memory(), &request.writable, &id) {
+                Ok(written) => (STATUS_OK, written as u32),
+                Err(_) => (STATUS_IOERR, 0),
+            }
+        }
+        TYPE_DISCARD | TYPE_WRITE_ZEROES => {
+            let data = data.unwrap_or_else(|| DmaBuf::zeroed(0));
+            if data.is_empty()
+                || !data.len().is_multiple_of(SEGMENT_SIZE)
+                || data.len() / SEGMENT_SIZE > DISCARD_SEGMENTS_MAX as usize
+            {
+                return (STATUS_IOERR, 0);
+            }
+            for segment in data.chunks_exact(SEGMENT_SIZE) {
+                let sector = u64::from_le_bytes(segment[0..8].try_into().expect("8 bytes"));
+                let sectors = u32::from_le_bytes(segment[8..12].try_into().expect("4 bytes"));
+                let flags = u32::from_le_bytes(segment[12..16].try_into().expect("4 bytes"));
+                let extent = sector
+                    .checked_mul(SECTOR_SIZE)
+                    .and_then(|offset| info.extent(offset, u64::from(sectors) * SECTOR_SIZE).ok());
+                let Some(extent) = extent else {
+                    return (STATUS_IOERR, 0);
+                };
+                let done = if request.kind == TYPE_DISCARD {
+                    bdev.discard(extent).await
+                } else {
+                    bdev.write_zeroes(extent, flags & WRITE_ZEROES_UNMAP != 0)
+                        .await
+                };
+                if done.is_err() {
+                    return (STATUS_IOERR, 0);
+                }
+            }
+            (STATUS_OK, 0)
+        }
+        _ => (STATUS_UNSUPP, 0),
+    }
+}
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock<Memory>;
+
+    fn num_queues(&self) -> usize {
+        usize::from(self.options.queues)
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE_MAX
+    }
+
+    fn features(&self) -> u64 {
+        let mut features = VIRTIO_F_VERSION_1
+            | VIRTIO_RING_F_INDIRECT_DESC
+            | VIRTIO_RING_F_EVENT_IDX
+            | VHOST_USER_F_PROTOCOL_FEATURES
+            | VIRTIO_BLK_F_SEG_MAX
+            | VIRTIO_BLK_F_BLK_SIZE
+            | VIRTIO_BLK_F_TOPOLOGY
+            | VIRTIO_BLK_F_FLUSH
+            | VIRTIO_BLK_F_MQ;
+        if self.options.readonly {
+            features |= VIRTIO_BLK_F_RO;
+        } else {
+            features |= VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES;
+        }
+        features
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let config = self.config();
+        let start = (offset as usize).min(config.len());
+        let end = start.saturating_add(size as usize).min(config.len());
+        let mut out = config[start..end].to_vec();
+        out.resize(size as usize, 0);
+        out
+    }
+
+    fn update_memory(&self, memory: Memory) -> io::Result<()> {
+        *self.memory.write().unwrap_or_else(|p| p.into_inner()) = Some(memory);
+        self.attached.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // The guest's buffers belong to requests in flight until they complete.
+        let start = Instant::now();
+        if let Some(count) = self.in_flight.get(queue_index as usize) {
+            // The worker thread drains their completions meanwhile.
+            while count.load(Ordering::Acquire) > 0 && start.elapsed() < STOP_WAIT_MAX {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        Ok(())
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Self::Vring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!("unexpected events {evset:?}")));
+        }
+        if device_event == completion_event(self.options.queues) {
+            return self.drain_completions(vrings);
+        }
+        let Some(vring) = vrings.get(usize::from(device_event)) else {
+            return Err(io::Error::other(format!(
+                "unknown device event {device_event}"
+            )));
+        };
+        self.process_queue(device_event, vring)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use basalt_bdev::malloc::MallocBdev;
+    use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+    fn memory() -> Memory {
+        GuestMemoryAtomic::new(
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("memory"),
+        )
+    }
+
+    fn request(kind: u32, sector: u64, readable: Vec<Run>, writable: Vec<Run>) -> Request {
+        Request {
+            kind,
+            sector,
+            readable,
+            writable,
+            status: GuestAddress(0xf_0000),
+        }
+    }
+
+    fn run_on(
+        bdev: &dyn Bdev,
+        readonly: bool,
+        request: &Request,
+        data: Option<&[u8]>,
+        memory: &Memory,
+    ) -> (u8, u32) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        runtime.block_on(run(
+            bdev,
+            readonly,
+            "serial-0123456789abcdef",
+            request,
+            data.map(DmaBuf::from_slice),
+            memory,
+        ))
+    }
+
+    #[test]
+    fn requests_run_on_the_bdev_and_bad_ones_fail_alone() {
+        let bdev = MallocBdev::new_named("m", 512, 64); // 32 KiB
+        let memory = memory();
+        let run_at = |address: u64, len: u32| {
+            vec![Run {
+                address: GuestAddress(address),
+                len,
+            }]
+        };
+
+        // A write, then a read into two runs of guest memory.
+        let data: Vec<u8> = (0..1024u32).map(|i| i as u8).collect();
+        let write = request(TYPE_OUT, 4, run_at(0x1000, 1024), vec![]);
+        assert_eq!(
+            run_on(&bdev, false, &write, Some(&data), &memory),
+            (STATUS_OK, 0)
+        );
+        let read = request(
+            TYPE_IN,
+            4,
+            vec![],
+            vec![
+                Run {
+                    address: GuestAddress(0x8000),
+                    len: 512,
+                },
+                Run {
+                    address: GuestAddress(0x9000),
+                    len: 512,
+                },
+            ],
+        );
+        assert_eq!(
+            run_on(&bdev, false, &read, None, &memory),
+            (STATUS_OK, 1024)
+        );
+        let guest = memory.memory();
+        let mut back = vec![0u8; 1024];
+        guest
+            .read_slice(&mut back[..512], GuestAddress(0x8000))
+            .expect("read");
+        guest
+            .read_slice(&mut back[512..], GuestAddress(0x9000))
+            .expect("read");
+        assert_eq!(back, data);
+
+        // Past the end, misaligned to nothing (512-byte blocks), or an unknown type.
+        let past_end = request(TYPE_IN, 63, vec![], run_at(0x8000, 1024));
+        assert_eq!(
+            run_on(&bdev, false, &past_end, None, &memory).0,
+            STATUS_IOERR
+        );
+        let overflow = request(TYPE_IN, u64::MAX / 256, vec![], run_at(0x8000, 512));
+        assert_eq!(
+            run_on(&bdev, false, &overflow, None, &memory).0,
+            STATUS_IOERR
+        );
+        let unknown = request(99, 0, vec![], vec![]);
+        assert_eq!(
+            run_on(&bdev, false, &unknown, None, &memory).0,
+            STATUS_UNSUPP
+        );
+        let empty_read = request(TYPE_IN, 0, vec![], vec![]);
+        assert_eq!(
+            run_on(&bdev, false, &empty_read, None, &memory).0,
+            STATUS_IOERR
+        );
+
+        // Read-only: writes, discard and write zeroes refused, reads served.
+        assert_eq!(
+            run_on(&bdev, true, &write, Some(&data), &memory).0,
+            STATUS_IOERR
+        );
+        assert_eq!(run_on(&bdev, true, &read, None, &memory).0, STATUS_OK);
+
+        // GET_ID: the serial, cut to 20 bytes.
+        let id = request(TYPE_GET_ID, 0, vec![], run_at(0xa000, 20));
+        assert_eq!(run_on(&bdev, false, &id, None, &memory), (STATUS_OK, 20));
+        let mut serial = [0u8; 20];
+        memory
+            .memory()
+            .read_slice(&mut serial, GuestAddress(0xa000))
+            .expect("read");
+        assert_eq!(&serial, b"serial-0123456789abc");
+
+        // Discard and write zeroes segments: sector u64, count u32, flags u32.
+        let segment = |sector: u64, count: u32, flags: u32| {
+            let mut bytes = Vec::new();
+            bytes.extend_from_slice(&sector.to_le_bytes());
+            bytes.extend_from_slice(&count.to_le_bytes());
+            bytes.extend_from_slice(&flags.to_le_bytes());
+            bytes
+        };
+        let discard = request(TYPE_DISCARD, 0, run_at(0x1000, 16), vec![]);
+        assert_eq!(
+            run_on(&bdev, false, &discard, Some(&segment(4, 1, 0)), &memory).0,
+            STATUS_OK
+        );
+        let zeroes = request(TYPE_WRITE_ZEROES, 0, run_at(0x1000, 16), vec![]);
+        assert_eq!(
+            run_on(
+                &bdev,
+                false,
+                &zeroes,
+                Some(&segment(5, 1, WRITE_ZEROES_UNMAP)),
+                &memory
+            )
+            .0,
+            STATUS_OK
+        );
+        assert_eq!(
+            run_on(&bdev, false, &read, None, &memory),
+            (STATUS_OK, 1024)
+        );
+        let mut back = vec![0u8; 512];
+        memory
+            .memory()
+            .read_slice(&mut back, GuestAddress(0x8000))
+            .expect("read");
+        assert_eq!(back, vec![0u8; 512], "both blocks read as zeroes");
+        let beyond = segment(60, 8, 0);
+        assert_eq!(
+            run_on(&bdev, false, &discard, Some(&beyond), &memory).0,
+            STATUS_IOERR
+        );
+        assert_eq!(
+            run_on(&bdev, false, &discard, Some(&[0u8; 15]), &memory).0,
+            STATUS_IOERR
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! vhost-user-blk controllers: each serves one bdev on a Unix socket named after it in
+//! the target's socket directory, from its own thread, one frontend (QEMU) at a time; when
+//! the frontend goes (guest reboot, QEMU restart), the controller listens again.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use basalt_io::Reactors;
+use vhost_user_backend::VhostUserDaemon;
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+
+use crate::backend::{BlkBackend, BlkOptions, completion_event};
+
+/// Longest controller name (it names a socket file).
+pub const NAME_SIZE_MAX: usize = 64;
+
+/// One controller.
+pub struct Controller {
+    /// Its name (`ctrlr`).
+    pub name: String,
+    /// The bdev's name.
+    pub bdev_name: String,
+    /// Writes refused.
+    pub readonly: bool,
+    /// Request queues offered.
+    pub queues: u16,
+    /// The Unix socket.
+    pub socket: PathBuf,
+    backend: Arc<BlkBackend>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Controller {
+    /// Whether a frontend is connected.
+    pub fn attached(&self) -> bool {
+        self.backend.attached.load(Ordering::Acquire)
+    }
+}
+
+/// The vhost-user-blk controllers of a target.
+pub struct VhostServer {
+    reactors: Arc<Reactors>,
+    socket_dir: PathBuf,
+    controllers: Mutex<BTreeMap<String, Controller>>,
+}
+
+/// Why a controller could not be created or deleted.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// The name is taken.
+    #[error("vhost controller {0} already exists")]
+    Exists(String),
+    /// No such controller.
+    #[error("vhost controller {0} not found")]
+    NotFound(String),
+    /// A VM is attached.
+    #[error("vhost controller {0} has a VM attached; stop or detach the VM first")]
+    Busy(String),
+    /// A bad parameter.
+    #[error("{0}")]
+    Invalid(String),
+    /// The socket or thread could not be made.
+    #[error("vhost controller {name}: {source}")]
+    Io {
+        /// The controller.
+        name: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+impl VhostServer {
+    /// A server whose sockets go in `socket_dir` and whose requests run on `reactors`.
+    pub fn new(reactors: Arc<Reactors>, socket_dir: PathBuf) -> Self {
+        Self {
+            reactors,
+            socket_dir,
+            controllers: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Controller>> {
+        self.controllers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Where the sockets go.
+    pub fn socket_dir(&self) -> &Path {
+        &self.socket_dir
+    }
+
+    /// Creates a controller named `name` serving `options.bdev`.
+    pub fn create(
+        &self,
+        name: &str,
+        bdev_name: &str,
+        options: BlkOptions,
+    ) -> Result<PathBuf, ControllerError> {
+        let valid = !name.is_empty()
+            && name.len() <= NAME_SIZE_MAX
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+            && !name.starts_with('.');
+        if !valid {
+            return Err(ControllerError::Invalid(format!(
+                "ctrlr {name:?} must be 1 to {NAME_SIZE_MAX} letters, digits, '.', '_' or '-' (it names a socket)"
+            )));
+        }
+        let mut controllers = self.lock();
+        if controllers.contains_key(name) {
+            return Err(ControllerError::Exists(name.to_string()));
+        }
+        let socket = self.socket_dir.join(name);
+        let io_error = |source| ControllerError::Io {
+            name: name.to_string(),
+            source,
+        };
+        let (readonly, queues) = (options.readonly, options.queues);
+        let backend = Arc::new(BlkBackend::new(options, self.reactors.clone()).map_err(io_error)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (name, socket, backend, stop) = (
+                name.to_string(),
+                socket.clone(),
+                backend.clone(),
+                stop.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!("vhost-{name}"))
+                .spawn(move || serve(&name, &socket, backend, &stop))
+                .map_err(io_error)?
+        };
+        controllers.insert(
+            name.to_string(),
+            Controller {
+                name: name.to_string(),
+                bdev_name: bdev_name.to_string(),
+                readonly,
+                queues,
+                socket: socket.clone(),
+                backend,
+                stop,
+                thread: Some(thread),
+            },
+        );
+        tracing::info!(ctrlr = name, socket = %socket.display(), "vhost-user-blk controller listening");
+        Ok(socket)
+    }
+
+    /// Deletes a controller; refused while a VM is attached. Returns its bdev's name.
+    pub fn delete(&self, name: &str) -> Result<String, ControllerError> {
+        let mut controller = {
+            let mut controllers = self.lock();
+            let controller = controllers
+                .get(name)
+                .ok_or_else(|| ControllerError::NotFound(name.to_string()))?;
+            if controller.attached() {
+                return Err(ControllerError::Busy(name.to_string()));
+            }
+            controllers.remove(name).expect("present")
+        };
+        stop(&mut controller);
+        Ok(controller.bdev_name)
+    }
+
+    /// Every controller's description, by name.
+    pub fn list(&self) -> Vec<(String, String, bool, u16, PathBuf, bool)> {
+        self.lock()
+            .values()
+            .map(|c| {
+                (
+                    c.name.clone(),
+                    c.bdev_name.clone(),
+                    c.readonly,
+                    c.queues,
+                    c.socket.clone(),
+                    c.attached(),
+                )
+            })
+            .collect()
+    }
+
+    /// Stops every controller (the target is stopping), attached or not.
+    pub fn shutdown(&self) {
+        let controllers = std::mem::take(&mut *self.lock());
+        for (_, mut controller) in controllers {
+            stop(&mut controller);
+        }
+    }
+}
+
+/// Stops a controller's thread: wakes its listener with a connection of our own, which it
+/// takes as a frontend that leaves at once.
+fn stop(controller: &mut Controller) {
+    controller.stop.store(true, Ordering::Release);
+    let _ = std::os::unix::net::UnixStream::connect(&controller.socket);
+    if let Some(thread) = controller.thread.take()
+        && !controller.attached()
+    {
+        let _ = thread.join();
+    }
+    let _ = std::fs::remove_file(&controller.socket);
+}
+
+/// A controller's thread: serve one frontend, then listen again, until stopped.
+fn serve(name: &str, socket: &Path, backend: Arc<BlkBackend>, stop: &AtomicBool) {
+    let queues =
+        u16::try_from(vhost_user_backend::VhostUserBackend::num_queues(&*backend)).unwrap_or(1);
+    while !stop.load(Ordering::Acquire) {
+        let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mut daemon = match VhostUserDaemon::new(name.to_string(), backend.clone(), memory) {
+            Ok(daemon) => daemon,
+            Err(error) => {
+                tracing::error!(ctrlr = name, ?error, "vhost daemon could not start");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+        };
+        for handler in daemon.get_epoll_handlers().iter().take(1) {
+            if let Err(error) = handler.register_listener(
+                backend.completion_fd(),
+                EventSet::IN,
+                u64::from(completion_event(queues)),
+            ) {
+                tracing::error!(ctrlr = name, %error, "vhost completion event not registered");
+            }
+        }
+        let result = daemon.serve(socket);
+        backend.attached.store(false, Ordering::Release);
+        match result {
+            Ok(()) => tracing::info!(ctrlr = name, "vhost frontend disconnected"),
+            Err(error) => {
+                tracing::warn!(
+                    ctrlr = name,
+                    ?error,
+                    "vhost frontend session ended with an error"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}

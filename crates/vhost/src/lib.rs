@@ -1,0 +1,15 @@
+//! The vhost-user-blk backend of the Basalt target (issue #5): QEMU virtual machines use
+//! bdevs as virtio disks through a Unix socket, on the rust-vmm crates.
+//!
+//! - [`request`]: virtio-blk requests parsed from descriptor chains.
+//! - [`backend`]: the device (features, configuration space, vrings), requests run on
+//!   the target's reactors and completed back on the vring worker.
+//! - [`controller`]: a controller: its socket, its serving thread, reconnects.
+//! - [`rpc`]: the `vhost_*` JSON-RPC methods.
+
+pub mod backend;
+pub mod controller;
+pub mod request;
+pub mod rpc;
+
+pub use controller::VhostServer;
