@@ -45,9 +45,15 @@ fn a_guest_uses_vhost_user_blk_controllers() {
             .arg(script)
             .args(args)
             .arg("--")
-            .args(["-chardev", &format!("socket,id=vu0,path={}", socket("vhost.0"))])
+            .args([
+                "-chardev",
+                &format!("socket,id=vu0,path={}", socket("vhost.0")),
+            ])
             .args(["-device", "vhost-user-blk-pci,chardev=vu0,num-queues=2"])
-            .args(["-chardev", &format!("socket,id=vu1,path={}", socket("vhost.ro"))])
+            .args([
+                "-chardev",
+                &format!("socket,id=vu1,path={}", socket("vhost.ro")),
+            ])
             .args(["-device", "vhost-user-blk-pci,chardev=vu1,num-queues=1"])
             .env("BASALT_GUEST_TIMEOUT", "600")
             .output()
@@ -127,6 +133,14 @@ fn vhost_methods_name_what_is_wrong() {
         json!({"ctrlr": "v", "dev_name": "nope"}),
         -19,
     );
+    // A socket path that cannot be bound (a directory is there) fails the call.
+    std::fs::create_dir(dir.join("blocked")).expect("dir");
+    let message = target.rpc_err(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "blocked", "dev_name": "m0"}),
+        -32603,
+    );
+    assert!(message.contains("blocked"), "{message}");
     target.rpc_ok(
         "vhost_create_blk_controller",
         json!({"ctrlr": "v", "dev_name": "m0"}),

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use basalt_io::Reactors;
+use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
@@ -125,17 +126,20 @@ impl VhostServer {
         };
         let (readonly, queues) = (options.readonly, options.queues);
         let backend = Arc::new(BlkBackend::new(options, self.reactors.clone()).map_err(io_error)?);
+        // The socket exists when this returns, and a path that cannot be one is an error
+        // for the caller.
+        let listener = Listener::new(&socket, true).map_err(|error| {
+            io_error(std::io::Error::other(format!(
+                "{}: {error}",
+                socket.display()
+            )))
+        })?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (name, socket, backend, stop) = (
-                name.to_string(),
-                socket.clone(),
-                backend.clone(),
-                stop.clone(),
-            );
+            let (name, backend, stop) = (name.to_string(), backend.clone(), stop.clone());
             std::thread::Builder::new()
                 .name(format!("vhost-{name}"))
-                .spawn(move || serve(&name, &socket, backend, &stop))
+                .spawn(move || serve(&name, listener, backend, &stop))
                 .map_err(io_error)?
         };
         controllers.insert(
@@ -210,8 +214,8 @@ fn stop(controller: &mut Controller) {
     let _ = std::fs::remove_file(&controller.socket);
 }
 
-/// A controller's thread: serve one frontend, then listen again, until stopped.
-fn serve(name: &str, socket: &Path, backend: Arc<BlkBackend>, stop: &AtomicBool) {
+/// A controller's thread: serve one frontend, then accept the next, until stopped.
+fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &AtomicBool) {
     let queues =
         u16::try_from(vhost_user_backend::VhostUserBackend::num_queues(&*backend)).unwrap_or(1);
     while !stop.load(Ordering::Acquire) {
@@ -233,10 +237,17 @@ fn serve(name: &str, socket: &Path, backend: Arc<BlkBackend>, stop: &AtomicBool)
                 tracing::error!(ctrlr = name, %error, "vhost completion event not registered");
             }
         }
-        let result = daemon.serve(socket);
+        let result = daemon.start(&mut listener).and_then(|()| daemon.wait());
+        // The session's worker threads end with it.
+        for handler in daemon.get_epoll_handlers() {
+            handler.send_exit_event();
+        }
         backend.attached.store(false, Ordering::Release);
         match result {
-            Ok(()) => tracing::info!(ctrlr = name, "vhost frontend disconnected"),
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => tracing::info!(ctrlr = name, "vhost frontend disconnected"),
             Err(error) => {
                 tracing::warn!(
                     ctrlr = name,
