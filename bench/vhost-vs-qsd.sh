@@ -47,17 +47,7 @@ if [ "${1:-}" != "--guest" ]; then
         echo
         echo "| case | qemu-storage-daemon IOPS | qsd mean µs | Basalt IOPS | Basalt mean µs | Basalt / qsd |"
         echo "|---|---:|---:|---:|---:|---:|"
-        awk '/^RESULT / {
-            key = $3 " QD" $4
-            if (!(key in seen)) { order[++n] = key; seen[key] = 1 }
-            iops[$2, key] = $5; lat[$2, key] = $6
-        }
-        END {
-            for (i = 1; i <= n; i++) {
-                k = order[i]
-                printf "| 4k %s | %d | %.1f | %d | %.1f | %.2f |\n", k, iops["qsd", k], lat["qsd", k], iops["basalt", k], lat["basalt", k], (iops["qsd", k] > 0 ? iops["basalt", k] / iops["qsd", k] : 0)
-            }
-        }' "$console"
+        awk -v peer=qsd -f "$SCRIPT_DIR/guest-results.awk" "$console"
     } | if [ -n "$REPORT" ]; then tee "$REPORT"; else cat; fi
     exit 0
 fi

@@ -185,6 +185,55 @@ impl Reactors {
     }
 }
 
+/// Accepts connections on `listener` until the task is dropped, and serves each on a
+/// reactor (the one on the connection's incoming CPU when the placement says so). `what`
+/// names the protocol in logs; `serve` runs one connection on its reactor.
+pub async fn serve_connections<F, Fut>(
+    reactors: std::sync::Arc<Reactors>,
+    listener: tokio::net::TcpListener,
+    what: &'static str,
+    serve: F,
+) where
+    F: Fn(tokio::net::TcpStream, std::net::SocketAddr) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = io::Result<()>> + Send + 'static,
+{
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                // Latency matters more than packet count for block I/O.
+                let _ = stream.set_nodelay(true);
+                // The connection moves to a reactor, which registers it with its runtime.
+                let stream = match stream.into_std() {
+                    Ok(stream) => stream,
+                    Err(error) => {
+                        tracing::debug!(what, %peer, %error, "connection lost before serving");
+                        continue;
+                    }
+                };
+                let serve = serve.clone();
+                let cpu = incoming_cpu(&stream);
+                reactors.spawn_connection(cpu, async move {
+                    let stream = match tokio::net::TcpStream::from_std(stream) {
+                        Ok(stream) => stream,
+                        Err(error) => {
+                            tracing::warn!(what, %peer, %error, "connection could not join a reactor");
+                            return;
+                        }
+                    };
+                    if let Err(error) = serve(stream, peer).await {
+                        tracing::debug!(what, %peer, %error, "connection ended with an error");
+                    }
+                });
+            }
+            Err(error) => {
+                // Out of descriptors or similar: back off rather than spin.
+                tracing::warn!(what, %error, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     // SAFETY: cpu_set_t is plain data; zeroed is the empty set.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use basalt_bdev::Bdev;
 use basalt_io::Reactors;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -237,42 +237,15 @@ impl NbdServer {
     }
 
     async fn accept_loop(self: Arc<Self>, listener: TcpListener) {
-        loop {
-            match listener.accept().await {
-                Ok((stream, peer)) => {
-                    // Latency matters more than packet count for block I/O.
-                    let _ = stream.set_nodelay(true);
-                    // The connection moves to a reactor, which registers it with its own runtime.
-                    let stream = match stream.into_std() {
-                        Ok(stream) => stream,
-                        Err(error) => {
-                            tracing::debug!(%peer, %error, "nbd connection lost before serving");
-                            continue;
-                        }
-                    };
-                    let server = self.clone();
-                    let incoming_cpu = basalt_io::reactor::incoming_cpu(&stream);
-                    self.reactors.spawn_connection(incoming_cpu, async move {
-                        let stream = match TcpStream::from_std(stream) {
-                            Ok(stream) => stream,
-                            Err(error) => {
-                                tracing::warn!(%peer, %error, "nbd connection could not join a reactor");
-                                return;
-                            }
-                        };
-                        let (reader, writer) = stream.into_split();
-                        if let Err(error) = server.serve(reader, writer).await {
-                            tracing::debug!(%peer, %error, "nbd connection ended with an error");
-                        }
-                    });
-                }
-                Err(error) => {
-                    // Out of descriptors or similar: back off rather than spin.
-                    tracing::warn!(%error, "nbd accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
+        let reactors = self.reactors.clone();
+        basalt_io::reactor::serve_connections(reactors, listener, "nbd", move |stream, _| {
+            let server = self.clone();
+            async move {
+                let (reader, writer) = stream.into_split();
+                server.serve(reader, writer).await
             }
-        }
+        })
+        .await;
     }
 
     /// Serves one connection from negotiation to close.

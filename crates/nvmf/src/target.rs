@@ -5,10 +5,9 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::Duration;
 
 use basalt_io::Reactors;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::completion::Status;
@@ -381,38 +380,11 @@ impl NvmfTarget {
     }
 
     async fn accept_loop(self: Arc<Self>, listener: TcpListener, via: ListenAddress) {
-        loop {
-            match listener.accept().await {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    let stream = match stream.into_std() {
-                        Ok(stream) => stream,
-                        Err(error) => {
-                            tracing::debug!(%peer, %error, "nvmf connection lost before serving");
-                            continue;
-                        }
-                    };
-                    let target = self.clone();
-                    let incoming_cpu = basalt_io::reactor::incoming_cpu(&stream);
-                    self.reactors.spawn_connection(incoming_cpu, async move {
-                        let stream = match TcpStream::from_std(stream) {
-                            Ok(stream) => stream,
-                            Err(error) => {
-                                tracing::warn!(%peer, %error, "nvmf connection could not join a reactor");
-                                return;
-                            }
-                        };
-                        if let Err(error) = crate::connection::serve(target, stream, via).await {
-                            tracing::debug!(%peer, %error, "nvmf connection ended with an error");
-                        }
-                    });
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "nvmf accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
+        let reactors = self.reactors.clone();
+        basalt_io::reactor::serve_connections(reactors, listener, "nvmf", move |stream, _| {
+            crate::connection::serve(self.clone(), stream, via)
+        })
+        .await;
     }
 
     /// Runs Connect: binds the connection to a new controller (admin queue) or to an

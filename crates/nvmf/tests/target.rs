@@ -546,6 +546,28 @@ fn ic_req() -> Vec<u8> {
     pdu
 }
 
+/// A raw connection past ICReq (asking for the DGST bits `digests`) and ICResp; the stream
+/// and the ICResp.
+async fn established(address: SocketAddr, digests: u8) -> (tokio::net::TcpStream, [u8; 128]) {
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect");
+    let mut request = ic_req();
+    request[11] = digests;
+    stream.write_all(&request).await.expect("icreq");
+    let mut resp = [0u8; 128];
+    stream.read_exact(&mut resp).await.expect("icresp");
+    assert_eq!(resp[0], 0x01, "an ICResp");
+    (stream, resp)
+}
+
+/// Reads until the target closes; it must have sent a C2HTermReq with `status` (FES).
+async fn expect_term_req(stream: &mut tokio::net::TcpStream, status: u16, what: &str) {
+    let reply = read_to_close(stream).await;
+    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq for {what}");
+    assert_eq!(u16::from_le_bytes([reply[8], reply[9]]), status, "{what}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_pdus_get_a_term_req_and_spare_other_connections() {
     let fixture = fixture(json!({"trtype": "TCP"})).await;
@@ -562,51 +584,23 @@ async fn bad_pdus_get_a_term_req_and_spare_other_connections() {
     capsule[2] = 72;
     capsule[4] = 72;
     stream.write_all(&capsule).await.expect("send");
-    let reply = read_to_close(&mut stream).await;
-    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq");
-    assert_eq!(
-        u16::from_le_bytes([reply[8], reply[9]]),
-        0x02,
-        "PDU sequence error"
-    );
+    expect_term_req(&mut stream, 0x02, "PDU sequence error").await;
 
     // An unknown PDU type after ICReq: invalid header field at byte 0.
-    let mut stream = tokio::net::TcpStream::connect(fixture.address)
-        .await
-        .expect("connect");
-    stream.write_all(&ic_req()).await.expect("icreq");
-    let mut resp = [0u8; 128];
-    stream.read_exact(&mut resp).await.expect("icresp");
-    assert_eq!(resp[0], 0x01);
+    let (mut stream, _) = established(fixture.address, 0).await;
     stream
         .write_all(&[0x0f, 0, 8, 0, 8, 0, 0, 0])
         .await
         .expect("send");
-    let reply = read_to_close(&mut stream).await;
-    assert_eq!(reply.first(), Some(&0x03));
-    assert_eq!(
-        u16::from_le_bytes([reply[8], reply[9]]),
-        0x01,
-        "invalid header field"
-    );
+    expect_term_req(&mut stream, 0x01, "invalid header field").await;
 
     // A PLEN far beyond what was negotiated: data transfer limit exceeded.
-    let mut stream = tokio::net::TcpStream::connect(fixture.address)
-        .await
-        .expect("connect");
-    stream.write_all(&ic_req()).await.expect("icreq");
-    stream.read_exact(&mut resp).await.expect("icresp");
+    let (mut stream, _) = established(fixture.address, 0).await;
     let mut huge = capsule.clone();
     huge[3] = 72;
     huge[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
     stream.write_all(&huge).await.expect("send");
-    let reply = read_to_close(&mut stream).await;
-    assert_eq!(reply.first(), Some(&0x03));
-    assert_eq!(
-        u16::from_le_bytes([reply[8], reply[9]]),
-        0x05,
-        "data transfer limit exceeded"
-    );
+    expect_term_req(&mut stream, 0x05, "data transfer limit exceeded").await;
 
     // Random bytes, many times: never a panic, always a close.
     for seed in 0..20u64 {
@@ -629,11 +623,7 @@ async fn bad_pdus_get_a_term_req_and_spare_other_connections() {
     }
 
     // A command before Connect: command sequence error, connection kept.
-    let mut stream = tokio::net::TcpStream::connect(fixture.address)
-        .await
-        .expect("connect");
-    stream.write_all(&ic_req()).await.expect("icreq");
-    stream.read_exact(&mut resp).await.expect("icresp");
+    let (mut stream, _) = established(fixture.address, 0).await;
     let mut identify = capsule.clone();
     identify[8] = ADMIN_IDENTIFY;
     identify[10] = 7; // command id
@@ -742,14 +732,7 @@ async fn bad_digests_and_oversized_data_pdus() {
         data_size_max: 1 << 20,
         in_capsule_data_size_max: 0,
     };
-    let mut stream = tokio::net::TcpStream::connect(fixture.address)
-        .await
-        .expect("connect");
-    let mut request = ic_req();
-    request[11] = 0b11; // header and data digests
-    stream.write_all(&request).await.expect("icreq");
-    let mut resp = [0u8; 128];
-    stream.read_exact(&mut resp).await.expect("icresp");
+    let (mut stream, resp) = established(fixture.address, 0b11).await; // header and data digests
     assert_eq!(resp[11], 0b11, "digests granted");
 
     let capsule = |command_id: u16| {
@@ -794,20 +777,10 @@ async fn bad_digests_and_oversized_data_pdus() {
     let mut bad_header = capsule(42);
     bad_header[72] ^= 0xff; // the header digest follows the 72-byte header
     stream.write_all(&bad_header).await.expect("send");
-    let reply = read_to_close(&mut stream).await;
-    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq");
-    assert_eq!(
-        u16::from_le_bytes([reply[8], reply[9]]),
-        0x03,
-        "header digest error"
-    );
+    expect_term_req(&mut stream, 0x03, "header digest error").await;
 
     // H2CData with 8 KiB of data when MAXH2CDATA is 4 KiB.
-    let mut stream = tokio::net::TcpStream::connect(fixture.address)
-        .await
-        .expect("connect");
-    stream.write_all(&ic_req()).await.expect("icreq");
-    stream.read_exact(&mut resp).await.expect("icresp");
+    let (mut stream, resp) = established(fixture.address, 0).await;
     assert_eq!(
         u32::from_le_bytes([resp[12], resp[13], resp[14], resp[15]]),
         4096,
@@ -820,11 +793,5 @@ async fn bad_digests_and_oversized_data_pdus() {
     data[4..8].copy_from_slice(&(24u32 + 8192).to_le_bytes());
     data[16..20].copy_from_slice(&8192u32.to_le_bytes());
     stream.write_all(&data).await.expect("send");
-    let reply = read_to_close(&mut stream).await;
-    assert_eq!(reply.first(), Some(&0x03), "a C2HTermReq");
-    assert_eq!(
-        u16::from_le_bytes([reply[8], reply[9]]),
-        0x05,
-        "data transfer limit exceeded"
-    );
+    expect_term_req(&mut stream, 0x05, "data transfer limit exceeded").await;
 }
