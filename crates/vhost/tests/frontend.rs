@@ -1,0 +1,312 @@
+//! The backend driven over its Unix socket by a vhost-user frontend of our own (the
+//! `vhost` crate's `Frontend`), with a split virtqueue laid out by hand in a shared guest
+//! memory file: the message flow (features, protocol features, configuration space,
+//! memory table, vring setup) and requests good and bad, without a guest.
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use basalt_bdev::Bdev;
+use basalt_bdev::malloc::MallocBdev;
+use basalt_io::Reactors;
+use basalt_vhost::VhostServer;
+use basalt_vhost::backend::BlkOptions;
+use basalt_vhost::request::*;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+const MEMORY_SIZE: usize = 1 << 20;
+const QUEUE_SIZE: u16 = 16;
+const DESC: u64 = 0x1000;
+const AVAIL: u64 = 0x2000;
+const USED: u64 = 0x3000;
+const DESC_F_NEXT: u16 = 1;
+const DESC_F_WRITE: u16 = 2;
+
+/// A guest: its memory and one split virtqueue in it.
+struct Guest {
+    memory: GuestMemoryMmap<()>,
+    kick: EventFd,
+    next_avail: u16,
+    next_desc: u16,
+    next_used: u16,
+}
+
+impl Guest {
+    /// Makes a chain of (address, length, device-writable) buffers available and kicks;
+    /// returns the used length the device reports once it is done.
+    fn submit(&mut self, buffers: &[(u64, u32, bool)]) -> u32 {
+        let head = self.next_desc;
+        for (index, (address, len, writable)) in buffers.iter().enumerate() {
+            let slot = (head + index as u16) % QUEUE_SIZE;
+            let at = GuestAddress(DESC + u64::from(slot) * 16);
+            let last = index + 1 == buffers.len();
+            let mut flags = if *writable { DESC_F_WRITE } else { 0 };
+            if !last {
+                flags |= DESC_F_NEXT;
+            }
+            self.memory.write_obj(*address, at).expect("desc addr");
+            self.memory
+                .write_obj(*len, at.unchecked_add(8))
+                .expect("desc len");
+            self.memory
+                .write_obj(flags, at.unchecked_add(12))
+                .expect("desc flags");
+            let next = (slot + 1) % QUEUE_SIZE;
+            self.memory
+                .write_obj(next, at.unchecked_add(14))
+                .expect("desc next");
+        }
+        self.next_desc = (head + buffers.len() as u16) % QUEUE_SIZE;
+        let ring_at = GuestAddress(AVAIL + 4 + u64::from(self.next_avail % QUEUE_SIZE) * 2);
+        self.memory.write_obj(head, ring_at).expect("avail ring");
+        self.next_avail = self.next_avail.wrapping_add(1);
+        self.memory
+            .write_obj(self.next_avail, GuestAddress(AVAIL + 2))
+            .expect("avail idx");
+        self.kick.write(1).expect("kick");
+        let start = Instant::now();
+        loop {
+            let used: u16 = self
+                .memory
+                .read_obj(GuestAddress(USED + 2))
+                .expect("used idx");
+            if used != self.next_used {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "no completion");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let entry = GuestAddress(USED + 4 + u64::from(self.next_used % QUEUE_SIZE) * 8);
+        let id: u32 = self.memory.read_obj(entry).expect("used id");
+        assert_eq!(id, u32::from(head), "the chain completed");
+        self.next_used = self.next_used.wrapping_add(1);
+        self.memory
+            .read_obj(entry.unchecked_add(4))
+            .expect("used len")
+    }
+
+    fn header(&self, at: u64, kind: u32, sector: u64) {
+        let mut bytes = [0u8; 16];
+        bytes[0..4].copy_from_slice(&kind.to_le_bytes());
+        bytes[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.memory
+            .write_slice(&bytes, GuestAddress(at))
+            .expect("header");
+    }
+
+    fn status(&self, at: u64) -> u8 {
+        self.memory.read_obj(GuestAddress(at)).expect("status")
+    }
+}
+
+use vm_memory::Address;
+
+#[test]
+fn a_frontend_of_our_own_drives_the_device() {
+    let reactors = Arc::new(Reactors::start(1, "vhost-test").expect("reactors"));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("vhost-frontend-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let server = VhostServer::new(reactors, dir.clone());
+    let bdev: Arc<dyn Bdev> = Arc::new(MallocBdev::new_named("m", 512, 2048)); // 1 MiB
+    let options = BlkOptions {
+        bdev,
+        readonly: false,
+        queues: 1,
+        serial: "frontend-test-serial".into(),
+    };
+    let socket = server.create("t", "m", options).expect("controller");
+
+    // Guest memory: a file both sides map.
+    let file = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.join("memory"))
+        .expect("memory file");
+    file.set_len(MEMORY_SIZE as u64).expect("size");
+    let memory = GuestMemoryMmap::<()>::from_ranges_with_files([(
+        GuestAddress(0),
+        MEMORY_SIZE,
+        Some(FileOffset::new(file, 0)),
+    )])
+    .expect("guest memory");
+
+    let mut frontend = Frontend::connect(&socket, 1).expect("connect");
+    frontend.set_owner().expect("owner");
+    let features = frontend.get_features().expect("features");
+    let version_1 = 1u64 << 32;
+    let protocol = 1u64 << 30;
+    assert_ne!(features & version_1, 0, "VERSION_1");
+    assert_ne!(features & (1 << 9), 0, "FLUSH");
+    assert_eq!(features & (1 << 5), 0, "not read-only");
+    frontend
+        .set_features(features & (version_1 | protocol | (1 << 9) | (1 << 13) | (1 << 14)))
+        .expect("set features");
+    let protocol_features = frontend.get_protocol_features().expect("protocol features");
+    assert!(protocol_features.contains(VhostUserProtocolFeatures::CONFIG));
+    frontend
+        .set_protocol_features(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ)
+        .expect("set protocol features");
+    assert_eq!(frontend.get_queue_num().expect("queues"), 1);
+    let (_, config) = frontend
+        .get_config(0, 60, VhostUserConfigFlags::WRITABLE, &[0u8; 60])
+        .expect("config");
+    assert_eq!(
+        u64::from_le_bytes(config[0..8].try_into().expect("8")),
+        2048,
+        "capacity in sectors"
+    );
+    assert_eq!(
+        u32::from_le_bytes(config[20..24].try_into().expect("4")),
+        512,
+        "blk_size"
+    );
+
+    let region = memory.iter().next().expect("region");
+    let info = VhostUserMemoryRegionInfo::from_guest_region(region).expect("region info");
+    frontend
+        .set_mem_table(std::slice::from_ref(&info))
+        .expect("memory table");
+    frontend.set_vring_num(0, QUEUE_SIZE).expect("vring num");
+    // Ring addresses are the frontend's own virtual addresses (as QEMU's are), which the
+    // backend translates through the memory table; buffers are guest physical addresses.
+    let base = info.userspace_addr;
+    let vring = VringConfigData {
+        queue_max_size: QUEUE_SIZE,
+        queue_size: QUEUE_SIZE,
+        flags: 0,
+        desc_table_addr: base + DESC,
+        used_ring_addr: base + USED,
+        avail_ring_addr: base + AVAIL,
+        log_addr: None,
+    };
+    frontend.set_vring_addr(0, &vring).expect("vring addr");
+    frontend.set_vring_base(0, 0).expect("vring base");
+    let call = EventFd::new(EFD_NONBLOCK).expect("call");
+    let kick = EventFd::new(EFD_NONBLOCK).expect("kick");
+    frontend.set_vring_call(0, &call).expect("call fd");
+    frontend.set_vring_kick(0, &kick).expect("kick fd");
+    frontend.set_vring_enable(0, true).expect("enable");
+    let mut guest = Guest {
+        memory,
+        kick,
+        next_avail: 0,
+        next_desc: 0,
+        next_used: 0,
+    };
+
+    // A write, then a read of it into two buffers.
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    guest
+        .memory
+        .write_slice(&data, GuestAddress(0x10000))
+        .expect("data");
+    guest.header(0x8000, TYPE_OUT, 8);
+    let used = guest.submit(&[
+        (0x8000, 16, false),
+        (0x10000, 4096, false),
+        (0x9000, 1, true),
+    ]);
+    assert_eq!((used, guest.status(0x9000)), (1, STATUS_OK));
+    guest.header(0x8000, TYPE_IN, 8);
+    let used = guest.submit(&[
+        (0x8000, 16, false),
+        (0x20000, 1024, true),
+        (0x21000, 3072, true),
+        (0x9000, 1, true),
+    ]);
+    assert_eq!((used, guest.status(0x9000)), (4097, STATUS_OK));
+    let mut back = vec![0u8; 4096];
+    guest
+        .memory
+        .read_slice(&mut back[..1024], GuestAddress(0x20000))
+        .expect("read");
+    guest
+        .memory
+        .read_slice(&mut back[1024..], GuestAddress(0x21000))
+        .expect("read");
+    assert_eq!(back, data);
+
+    // GET_ID, and a flush.
+    guest.header(0x8000, TYPE_GET_ID, 0);
+    let used = guest.submit(&[(0x8000, 16, false), (0x22000, 20, true), (0x9000, 1, true)]);
+    assert_eq!((used, guest.status(0x9000)), (21, STATUS_OK));
+    let mut id = [0u8; 20];
+    guest
+        .memory
+        .read_slice(&mut id, GuestAddress(0x22000))
+        .expect("id");
+    assert_eq!(&id, b"frontend-test-serial");
+    guest.header(0x8000, TYPE_FLUSH, 0);
+    assert_eq!(guest.submit(&[(0x8000, 16, false), (0x9000, 1, true)]), 1);
+    assert_eq!(guest.status(0x9000), STATUS_OK);
+
+    // Bad requests fail alone: past the end, an unknown type, a short header, a readable
+    // buffer after a writable one, a buffer outside guest memory.
+    guest.header(0x8000, TYPE_IN, 2047);
+    guest.submit(&[
+        (0x8000, 16, false),
+        (0x20000, 1024, true),
+        (0x9000, 1, true),
+    ]);
+    assert_eq!(guest.status(0x9000), STATUS_IOERR, "past the end");
+    guest.header(0x8000, 77, 0);
+    guest.submit(&[(0x8000, 16, false), (0x9000, 1, true)]);
+    assert_eq!(guest.status(0x9000), STATUS_UNSUPP, "unknown type");
+    guest.header(0x8000, TYPE_IN, 0);
+    guest.submit(&[(0x8000, 8, false), (0x9000, 1, true)]);
+    assert_eq!(guest.status(0x9000), STATUS_IOERR, "short header");
+    guest.submit(&[
+        (0x8000, 16, false),
+        (0x9000, 1, true),
+        (0x10000, 512, false),
+    ]);
+    assert_eq!(
+        guest.status(0x9000),
+        STATUS_IOERR,
+        "readable after writable"
+    );
+    let used = guest.submit(&[
+        (0x8000, 16, false),
+        (MEMORY_SIZE as u64 + 4096, 512, true),
+        (0x9000, 1, true),
+    ]);
+    assert_eq!(used, 0, "returned unused: nothing written");
+
+    // The device still serves.
+    guest.header(0x8000, TYPE_IN, 8);
+    let used = guest.submit(&[
+        (0x8000, 16, false),
+        (0x20000, 4096, true),
+        (0x9000, 1, true),
+    ]);
+    assert_eq!((used, guest.status(0x9000)), (4097, STATUS_OK));
+
+    // Attached: deletion refused; once the frontend goes, it is allowed.
+    assert!(server.delete("t").is_err(), "a frontend is attached");
+    drop(frontend);
+    let start = Instant::now();
+    loop {
+        match server.delete("t") {
+            Ok(bdev_name) => {
+                assert_eq!(bdev_name, "m");
+                break;
+            }
+            Err(_) if start.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(error) => panic!("{error}"),
+        }
+    }
+    assert!(!socket.exists(), "the socket is removed");
+    let _ = call;
+    let _ = std::fs::remove_dir_all(&dir);
+}
