@@ -3,12 +3,12 @@
 //! The vring worker thread (vhost-user-backend's) never waits for a bdev: it parses each
 //! request, copies a write's data out of guest memory, and starts the request on a
 //! reactor. The request's task writes its result (read data, status byte) into guest
-//! memory and queues its completion; an eventfd wakes the worker, which puts completions
-//! on the used rings and signals the guest.
+//! memory, puts the request on the used ring and signals the guest itself (the vring is
+//! shared and locked), so a completion costs no second thread hand-off.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use basalt_bdev::Bdev;
@@ -63,10 +63,25 @@ pub struct BlkOptions {
     pub serial: String,
 }
 
-struct Completion {
-    queue: u16,
-    head: u16,
-    used_len: u32,
+/// Ends requests of one vring: puts them on its used ring, signals the guest when it
+/// asked, and counts them out of the vring's requests in flight.
+#[derive(Clone)]
+struct Completer {
+    vring: VringRwLock<Memory>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Completer {
+    fn complete(&self, head: u16, used_len: u32) {
+        if let Err(error) = self.vring.add_used(head, used_len) {
+            tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
+        } else if self.vring.needs_notification().unwrap_or(true)
+            && let Err(error) = self.vring.signal_used_queue()
+        {
+            tracing::debug!(%error, "guest not signalled");
+        }
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The device behind one controller.
@@ -75,42 +90,25 @@ pub struct BlkBackend {
     memory: RwLock<Option<Memory>>,
     event_idx: AtomicBool,
     reactors: Arc<Reactors>,
-    completions: Arc<Mutex<Vec<Completion>>>,
-    completion_consumer: EventConsumer,
-    completion_notifier: Arc<EventNotifier>,
-    in_flight: Vec<AtomicUsize>,
+    in_flight: Vec<Arc<AtomicUsize>>,
     /// A frontend has set its memory table (connected).
     pub attached: AtomicBool,
-}
-
-/// The epoll data of the completion eventfd: past the queues and the exit event.
-pub fn completion_event(queues: u16) -> u16 {
-    queues + 1
 }
 
 impl BlkBackend {
     /// A device over `options`, whose requests run on `reactors`.
     pub fn new(options: BlkOptions, reactors: Arc<Reactors>) -> io::Result<Self> {
-        let (completion_consumer, completion_notifier) =
-            new_event_consumer_and_notifier(EventFlag::NONBLOCK)?;
-        let in_flight = (0..options.queues).map(|_| AtomicUsize::new(0)).collect();
+        let in_flight = (0..options.queues)
+            .map(|_| Arc::new(AtomicUsize::new(0)))
+            .collect();
         Ok(Self {
             options,
             memory: RwLock::new(None),
             event_idx: AtomicBool::new(false),
             reactors,
-            completions: Arc::new(Mutex::new(Vec::new())),
-            completion_consumer,
-            completion_notifier: Arc::new(completion_notifier),
             in_flight,
             attached: AtomicBool::new(false),
         })
-    }
-
-    /// The eventfd the worker watches for completions.
-    pub fn completion_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        self.completion_consumer.as_raw_fd()
     }
 
     /// The configuration space (struct virtio_blk_config, 60 bytes).
@@ -164,7 +162,11 @@ impl BlkBackend {
                     .clone()
                     .map(|d| (d.addr(), d.len(), d.is_write_only()))
                     .collect();
-                self.start(queue, head, &descriptors, &memory);
+                let completer = Completer {
+                    vring: vring.clone(),
+                    in_flight: self.in_flight[usize::from(queue)].clone(),
+                };
+                self.start(completer, head, &descriptors, &memory);
             }
             if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
                 break;
@@ -174,40 +176,34 @@ impl BlkBackend {
     }
 
     /// Starts one request (or completes it at once when it is malformed).
-    fn start(&self, queue: u16, head: u16, descriptors: &Descriptors, memory: &Memory) {
-        self.in_flight[usize::from(queue)].fetch_add(1, Ordering::AcqRel);
+    fn start(&self, completer: Completer, head: u16, descriptors: &Descriptors, memory: &Memory) {
+        completer.in_flight.fetch_add(1, Ordering::AcqRel);
         let guest = memory.memory();
         let request = match parse(descriptors, &*guest) {
             Ok(request) => request,
             Err((error, status)) => {
-                tracing::debug!(queue, head, %error, "malformed virtio-blk request");
+                tracing::debug!(head, %error, "malformed virtio-blk request");
                 let used_len = match status {
                     Some(status) if guest.write_obj(STATUS_IOERR, status).is_ok() => 1,
                     _ => 0,
                 };
-                self.complete(Completion {
-                    queue,
-                    head,
-                    used_len,
-                });
+                completer.complete(head, used_len);
                 return;
             }
         };
-        // A write's data is copied out now, on this thread; the guest may reuse nothing
-        // until the request completes, but the bdev wants its own buffer.
+        // A write's data is copied out now, on this thread, into a buffer of the bdev's own.
         let mut data = None;
         if request.kind == TYPE_OUT
             || request.kind == TYPE_DISCARD
             || request.kind == TYPE_WRITE_ZEROES
         {
             let len = request.readable_len();
-            if len > basalt_bdev::IO_BYTES_MAX {
-                self.finish_now(queue, head, &request, STATUS_IOERR, memory);
-                return;
-            }
-            let mut buffer = DmaBuf::zeroed(len as usize);
-            if read_runs(&*guest, &request.readable, &mut buffer).is_err() {
-                self.finish_now(queue, head, &request, STATUS_IOERR, memory);
+            let mut buffer = DmaBuf::zeroed(len.min(basalt_bdev::IO_BYTES_MAX) as usize);
+            if len > basalt_bdev::IO_BYTES_MAX
+                || read_runs(&*guest, &request.readable, &mut buffer).is_err()
+            {
+                let used_len = u32::from(guest.write_obj(STATUS_IOERR, request.status).is_ok());
+                completer.complete(head, used_len);
                 return;
             }
             data = Some(buffer);
@@ -217,7 +213,6 @@ impl BlkBackend {
         let readonly = self.options.readonly;
         let serial = self.options.serial.clone();
         let memory = memory.clone();
-        let (completions, notifier) = (self.completions.clone(), self.completion_notifier.clone());
         self.reactors.spawn(async move {
             let (status, written) = run(&*bdev, readonly, &serial, &request, data, &memory).await;
             let guest = memory.memory();
@@ -226,57 +221,9 @@ impl BlkBackend {
             } else {
                 0
             };
-            completions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(Completion {
-                    queue,
-                    head,
-                    used_len,
-                });
-            let _ = notifier.notify();
+            drop(guest);
+            completer.complete(head, used_len);
         });
-    }
-
-    fn finish_now(&self, queue: u16, head: u16, request: &Request, status: u8, memory: &Memory) {
-        let used_len = u32::from(memory.memory().write_obj(status, request.status).is_ok());
-        self.complete(Completion {
-            queue,
-            head,
-            used_len,
-        });
-    }
-
-    fn complete(&self, completion: Completion) {
-        self.completions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(completion);
-        let _ = self.completion_notifier.notify();
-    }
-
-    /// Puts every completed request on its used ring and signals the guest.
-    fn drain_completions(&self, vrings: &[VringRwLock<Memory>]) -> io::Result<()> {
-        let _ = self.completion_consumer.consume();
-        let completions =
-            std::mem::take(&mut *self.completions.lock().unwrap_or_else(|p| p.into_inner()));
-        let mut touched = vec![false; vrings.len()];
-        for completion in completions {
-            let queue = usize::from(completion.queue);
-            self.in_flight[queue].fetch_sub(1, Ordering::AcqRel);
-            let Some(vring) = vrings.get(queue) else {
-                continue;
-            };
-            if vring.add_used(completion.head, completion.used_len).is_ok() {
-                touched[queue] = true;
-            }
-        }
-        for (queue, vring) in vrings.iter().enumerate() {
-            if touched[queue] && vring.needs_notification().unwrap_or(true) {
-                vring.signal_used_queue()?;
-            }
-        }
-        Ok(())
     }
 }
 
@@ -436,7 +383,6 @@ impl VhostUserBackend for BlkBackend {
         // The guest's buffers belong to requests in flight until they complete.
         let start = Instant::now();
         if let Some(count) = self.in_flight.get(queue_index as usize) {
-            // The worker thread drains their completions meanwhile.
             while count.load(Ordering::Acquire) > 0 && start.elapsed() < STOP_WAIT_MAX {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -453,9 +399,6 @@ impl VhostUserBackend for BlkBackend {
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected events {evset:?}")));
-        }
-        if device_event == completion_event(self.options.queues) {
-            return self.drain_completions(vrings);
         }
         let Some(vring) = vrings.get(usize::from(device_event)) else {
             return Err(io::Error::other(format!(

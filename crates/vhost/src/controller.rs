@@ -13,9 +13,8 @@ use basalt_io::Reactors;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
-use vmm_sys_util::epoll::EventSet;
 
-use crate::backend::{BlkBackend, BlkOptions, completion_event};
+use crate::backend::{BlkBackend, BlkOptions};
 
 /// Longest controller name (it names a socket file).
 pub const NAME_SIZE_MAX: usize = 64;
@@ -216,8 +215,6 @@ fn stop(controller: &mut Controller) {
 
 /// A controller's thread: serve one frontend, then accept the next, until stopped.
 fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &AtomicBool) {
-    let queues =
-        u16::try_from(vhost_user_backend::VhostUserBackend::num_queues(&*backend)).unwrap_or(1);
     while !stop.load(Ordering::Acquire) {
         let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let mut daemon = match VhostUserDaemon::new(name.to_string(), backend.clone(), memory) {
@@ -228,15 +225,6 @@ fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &At
                 continue;
             }
         };
-        for handler in daemon.get_epoll_handlers().iter().take(1) {
-            if let Err(error) = handler.register_listener(
-                backend.completion_fd(),
-                EventSet::IN,
-                u64::from(completion_event(queues)),
-            ) {
-                tracing::error!(ctrlr = name, %error, "vhost completion event not registered");
-            }
-        }
         let result = daemon.start(&mut listener).and_then(|()| daemon.wait());
         // The session's worker threads end with it.
         for handler in daemon.get_epoll_handlers() {
