@@ -3,7 +3,7 @@
 //! The monitors are found from `--mon`, else `--conf FILE`, else `$BASALT_CONF`, else
 //! `/etc/basalt/basalt.toml` (its `[cluster] mons`). Every read command takes `--json`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -393,10 +393,12 @@ pub fn run_osd_mark(cluster: ClusterArgs, id: &str, is_in: bool) -> anyhow::Resu
 /// Each PG's state, from the map and the OSDs' reports.
 fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'static str)> {
     let mut leaders: BTreeMap<PgId, OsdId> = BTreeMap::new();
+    let mut moving: BTreeSet<PgId> = BTreeSet::new();
     for (osd, report) in &status.reports {
         for pg in &report.leading {
             leaders.insert(*pg, *osd);
         }
+        moving.extend(report.moving.iter().copied());
     }
     let map = &status.map;
     let mut states = Vec::new();
@@ -418,6 +420,9 @@ fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'
                 "inactive"
             } else if up < entry.members.len() || entry.members.len() < pool.size as usize {
                 "active+degraded"
+            } else if moving.contains(&pg) {
+                // Its replicas are moving to the members the map gives it.
+                "active+remapped"
             } else {
                 "active+clean"
             };

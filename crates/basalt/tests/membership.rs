@@ -48,14 +48,41 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
     let fio_uri = uri.clone();
     let fio_args = second.clone();
     let fio_run = std::thread::spawn(move || fio(&fio_uri, &args(&fio_args)));
+    // While they move, `pg ls` shows them remapped (reported by their leaders).
+    let remapped_seen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (seen, watching) = (remapped_seen.clone(), watching.clone());
+        let mon = cluster.mon_addresses()[0].clone();
+        std::thread::spawn(move || {
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                let output = basalt()
+                    .args(["pg", "ls", "--json", "--mon", &mon])
+                    .output()
+                    .expect("pg ls");
+                if String::from_utf8_lossy(&output.stdout).contains("active+remapped") {
+                    seen.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
     wait_hosted(&metrics, "osd.3 to host no pg", |n| n == 0.0);
     let moved = started.elapsed();
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    watcher.join().expect("watcher");
+    eprintln!(
+        "pgs seen remapped during the move: {}",
+        remapped_seen.load(std::sync::atomic::Ordering::Relaxed)
+    );
     let report = fio_run.join().expect("fio thread");
     assert_eq!(
         report["jobs"][0]["write"]["io_bytes"].as_u64(),
         Some(32 << 20)
     );
     cluster.wait_replicas_equal(Duration::from_secs(120));
+    // Moved: no PG is left remapped.
+    cluster.wait_clean(Duration::from_secs(30));
     eprintln!("{before} pg replicas moved off osd.{victim} in {moved:?}");
     for run in [&first, &second] {
         let mut verify = run.clone();
@@ -67,6 +94,7 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
     cluster.cli_ok(&["osd", "in", &victim.to_string()]);
     wait_hosted(&metrics, "osd.3 to host pgs again", |n| n > 0.0);
     cluster.wait_replicas_equal(Duration::from_secs(180));
+    cluster.wait_clean(Duration::from_secs(30));
 
     // Every OSD crashes and restarts: the configurations are durable.
     drop(target);

@@ -35,6 +35,10 @@ pub struct OsdReport {
     /// PG replicas it hosts.
     #[serde(default)]
     pub hosted: u32,
+    /// The PGs it leads whose raft configuration is not the map's members yet (learners
+    /// catching up, a joint configuration, or old members still voting).
+    #[serde(default)]
+    pub moving: Vec<PgId>,
 }
 
 /// A request to the monitor.

@@ -1885,10 +1885,27 @@ impl Core {
     }
 
     fn update_report(&self, capacity_bytes: u64) {
-        let leading = self
+        let leading: Vec<PgId> = self
             .raft
             .pgs()
             .filter(|pg| self.raft.read_barrier(*pg).is_some())
+            .collect();
+        let moving = leading
+            .iter()
+            .copied()
+            .filter(|pg| {
+                let (Some(members), Some(entry)) = (self.raft.members(*pg), self.map.pg(*pg))
+                else {
+                    return false;
+                };
+                let mut voters = members.voters.clone();
+                voters.sort_unstable();
+                let mut wanted = entry.members.clone();
+                wanted.sort_unstable();
+                voters != wanted
+                    || !members.learners.is_empty()
+                    || !members.voters_outgoing.is_empty()
+            })
             .collect();
         let c = &self.counters;
         // Full exactly when writes are refused with "no space" (not while they wait for
@@ -1905,6 +1922,7 @@ impl Core {
             epoch: self.map.epoch,
             full,
             hosted: self.raft.pgs().count() as u32,
+            moving,
         };
     }
 }
