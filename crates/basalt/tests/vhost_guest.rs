@@ -125,9 +125,16 @@ fn vhost_methods_name_what_is_wrong() {
         "max_queues",
     );
     invalid(
-        json!({"ctrlr": "v", "dev_name": "m0", "cpumask": "0x1"}),
+        json!({"ctrlr": "v", "dev_name": "m0", "cpumask": "0x0"}),
         "cpumask",
     );
+    // CPU 100 has no reactor on this machine.
+    let message = target.rpc_err(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "v", "dev_name": "m0", "cpumask": "[100]"}),
+        -32602,
+    );
+    assert!(message.contains("selects no reactor"), "{message}");
     target.rpc_err(
         "vhost_create_blk_controller",
         json!({"ctrlr": "v", "dev_name": "nope"}),
@@ -143,8 +150,12 @@ fn vhost_methods_name_what_is_wrong() {
     assert!(message.contains("blocked"), "{message}");
     target.rpc_ok(
         "vhost_create_blk_controller",
-        json!({"ctrlr": "v", "dev_name": "m0"}),
+        json!({"ctrlr": "v", "dev_name": "m0", "cpumask": "0x1"}),
     );
+    let listed = target.rpc_ok("vhost_get_controllers", json!({"name": "v"}));
+    assert_eq!(listed[0]["cpumask"], json!("0x1"), "{listed}");
+    let config = target.rpc_ok("save_config", Value::Null).to_string();
+    assert!(config.contains("\"cpumask\":\"0x1\""), "{config}");
     assert!(
         dir.join("v").exists(),
         "the socket is in the socket directory"

@@ -175,6 +175,24 @@ impl Reactors {
         best
     }
 
+    /// How many reactors there are.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Whether there are none (never: a set of reactors has at least one).
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+
+    /// Runs `task` on reactor `index` (modulo their count).
+    pub fn spawn_on<F>(&self, index: usize, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.handles[index % self.handles.len()].spawn(task);
+    }
+
     /// Runs `task` on the next reactor in turn.
     pub fn spawn<F>(&self, task: F)
     where

@@ -61,6 +61,8 @@ pub struct BlkOptions {
     pub queues: u16,
     /// GET_ID's answer.
     pub serial: String,
+    /// The reactors (indices) that run its requests, in turn; empty: every reactor.
+    pub reactors: Vec<usize>,
 }
 
 /// Ends requests of one vring: puts them on its used ring, signals the guest when it
@@ -91,6 +93,7 @@ pub struct BlkBackend {
     event_idx: AtomicBool,
     reactors: Arc<Reactors>,
     in_flight: Vec<Arc<AtomicUsize>>,
+    next_reactor: AtomicUsize,
     /// A frontend has set its memory table (connected).
     pub attached: AtomicBool,
 }
@@ -107,6 +110,7 @@ impl BlkBackend {
             event_idx: AtomicBool::new(false),
             reactors,
             in_flight,
+            next_reactor: AtomicUsize::new(0),
             attached: AtomicBool::new(false),
         })
     }
@@ -213,7 +217,7 @@ impl BlkBackend {
         let readonly = self.options.readonly;
         let serial = self.options.serial.clone();
         let memory = memory.clone();
-        self.reactors.spawn(async move {
+        let task = async move {
             let (status, written) = run(&*bdev, readonly, &serial, &request, data, &memory).await;
             let guest = memory.memory();
             let used_len = if guest.write_obj(status, request.status).is_ok() {
@@ -223,7 +227,14 @@ impl BlkBackend {
             };
             drop(guest);
             completer.complete(head, used_len);
-        });
+        };
+        if self.options.reactors.is_empty() {
+            self.reactors.spawn(task);
+        } else {
+            let turn = self.next_reactor.fetch_add(1, Ordering::Relaxed);
+            let chosen = &self.options.reactors;
+            self.reactors.spawn_on(chosen[turn % chosen.len()], task);
+        }
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Controller {
     pub queues: u16,
     /// The Unix socket.
     pub socket: PathBuf,
+    /// The CPU mask its requests' reactors were chosen by, as given.
+    pub cpumask: Option<String>,
     backend: Arc<BlkBackend>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -41,6 +43,55 @@ impl Controller {
     pub fn attached(&self) -> bool {
         self.backend.attached.load(Ordering::Acquire)
     }
+}
+
+/// What `vhost_get_controllers` shows of a controller.
+#[derive(Debug, Clone)]
+pub struct ControllerInfo {
+    /// Its name.
+    pub name: String,
+    /// The bdev's name.
+    pub bdev_name: String,
+    /// Writes refused.
+    pub readonly: bool,
+    /// Request queues offered.
+    pub queues: u16,
+    /// The Unix socket.
+    pub socket: PathBuf,
+    /// A frontend is connected.
+    pub attached: bool,
+    /// The CPU mask given at creation.
+    pub cpumask: Option<String>,
+}
+
+/// The CPUs of a mask in SPDK's forms: hexadecimal (`0x3`, `3`) or a list (`[0,2-3]`).
+pub fn parse_cpumask(text: &str) -> Result<Vec<usize>, String> {
+    let text = text.trim();
+    if let Some(list) = text.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+        let mut cpus = Vec::new();
+        for part in list.split(',').map(str::trim) {
+            let (first, last) = match part.split_once('-') {
+                Some((a, b)) => (a.trim(), b.trim()),
+                None => (part, part),
+            };
+            let (first, last): (usize, usize) = match (first.parse(), last.parse()) {
+                (Ok(a), Ok(b)) if a <= b && b < 1024 => (a, b),
+                _ => return Err(format!("{part:?} is not a CPU or a range of CPUs")),
+            };
+            cpus.extend(first..=last);
+        }
+        return Ok(cpus);
+    }
+    let digits = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .unwrap_or(text);
+    let mask = u128::from_str_radix(digits, 16)
+        .map_err(|_| "not a hexadecimal mask or a [list] of CPUs".to_string())?;
+    if mask == 0 {
+        return Err("empty mask".into());
+    }
+    Ok((0..128).filter(|cpu| mask & (1u128 << cpu) != 0).collect())
 }
 
 /// The vhost-user-blk controllers of a target.
@@ -96,11 +147,41 @@ impl VhostServer {
         &self.socket_dir
     }
 
-    /// Creates a controller named `name` serving `options.bdev`.
+    /// The reactors (indices) pinned to a CPU of `cpumask`: SPDK's forms, a hexadecimal
+    /// mask (`0x3`) or a list of CPUs and ranges (`[0,2-3]`).
+    pub fn reactors_for_cpumask(&self, cpumask: &str) -> Result<Vec<usize>, ControllerError> {
+        let invalid = |why: &str| ControllerError::Invalid(format!("cpumask {cpumask:?}: {why}"));
+        let cpus = parse_cpumask(cpumask).map_err(|why| invalid(&why))?;
+        let chosen: Vec<usize> = self
+            .reactors
+            .cpus()
+            .iter()
+            .enumerate()
+            .filter(|(_, cpu)| cpu.is_some_and(|cpu| cpus.contains(&cpu)))
+            .map(|(index, _)| index)
+            .collect();
+        if chosen.is_empty() {
+            let on: Vec<String> = self
+                .reactors
+                .cpus()
+                .iter()
+                .map(|cpu| cpu.map_or("unpinned".to_string(), |c| c.to_string()))
+                .collect();
+            return Err(invalid(&format!(
+                "selects no reactor (the reactors run on CPUs {})",
+                on.join(", ")
+            )));
+        }
+        Ok(chosen)
+    }
+
+    /// Creates a controller named `name` serving `options.bdev`; `cpumask` is kept to be
+    /// listed (the reactors it chose are in `options`).
     pub fn create(
         &self,
         name: &str,
         bdev_name: &str,
+        cpumask: Option<String>,
         options: BlkOptions,
     ) -> Result<PathBuf, ControllerError> {
         let valid = !name.is_empty()
@@ -149,6 +230,7 @@ impl VhostServer {
                 readonly,
                 queues,
                 socket: socket.clone(),
+                cpumask,
                 backend,
                 stop,
                 thread: Some(thread),
@@ -174,19 +256,18 @@ impl VhostServer {
         Ok(controller.bdev_name)
     }
 
-    /// Every controller's description, by name.
-    pub fn list(&self) -> Vec<(String, String, bool, u16, PathBuf, bool)> {
+    /// Every controller, by name.
+    pub fn list(&self) -> Vec<ControllerInfo> {
         self.lock()
             .values()
-            .map(|c| {
-                (
-                    c.name.clone(),
-                    c.bdev_name.clone(),
-                    c.readonly,
-                    c.queues,
-                    c.socket.clone(),
-                    c.attached(),
-                )
+            .map(|c| ControllerInfo {
+                name: c.name.clone(),
+                bdev_name: c.bdev_name.clone(),
+                readonly: c.readonly,
+                queues: c.queues,
+                socket: c.socket.clone(),
+                attached: c.attached(),
+                cpumask: c.cpumask.clone(),
             })
             .collect()
     }
@@ -244,6 +325,21 @@ fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &At
                 );
                 std::thread::sleep(Duration::from_millis(100));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpumasks_in_spdk_forms() {
+        assert_eq!(parse_cpumask("0x5"), Ok(vec![0, 2]));
+        assert_eq!(parse_cpumask("3"), Ok(vec![0, 1]));
+        assert_eq!(parse_cpumask("[0,2-4]"), Ok(vec![0, 2, 3, 4]));
+        for bad in ["0x0", "zz", "[1-]", "[3-1]", ""] {
+            assert!(parse_cpumask(bad).is_err(), "{bad}");
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The `vhost_*` JSON-RPC methods, SPDK's names: `vhost_create_blk_controller` `{"ctrlr",
-//! "dev_name", "readonly", "packed_ring", "max_queues"}`, `vhost_delete_controller`
+//! "dev_name", "readonly", "packed_ring", "max_queues", "cpumask"}`, `vhost_delete_controller`
 //! `{"ctrlr"}`, `vhost_get_controllers` `{"name"}`.
 
 use basalt_bdev::BdevRegistry;
@@ -39,6 +39,10 @@ pub struct CreateParams {
     /// Request queues offered; QEMU's `num-queues` must not exceed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_queues: Option<u16>,
+    /// The CPUs whose reactors run its requests (SPDK's forms: `0x3`, `[0,2-3]`); every
+    /// reactor when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpumask: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -101,6 +105,10 @@ fn dispatch(
                     "max_queues {queues} must be from 1 to {MAX_QUEUES_MAX}"
                 )));
             }
+            let reactors = match &params.cpumask {
+                Some(mask) => server.reactors_for_cpumask(mask).map_err(rpc_error)?,
+                None => Vec::new(),
+            };
             let owner = claim_owner(&params.ctrlr);
             let bdev = registry.claim(&params.dev_name, &owner)?;
             let serial = bdev.info().uuid.replace('-', "");
@@ -109,8 +117,14 @@ fn dispatch(
                 readonly: params.readonly,
                 queues,
                 serial,
+                reactors,
             };
-            match server.create(&params.ctrlr, &params.dev_name, options) {
+            match server.create(
+                &params.ctrlr,
+                &params.dev_name,
+                params.cpumask.clone(),
+                options,
+            ) {
                 Ok(_) => Ok(json!(true)),
                 Err(error) => {
                     registry.release(&params.dev_name, &owner);
@@ -133,14 +147,15 @@ fn dispatch(
             let list: Vec<Value> = server
                 .list()
                 .into_iter()
-                .filter(|(name, ..)| params.name.as_ref().is_none_or(|wanted| wanted == name))
-                .map(|(name, bdev, readonly, queues, socket, attached)| {
+                .filter(|c| params.name.as_ref().is_none_or(|wanted| *wanted == c.name))
+                .map(|c| {
                     json!({
-                        "ctrlr": name,
-                        "socket": socket.display().to_string(),
-                        "max_queues": queues,
-                        "attached": attached,
-                        "backend_specific": {"block": {"readonly": readonly, "bdev": bdev, "transport": "vhost_user_blk"}},
+                        "ctrlr": c.name,
+                        "cpumask": c.cpumask,
+                        "socket": c.socket.display().to_string(),
+                        "max_queues": c.queues,
+                        "attached": c.attached,
+                        "backend_specific": {"block": {"readonly": c.readonly, "bdev": c.bdev_name, "transport": "vhost_user_blk"}},
                     })
                 })
                 .collect();
@@ -162,15 +177,16 @@ pub fn config(server: &VhostServer) -> Vec<ConfigCall> {
     server
         .list()
         .into_iter()
-        .map(|(name, bdev, readonly, queues, ..)| {
+        .map(|c| {
             ConfigCall::new(
                 "vhost_create_blk_controller",
                 CreateParams {
-                    ctrlr: name,
-                    dev_name: bdev,
-                    readonly,
+                    ctrlr: c.name,
+                    dev_name: c.bdev_name,
+                    readonly: c.readonly,
                     packed_ring: false,
-                    max_queues: Some(queues),
+                    max_queues: Some(c.queues),
+                    cpumask: c.cpumask,
                 },
             )
         })

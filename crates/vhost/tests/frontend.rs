@@ -120,8 +120,9 @@ fn a_frontend_of_our_own_drives_the_device() {
         readonly: false,
         queues: 1,
         serial: "frontend-test-serial".into(),
+        reactors: vec![0],
     };
-    let socket = server.create("t", "m", options).expect("controller");
+    let socket = server.create("t", "m", None, options).expect("controller");
 
     // Guest memory: a file both sides map.
     let file = File::options()
