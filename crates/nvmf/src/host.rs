@@ -702,7 +702,21 @@ impl Host {
         check(self.queue(queue).submit(sqe, data_out, data_in_len).await?)
     }
 
-    /// Reads `blocks` blocks of `block_size` at `lba`.
+    /// The largest read or write one command may move (MDTS of 4 KiB pages; 0 means no
+    /// limit, taken here as 4 MiB, the most one PDU carries).
+    pub fn transfer_size_max(&self) -> u32 {
+        match self.identify[77] {
+            0 => PDU_DATA_SIZE_MAX,
+            mdts => (4096u64 << mdts).min(u64::from(PDU_DATA_SIZE_MAX)) as u32,
+        }
+    }
+
+    /// Blocks per command at most, for `block_size`.
+    fn blocks_per_command(&self, block_size: u32) -> u32 {
+        (self.transfer_size_max() / block_size).clamp(1, 65536)
+    }
+
+    /// Reads `blocks` blocks of `block_size` at `lba`, in as many commands as MDTS needs.
     pub async fn read(
         &self,
         queue: usize,
@@ -711,14 +725,24 @@ impl Host {
         blocks: u32,
         block_size: u32,
     ) -> Result<Vec<u8>, HostError> {
-        let sqe = rw_sqe(IO_READ, nsid, lba, blocks, false);
-        Ok(self
-            .io(queue, sqe, Vec::new(), blocks * block_size)
-            .await?
-            .data)
+        let step = self.blocks_per_command(block_size);
+        let mut data = Vec::with_capacity(blocks as usize * block_size as usize);
+        let mut done = 0u32;
+        while done < blocks {
+            let count = step.min(blocks - done);
+            let sqe = rw_sqe(IO_READ, nsid, lba + u64::from(done), count, false);
+            data.extend(
+                self.io(queue, sqe, Vec::new(), count * block_size)
+                    .await?
+                    .data,
+            );
+            done += count;
+        }
+        Ok(data)
     }
 
-    /// Writes `data` (whole blocks of `block_size`) at `lba`.
+    /// Writes `data` (whole blocks of `block_size`) at `lba`, in as many commands as MDTS
+    /// needs.
     pub async fn write(
         &self,
         queue: usize,
@@ -728,9 +752,19 @@ impl Host {
         block_size: u32,
         fua: bool,
     ) -> Result<(), HostError> {
-        let blocks = (data.len() / block_size as usize) as u32;
-        let sqe = rw_sqe(IO_WRITE, nsid, lba, blocks, fua);
-        self.io(queue, sqe, data, 0).await.map(|_| ())
+        let step = self.blocks_per_command(block_size) as usize * block_size as usize;
+        if data.len() <= step {
+            let blocks = (data.len() / block_size as usize) as u32;
+            let sqe = rw_sqe(IO_WRITE, nsid, lba, blocks, fua);
+            return self.io(queue, sqe, data, 0).await.map(|_| ());
+        }
+        for (index, chunk) in data.chunks(step).enumerate() {
+            let blocks = (chunk.len() / block_size as usize) as u32;
+            let at = lba + (index * step / block_size as usize) as u64;
+            let sqe = rw_sqe(IO_WRITE, nsid, at, blocks, fua);
+            self.io(queue, sqe, chunk.to_vec(), 0).await?;
+        }
+        Ok(())
     }
 
     /// Flushes namespace `nsid`.

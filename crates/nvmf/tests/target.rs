@@ -207,8 +207,14 @@ async fn every_command_with_and_without_digests() {
             .await
             .expect_err("opcode");
         assert_eq!(bad_opcode.status(), Some(Status::INVALID_OPCODE.with_dnr()));
+        // A command above MDTS is refused; the host's read and write split at MDTS.
         let too_large = host
-            .read(0, 1, 0, 512, BLOCK)
+            .io(
+                0,
+                basalt_nvmf::host::rw_sqe(IO_READ, 1, 0, 512, false),
+                Vec::new(),
+                512 * BLOCK,
+            )
             .await
             .expect_err("above MDTS");
         assert_eq!(
@@ -216,6 +222,8 @@ async fn every_command_with_and_without_digests() {
             Some(0x02),
             "{too_large}"
         );
+        assert_eq!(host.transfer_size_max(), 128 << 10);
+        read_write_cycle(&host, 1, 2048, 1 << 20, 6).await;
 
         // Log pages and features.
         let health = host
