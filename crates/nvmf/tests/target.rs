@@ -300,6 +300,28 @@ async fn every_command_with_and_without_digests() {
                 .dw0,
             0x0001_0001
         );
+        // The 128-bit host identifier Connect carried.
+        let host_id = Sqe {
+            opcode: ADMIN_GET_FEATURES,
+            cdw10: u32::from(FEATURE_HOST_IDENTIFIER),
+            cdw11: 1,
+            ..Sqe::default()
+        };
+        let id = host.admin(host_id, Vec::new(), 16).await.expect("host id");
+        assert_eq!(id.data, HostOptions::default().host_id.to_vec());
+        // Disconnect on an I/O queue: answered, then that queue's connection closes.
+        let disconnect = Sqe {
+            opcode: FABRICS,
+            namespace_id: u32::from(basalt_nvmf::fabrics::FCTYPE_DISCONNECT),
+            ..Sqe::default()
+        };
+        host.io(1, disconnect, Vec::new(), 0)
+            .await
+            .expect("disconnect");
+        host.read(1, 1, 0, 8, BLOCK)
+            .await
+            .expect_err("the queue is closed");
+        read_write_cycle(&host, 0, 16, 4096, 7).await;
 
         let controllers = rpc(
             &fixture,
@@ -309,7 +331,11 @@ async fn every_command_with_and_without_digests() {
         .await
         .expect("controllers");
         assert_eq!(controllers.as_array().map(Vec::len), Some(1));
-        assert_eq!(controllers[0]["num_io_qpairs"], json!(2));
+        assert_eq!(
+            controllers[0]["num_io_qpairs"],
+            json!(1),
+            "two I/O queues, one disconnected"
+        );
         drop(host);
     }
 }
