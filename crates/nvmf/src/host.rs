@@ -646,6 +646,22 @@ impl Host {
             .data)
     }
 
+    /// Get Features `feature` with CDW11 `cdw11`, taking `data_in_len` bytes of data.
+    pub async fn get_feature(
+        &self,
+        feature: u8,
+        cdw11: u32,
+        data_in_len: u32,
+    ) -> Result<Completion, HostError> {
+        let sqe = Sqe {
+            opcode: ADMIN_GET_FEATURES,
+            cdw10: u32::from(feature),
+            cdw11,
+            ..Sqe::default()
+        };
+        self.admin(sqe, Vec::new(), data_in_len).await
+    }
+
     /// The active namespace ids.
     pub async fn namespaces(&self) -> Result<Vec<u32>, HostError> {
         let list = self.identify(CNS_ACTIVE_NAMESPACES, 0).await?;

@@ -3,7 +3,7 @@
 //! connection to a controller.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use basalt_io::Reactors;
@@ -67,7 +67,7 @@ pub struct NvmfTarget {
     subsystems: RwLock<BTreeMap<String, Arc<Subsystem>>>,
     discovery: Arc<Subsystem>,
     listeners: Mutex<BTreeMap<ListenAddress, Listener>>,
-    next_port_id: Mutex<u16>,
+    next_port_id: AtomicU16,
     generation: AtomicU64,
     /// Queue pair counts.
     pub counters: QueueCounters,
@@ -91,7 +91,7 @@ impl NvmfTarget {
             subsystems: RwLock::new(BTreeMap::new()),
             discovery,
             listeners: Mutex::new(BTreeMap::new()),
-            next_port_id: Mutex::new(1),
+            next_port_id: AtomicU16::new(1),
             generation: AtomicU64::new(1),
             counters: QueueCounters::default(),
         })
@@ -251,15 +251,8 @@ impl NvmfTarget {
             let bound = ListenAddress { address: local };
             let mut listeners = self.lock_listeners();
             if !listeners.contains_key(&bound) {
-                let port_id = {
-                    let mut next = self
-                        .next_port_id
-                        .lock()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner());
-                    let id = *next;
-                    *next = next.wrapping_add(1).max(1);
-                    id
-                };
+                // Port ids start at 1 and, past 65535, wrap (0 is skipped).
+                let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed).max(1);
                 let target = self.clone();
                 let task = tokio::spawn(async move { target.accept_loop(listener, bound).await });
                 tracing::info!(address = %bound.address, "nvmf listening");
@@ -531,14 +524,6 @@ impl NvmfTarget {
             self.counters
                 .current_io_qpairs
                 .fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl Drop for NvmfTarget {
-    fn drop(&mut self) {
-        for (_, listener) in std::mem::take(&mut *self.lock_listeners()) {
-            listener.task.abort();
         }
     }
 }

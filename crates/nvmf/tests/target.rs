@@ -274,40 +274,19 @@ async fn every_command_with_and_without_digests() {
             .await
             .expect_err("unknown log");
         assert_eq!(unknown.status().map(|s| (s.sct(), s.sc())), Some((1, 0x09)));
-        let keep_alive = Sqe {
-            opcode: ADMIN_GET_FEATURES,
-            cdw10: u32::from(FEATURE_KEEP_ALIVE_TIMER),
-            ..Sqe::default()
-        };
-        assert_eq!(
-            host.admin(keep_alive, Vec::new(), 0)
-                .await
-                .expect("get kato")
-                .cqe
-                .dw0,
-            10_000
-        );
-        let queues = Sqe {
-            opcode: ADMIN_GET_FEATURES,
-            cdw10: u32::from(FEATURE_NUMBER_OF_QUEUES),
-            ..Sqe::default()
-        };
-        assert_eq!(
-            host.admin(queues, Vec::new(), 0)
-                .await
-                .expect("get queues")
-                .cqe
-                .dw0,
-            0x0001_0001
-        );
+        let feature = |id: u8, cdw11: u32, len: u32| host.get_feature(id, cdw11, len);
+        let kato = feature(FEATURE_KEEP_ALIVE_TIMER, 0, 0)
+            .await
+            .expect("get kato");
+        assert_eq!(kato.cqe.dw0, 10_000);
+        let queues = feature(FEATURE_NUMBER_OF_QUEUES, 0, 0)
+            .await
+            .expect("get queues");
+        assert_eq!(queues.cqe.dw0, 0x0001_0001);
         // The 128-bit host identifier Connect carried.
-        let host_id = Sqe {
-            opcode: ADMIN_GET_FEATURES,
-            cdw10: u32::from(FEATURE_HOST_IDENTIFIER),
-            cdw11: 1,
-            ..Sqe::default()
-        };
-        let id = host.admin(host_id, Vec::new(), 16).await.expect("host id");
+        let id = feature(FEATURE_HOST_IDENTIFIER, 1, 16)
+            .await
+            .expect("host id");
         assert_eq!(id.data, HostOptions::default().host_id.to_vec());
         // Disconnect on an I/O queue: answered, then that queue's connection closes.
         let disconnect = Sqe {

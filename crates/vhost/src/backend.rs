@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use basalt_bdev::Bdev;
 use basalt_io::{DmaBuf, Reactors};
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::{virtio_blk, virtio_config, virtio_ring};
 use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
@@ -36,19 +37,10 @@ pub const DISCARD_SEGMENTS_MAX: u32 = 32;
 /// How long stopping a vring waits for its requests in flight.
 const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
 
-/// virtio-blk feature bits.
-const VIRTIO_BLK_F_SEG_MAX: u64 = 1 << 2;
-const VIRTIO_BLK_F_RO: u64 = 1 << 5;
-const VIRTIO_BLK_F_BLK_SIZE: u64 = 1 << 6;
-const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
-const VIRTIO_BLK_F_TOPOLOGY: u64 = 1 << 10;
-const VIRTIO_BLK_F_MQ: u64 = 1 << 12;
-const VIRTIO_BLK_F_DISCARD: u64 = 1 << 13;
-const VIRTIO_BLK_F_WRITE_ZEROES: u64 = 1 << 14;
-const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
-const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
-const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
-const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// A feature bit as a mask.
+const fn feature(bit: u32) -> u64 {
+    1 << bit
+}
 
 /// What a controller exports and how.
 #[derive(Clone)]
@@ -346,19 +338,26 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn features(&self) -> u64 {
-        let mut features = VIRTIO_F_VERSION_1
-            | VIRTIO_RING_F_INDIRECT_DESC
-            | VIRTIO_RING_F_EVENT_IDX
-            | VHOST_USER_F_PROTOCOL_FEATURES
-            | VIRTIO_BLK_F_SEG_MAX
-            | VIRTIO_BLK_F_BLK_SIZE
-            | VIRTIO_BLK_F_TOPOLOGY
-            | VIRTIO_BLK_F_FLUSH
-            | VIRTIO_BLK_F_MQ;
+        let mut features = [
+            virtio_config::VIRTIO_F_VERSION_1,
+            virtio_ring::VIRTIO_RING_F_INDIRECT_DESC,
+            virtio_ring::VIRTIO_RING_F_EVENT_IDX,
+            virtio_blk::VIRTIO_BLK_F_SEG_MAX,
+            virtio_blk::VIRTIO_BLK_F_BLK_SIZE,
+            virtio_blk::VIRTIO_BLK_F_TOPOLOGY,
+            virtio_blk::VIRTIO_BLK_F_FLUSH,
+            virtio_blk::VIRTIO_BLK_F_MQ,
+        ]
+        .into_iter()
+        .fold(
+            VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
+            |all, bit| all | feature(bit),
+        );
         if self.options.readonly {
-            features |= VIRTIO_BLK_F_RO;
+            features |= feature(virtio_blk::VIRTIO_BLK_F_RO);
         } else {
-            features |= VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES;
+            features |= feature(virtio_blk::VIRTIO_BLK_F_DISCARD)
+                | feature(virtio_blk::VIRTIO_BLK_F_WRITE_ZEROES);
         }
         features
     }

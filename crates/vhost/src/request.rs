@@ -7,25 +7,28 @@
 
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
 
-/// Request type: read.
-pub const TYPE_IN: u32 = 0;
-/// Request type: write.
-pub const TYPE_OUT: u32 = 1;
-/// Request type: flush.
-pub const TYPE_FLUSH: u32 = 4;
-/// Request type: the device's serial.
-pub const TYPE_GET_ID: u32 = 8;
-/// Request type: discard.
-pub const TYPE_DISCARD: u32 = 11;
-/// Request type: write zeroes.
-pub const TYPE_WRITE_ZEROES: u32 = 13;
+use virtio_bindings::virtio_blk as blk;
 
+/// Request type: read.
+pub const TYPE_IN: u32 = blk::VIRTIO_BLK_T_IN;
+/// Request type: write.
+pub const TYPE_OUT: u32 = blk::VIRTIO_BLK_T_OUT;
+/// Request type: flush.
+pub const TYPE_FLUSH: u32 = blk::VIRTIO_BLK_T_FLUSH;
+/// Request type: the device's serial.
+pub const TYPE_GET_ID: u32 = blk::VIRTIO_BLK_T_GET_ID;
+/// Request type: discard.
+pub const TYPE_DISCARD: u32 = blk::VIRTIO_BLK_T_DISCARD;
+/// Request type: write zeroes.
+pub const TYPE_WRITE_ZEROES: u32 = blk::VIRTIO_BLK_T_WRITE_ZEROES;
+
+// The status byte holds the spec's status values, which fit it.
 /// Status: success.
-pub const STATUS_OK: u8 = 0;
+pub const STATUS_OK: u8 = blk::VIRTIO_BLK_S_OK as u8;
 /// Status: the request failed.
-pub const STATUS_IOERR: u8 = 1;
+pub const STATUS_IOERR: u8 = blk::VIRTIO_BLK_S_IOERR as u8;
 /// Status: the request type is not supported.
-pub const STATUS_UNSUPP: u8 = 2;
+pub const STATUS_UNSUPP: u8 = blk::VIRTIO_BLK_S_UNSUPP as u8;
 
 /// Bytes of the request header.
 pub const HEADER_SIZE: usize = 16;
@@ -36,7 +39,7 @@ pub const ID_SIZE: usize = 20;
 /// Sectors are 512 bytes whatever the block size.
 pub const SECTOR_SIZE: u64 = 512;
 /// Write zeroes segment flag: the device may unmap.
-pub const WRITE_ZEROES_UNMAP: u32 = 1;
+pub const WRITE_ZEROES_UNMAP: u32 = blk::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP;
 
 /// A run of guest memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
