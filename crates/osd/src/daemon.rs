@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use basalt_common::{Lsn, ObjectKey, OsdId, PgId};
-use basalt_io::{DmaBuf, FileEngine, OpenOptions};
+use basalt_io::{DmaBuf, FileEngine};
 use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
 use basalt_mon::protocol::{MonReply, MonRequest, OsdReport};
@@ -1676,15 +1676,25 @@ impl Core {
     fn drive(&mut self) -> Result<(), OsdError> {
         let mut actions = std::mem::take(&mut self.actions);
         self.raft.collect(&mut actions);
+        // Messages go out before this turn's log writes are queued: a leader's appends then
+        // reach its followers (whose durable writes are what a commit waits for) while its
+        // own write starts, rather than after it.
+        actions.retain_mut(|action| {
+            let Action::Send { to, pg, message } = action else {
+                return true;
+            };
+            let message = std::mem::take(message);
+            if MultiRaft::snapshot_of(&message).is_some() {
+                self.snapshots_sent
+                    .insert((*pg, *to), std::time::Instant::now());
+            }
+            self.send(*to, *pg, message);
+            false
+        });
+        self.flush();
         for action in actions.drain(..) {
             match action {
-                Action::Send { to, pg, message } => {
-                    if MultiRaft::snapshot_of(&message).is_some() {
-                        self.snapshots_sent
-                            .insert((pg, to), std::time::Instant::now());
-                    }
-                    self.send(to, pg, message);
-                }
+                Action::Send { .. } => unreachable!("sent above"),
                 Action::Persist {
                     pg,
                     entries,
@@ -2222,9 +2232,11 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     drop(opened.checkpoint);
     let log = Arc::new(opened.device);
     let engine = Arc::new(
-        FileEngine::open(&path, &OpenOptions::default()).map_err(|error| OsdError::Io {
-            path: path.display().to_string(),
-            source: std::io::Error::other(error.to_string()),
+        FileEngine::open(&path, &crate::log_device::engine_options()).map_err(|error| {
+            OsdError::Io {
+                path: path.display().to_string(),
+                source: std::io::Error::other(error.to_string()),
+            }
         })?,
     );
 

@@ -198,10 +198,19 @@ fn io_error(path: &Path) -> impl Fn(std::io::Error) -> LogDeviceError + '_ {
 }
 
 fn open_engine(path: &Path) -> Result<FileEngine, LogDeviceError> {
-    FileEngine::open(path, &OpenOptions::default()).map_err(|error| LogDeviceError::Io {
+    FileEngine::open(path, &engine_options()).map_err(|error| LogDeviceError::Io {
         path: path.display().to_string(),
         source: std::io::Error::other(error.to_string()),
     })
+}
+
+/// How the OSD opens its device: an O_DIRECT io_uring submitted from the OSD's own thread
+/// (inline), so that a log write hands off to no other thread on its way to the disk.
+pub fn engine_options() -> OpenOptions {
+    OpenOptions {
+        inline: true,
+        ..OpenOptions::default()
+    }
 }
 
 /// The layout of a device of `size` bytes: checkpoint areas of a 64th of it each (at least
