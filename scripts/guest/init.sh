@@ -29,8 +29,9 @@ report() {
   echo "BASALT-GUEST-EXIT=$1"
   echo "BASALT-GUEST-EXIT=$1" >/dev/ttyS1
   sync
-  # run.sh starts QEMU with -no-reboot, so a reboot ends QEMU; this needs no ACPI.
-  reboot -f
+  # run.sh starts QEMU with -no-reboot, so a reboot ends QEMU; this needs no ACPI. When
+  # the script may reboot the guest (BASALT_GUEST_REBOOT), QEMU reboots, so power off.
+  if grep -qw basalt.reboot /proc/cmdline; then poweroff -f; else reboot -f; fi
   sleep 60
 }
 

@@ -49,6 +49,8 @@ printf '%q ' ${script_args[@]+"${script_args[@]}"} >"$work/cpio/basalt/args"
 (cd "$work/cpio" && find . | cpio -o -H newc -R 0:0 --quiet) | gzip -1 >"$work/script.cpio.gz"
 cat "$work/script.cpio.gz" "$initramfs" >"$work/initrd"
 
+# panic=-1 with -no-reboot turns a guest panic into QEMU exiting, not a hang.
+append="console=ttyS0 panic=-1 quiet ${BASALT_GUEST_APPEND:-}"
 # shellcheck disable=SC2054 # the commas are QEMU's
 machine=(
   -accel tcg -machine pc -cpu max -smp "$cpus" -m "$memory"
@@ -56,14 +58,21 @@ machine=(
   # process) work when a test adds one.
   -object "memory-backend-memfd,id=ram,size=$memory,share=on" -machine memory-backend=ram
   -bios "$bios" -kernel "$kernel" -initrd "$work/initrd"
-  # panic=-1 with -no-reboot turns a guest panic into QEMU exiting, not a hang.
-  -append "console=ttyS0 panic=-1 quiet ${BASALT_GUEST_APPEND:-}"
-  -nodefaults -no-user-config -display none -no-reboot
+  -nodefaults -no-user-config -display none
   -serial stdio -serial "file:$work/status"
   # romfile= skips the iPXE option ROM: nothing network-boots, and it saves a second.
   -netdev "user,id=net0${BASALT_GUEST_NETDEV:+,$BASALT_GUEST_NETDEV}" -device virtio-net-pci,netdev=net0,romfile=
 )
 [ -n "${qemu_data:-}" ] && machine+=(-L "$qemu_data")
+# BASALT_GUEST_REBOOT=1 lets a script reboot the guest (it runs again on the next boot and
+# must tell the boots apart; init.sh, told by basalt.reboot, then ends QEMU by powering off
+# through ACPI); otherwise a reboot, like a panic, ends QEMU.
+if [ -n "${BASALT_GUEST_REBOOT:-}" ]; then
+  append="basalt.reboot $append"
+else
+  machine+=(-no-reboot)
+fi
+machine+=(-append "$append")
 
 # stdin from /dev/null: QEMU would otherwise put a terminal into raw mode and forward
 # keystrokes to the guest console. In the background so that a test harness stopping

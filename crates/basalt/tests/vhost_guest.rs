@@ -4,15 +4,24 @@
 
 mod support;
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::{ScratchDir, TargetProcess};
 
 const RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
 
+/// One TCG guest at a time: two would share the machine's two cores.
+static GUEST: Mutex<()> = Mutex::new(());
+
 #[test]
 fn a_guest_uses_vhost_user_blk_controllers() {
+    let _guest = GUEST
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = ScratchDir::new("vhost-guest");
     let sockets = dir.join("sockets");
     std::fs::create_dir_all(&sockets).expect("socket dir");
@@ -100,6 +109,89 @@ fn a_guest_uses_vhost_user_blk_controllers() {
     target.rpc_ok("vhost_delete_controller", json!({"ctrlr": "vhost.0"}));
     assert!(!sockets.join("vhost.0").exists(), "its socket is gone");
     target.rpc_ok("bdev_malloc_delete", json!({"name": "Malloc0"}));
+    target.stop();
+}
+
+/// The life cycle under a running VM: the guest reboots (a device reset) and attaches
+/// again; then the target is killed (SIGKILL) and started again from its saved
+/// configuration while QEMU waits with `reconnect=1`, and the guest's I/O resumes.
+#[test]
+fn a_guest_rides_out_a_target_restart_and_a_reboot() {
+    let _guest = GUEST
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = ScratchDir::new("vhost-restart");
+    let sockets = dir.join("sockets");
+    std::fs::create_dir_all(&sockets).expect("socket dir");
+    let disk = dir.join("disk.img");
+    std::fs::File::create(&disk)
+        .and_then(|file| file.set_len(64 << 20))
+        .expect("disk file");
+    let socket_dir = sockets.to_str().expect("utf8");
+    let mut target = TargetProcess::start(&dir.path, &["-S", socket_dir]);
+    target.rpc_ok(
+        "bdev_uring_create",
+        json!({"name": "disk", "filename": disk, "block_size": 512}),
+    );
+    target.rpc_ok(
+        "vhost_create_blk_controller",
+        json!({"ctrlr": "vhost.r", "dev_name": "disk"}),
+    );
+    let config = dir.join("target.json");
+    std::fs::write(
+        &config,
+        target.rpc_ok("save_config", Value::Null).to_string(),
+    )
+    .expect("save the configuration");
+    let mut guest = Command::new(RUN)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/guest/vhost_restart.sh"
+        ))
+        .arg("--")
+        .args([
+            "-chardev",
+            &format!(
+                "socket,id=vu0,path={},reconnect=1",
+                sockets.join("vhost.r").display()
+            ),
+        ])
+        .args(["-device", "vhost-user-blk-pci,chardev=vu0,num-queues=1"])
+        .env("BASALT_GUEST_TIMEOUT", "600")
+        .env("BASALT_GUEST_REBOOT", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run the guest");
+    let mut console = String::new();
+    let mut restarted = false;
+    for line in BufReader::new(guest.stdout.take().expect("stdout")).lines() {
+        let line = line.expect("console");
+        if line.contains("vhost_restart: restart the target now") {
+            target
+                .child
+                .kill()
+                .and_then(|()| target.child.wait())
+                .expect("SIGKILL the target");
+            std::thread::sleep(Duration::from_secs(1));
+            target = TargetProcess::start(
+                &dir.path,
+                &["-S", socket_dir, "--config", config.to_str().expect("utf8")],
+            );
+            restarted = true;
+        }
+        console.push_str(&line);
+        console.push('\n');
+    }
+    let status = guest.wait().expect("wait for the guest");
+    if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
+        eprintln!("{console}");
+    }
+    assert!(
+        status.success() && restarted && console.contains("vhost_restart: done"),
+        "guest failed ({status}, target restarted: {restarted}):\n{console}\ntarget log:\n{}",
+        target.log_text()
+    );
+    assert!(console.contains("vhost_restart: rebooting"), "{console}");
     target.stop();
 }
 

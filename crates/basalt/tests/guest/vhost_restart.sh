@@ -1,0 +1,60 @@
+#!/bin/bash
+# The guest half of the life-cycle test in tests/vhost_guest.rs: /dev/vda is a
+# vhost-user-blk controller on a file bdev, its chardev opened with reconnect=1.
+#
+# First boot: write a verified pattern and reboot. Second boot (the same controller, after
+# a device reset): the pattern reads back; then ask the host to restart the target (it kills
+# it with SIGKILL and starts it again from its saved configuration) and, while it does, wait
+# idle; then read the pattern back (I/O resumes once QEMU has reconnected), write more and
+# read that back.
+set -euo pipefail
+step() { echo "vhost_restart: $*"; }
+
+modprobe virtio_blk
+for _ in $(seq 100); do [ -b /dev/vda ] && break; sleep 0.1; done
+[ -b /dev/vda ]
+
+# Which boot this is, in the disk's last 4 KiB block (outside both patterns).
+marker_block=$(($(blockdev --getsize64 /dev/vda) / 4096 - 1))
+marker() {
+  dd if=/dev/vda bs=4096 skip="$marker_block" count=1 iflag=direct status=none |
+    head -c 16 | tr -d '\0 '
+}
+set_marker() {
+  printf '%-4096s' "$1" | dd of=/dev/vda bs=4096 seek="$marker_block" count=1 \
+    oflag=direct status=none
+}
+# fio writes a pattern with crc32c headers; --verify_only reads it back later.
+pattern() {
+  fio --name="pattern$1" --filename=/dev/vda --direct=1 --ioengine=libaio --iodepth=8 \
+    --rw=randwrite --bs=4k --offset="$1" --size=16M --verify=crc32c --verify_fatal=1 \
+    "${@:2}" | grep -E 'err='
+}
+
+case "$(marker)" in
+  "")
+    step "first boot: a verified pattern"
+    pattern 0
+    set_marker reboot
+    step "rebooting"
+    sync
+    reboot -f
+    ;;
+  reboot)
+    step "second boot: the pattern reads back after the reset"
+    pattern 0 --verify_only=1
+    set_marker restarted
+    step "restart the target now"
+    sleep 5
+    step "the pattern reads back through the restarted target"
+    pattern 0 --verify_only=1
+    step "new writes go through"
+    pattern 16M
+    pattern 16M --verify_only=1
+    step "done"
+    ;;
+  *)
+    echo "vhost_restart: unexpected marker '$(marker)'" >&2
+    exit 1
+    ;;
+esac
