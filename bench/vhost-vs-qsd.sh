@@ -7,7 +7,8 @@
 #
 # Usage: bench/vhost-vs-qsd.sh [REPORT.md]
 # Environment: SIZE_MIB (each file, default 256), RUNTIME (seconds per run, default 10),
-# BASALT (default target/release/basalt, built if absent).
+# BASALT (default target/release/basalt, built if absent), CPUMASK (the controller's
+# cpumask, e.g. 0x1: its requests and its vring thread on CPU 0; default: none).
 set -euo pipefail
 
 if [ "${1:-}" != "--guest" ]; then
@@ -30,7 +31,7 @@ if [ "${1:-}" != "--guest" ]; then
     for _ in $(seq 100); do [ -S "$work/rpc.sock" ] && break; sleep 0.1; done
     rpc() { "$BASALT" rpc -s "$work/rpc.sock" "$@" >/dev/null; }
     rpc bdev_uring_create "{\"filename\":\"$work/basalt.img\",\"name\":\"disk\",\"block_size\":512}"
-    rpc vhost_create_blk_controller '{"ctrlr":"vhost.0","dev_name":"disk","max_queues":1}'
+    rpc vhost_create_blk_controller "{\"ctrlr\":\"vhost.0\",\"dev_name\":\"disk\",\"max_queues\":1${CPUMASK:+,\"cpumask\":\"$CPUMASK\"}}"
     qemu-storage-daemon \
         --blockdev "driver=file,node-name=file0,filename=$work/qsd.img,cache.direct=on,aio=io_uring" \
         --export "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path=$work/qsd.sock,writable=on,num-queues=1" \
@@ -43,7 +44,7 @@ if [ "${1:-}" != "--guest" ]; then
         -chardev "socket,id=vu1,path=$work/qsd.sock" -device vhost-user-blk-pci,chardev=vu1,num-queues=1 \
         | tee "$console" >&2
     {
-        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run, TCG guest, files on the host)"
+        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, TCG guest, files on the host)"
         echo
         echo "| case | qemu-storage-daemon IOPS | qsd mean µs | Basalt IOPS | Basalt mean µs | Basalt / qsd |"
         echo "|---|---:|---:|---:|---:|---:|"

@@ -19,6 +19,6 @@ pub mod reactor;
 
 pub use dma_buf::DmaBuf;
 pub use file_engine::{AllocateMode, FileEngine, OpenError, OpenOptions};
-pub use reactor::{Placement, Reactors};
+pub use reactor::{Placement, Reactors, pin_current_thread};
 
 pub use process::default_sigpipe;

@@ -270,10 +270,24 @@ fn allowed_cpus() -> Vec<usize> {
 
 /// Pins the calling thread to `cpu`.
 fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    pin_current_thread(&[cpu])
+}
+
+/// Lets the calling thread run only on `cpus` (an error when it is empty or names a CPU
+/// past `CPU_SETSIZE`, or when the kernel refuses, e.g. none of them is allowed).
+pub fn pin_current_thread(cpus: &[usize]) -> io::Result<()> {
+    if cpus.is_empty() || cpus.iter().any(|&cpu| cpu >= libc::CPU_SETSIZE as usize) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("cannot pin a thread to CPUs {cpus:?}"),
+        ));
+    }
     // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: cpu is below CPU_SETSIZE (it came from allowed_cpus).
-    unsafe { libc::CPU_SET(cpu, &mut set) };
+    for &cpu in cpus {
+        // SAFETY: cpu is below CPU_SETSIZE (checked above).
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
     // SAFETY: the pointer and size describe `set`; 0 is the calling thread.
     let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
     if rc != 0 {
@@ -322,6 +336,25 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
     use std::sync::Arc;
+
+    #[test]
+    fn a_thread_is_pinned_to_a_set_of_cpus() {
+        let allowed = allowed_cpus();
+        let first = allowed[0];
+        let pinned = std::thread::spawn(move || {
+            pin_current_thread(&[first]).expect("pin");
+            allowed_cpus()
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(pinned, [first]);
+        assert!(pin_current_thread(&[]).is_err(), "no CPU");
+        assert!(
+            pin_current_thread(&[libc::CPU_SETSIZE as usize]).is_err(),
+            "past CPU_SETSIZE"
+        );
+        assert_eq!(allowed_cpus(), allowed, "the failed calls changed nothing");
+    }
 
     #[test]
     fn weighted_round_robin_interleaves_by_weight() {

@@ -86,8 +86,15 @@ pub struct BlkBackend {
     reactors: Arc<Reactors>,
     in_flight: Vec<Arc<AtomicUsize>>,
     next_reactor: AtomicUsize,
+    /// The CPUs of the chosen reactors, where the vring threads run (empty: anywhere).
+    vring_cpus: Vec<usize>,
     /// A frontend has set its memory table (connected).
     pub attached: AtomicBool,
+}
+
+thread_local! {
+    /// Whether this vring thread has been placed on its controller's CPUs.
+    static PLACED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl BlkBackend {
@@ -96,7 +103,15 @@ impl BlkBackend {
         let in_flight = (0..options.queues)
             .map(|_| Arc::new(AtomicUsize::new(0)))
             .collect();
+        let mut vring_cpus: Vec<usize> = options
+            .reactors
+            .iter()
+            .filter_map(|&index| reactors.cpus().get(index).copied().flatten())
+            .collect();
+        vring_cpus.sort_unstable();
+        vring_cpus.dedup();
         Ok(Self {
+            vring_cpus,
             options,
             memory: RwLock::new(None),
             event_idx: AtomicBool::new(false),
@@ -409,6 +424,15 @@ impl VhostUserBackend for BlkBackend {
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected events {evset:?}")));
+        }
+        // vhost-user-backend starts a thread per vring (again after each reconnect); on
+        // its first event it moves to the CPUs of the reactors that run its requests, so
+        // that handing a request over stays on those CPUs.
+        if !self.vring_cpus.is_empty() && !PLACED.get() {
+            PLACED.set(true);
+            if let Err(error) = basalt_io::pin_current_thread(&self.vring_cpus) {
+                tracing::warn!(%error, cpus = ?self.vring_cpus, "vring thread not pinned");
+            }
         }
         let Some(vring) = vrings.get(usize::from(device_event)) else {
             return Err(io::Error::other(format!(

@@ -106,6 +106,29 @@ impl Guest {
 
 use vm_memory::Address;
 
+/// The CPUs (`Cpus_allowed_list`) of each vhost-user-backend vring thread in this process.
+fn vring_thread_cpus() -> Vec<String> {
+    let mut cpus = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .flatten()
+    {
+        let path = task.path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if name.trim() != "vring_worker" {
+            continue;
+        }
+        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+        if let Some(list) = status
+            .lines()
+            .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+        {
+            cpus.push(list.trim().to_string());
+        }
+    }
+    cpus
+}
+
 #[test]
 fn a_frontend_of_our_own_drives_the_device() {
     let reactors = Arc::new(Reactors::start(1, "vhost-test").expect("reactors"));
@@ -113,6 +136,7 @@ fn a_frontend_of_our_own_drives_the_device() {
         .join(format!("vhost-frontend-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
+    let reactor_cpu = reactors.cpus()[0];
     let server = VhostServer::new(reactors, dir.clone());
     let bdev: Arc<dyn Bdev> = Arc::new(MallocBdev::new_named("m", 512, 2048)); // 1 MiB
     let options = BlkOptions {
@@ -235,6 +259,10 @@ fn a_frontend_of_our_own_drives_the_device() {
         .read_slice(&mut back[1024..], GuestAddress(0x21000))
         .expect("read");
     assert_eq!(back, data);
+    // The vring thread has moved to the CPU of the reactor that runs its requests.
+    if let Some(cpu) = reactor_cpu {
+        assert_eq!(vring_thread_cpus(), [cpu.to_string()]);
+    }
 
     // GET_ID, and a flush.
     guest.header(0x8000, TYPE_GET_ID, 0);
