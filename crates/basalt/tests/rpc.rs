@@ -125,6 +125,25 @@ fn target_methods_and_their_errors() {
     assert!(message.contains("missing.img"), "{message}");
     let message = target.rpc_err("bdev_malloc_delete", json!({"name": "f0"}), INVALID_PARAMS);
     assert!(message.contains("file bdev"), "{message}");
+    // A rescan takes on a grown file; a shrunk one is refused and changes nothing.
+    sparse_file(&file, 12 << 20);
+    assert_eq!(
+        target.rpc_ok("bdev_uring_rescan", json!({"name": "f0"})),
+        json!(true)
+    );
+    let f0 = target.rpc_ok("bdev_get_bdevs", json!({"name": "f0"}));
+    assert_eq!(f0[0]["num_blocks"], json!(3072));
+    sparse_file(&file, 8 << 20);
+    let message = target.rpc_err("bdev_aio_rescan", json!({"name": "f0"}), INVALID_PARAMS);
+    assert!(message.contains("only grows"), "{message}");
+    sparse_file(&file, 12 << 20);
+    target.rpc_err("bdev_uring_rescan", json!({"name": "nope"}), NO_DEVICE);
+    let message = target.rpc_err(
+        "bdev_uring_rescan",
+        json!({"name": "Malloc0"}),
+        INVALID_PARAMS,
+    );
+    assert!(message.contains("malloc bdev"), "{message}");
 
     // NBD server and exports.
     let port = target.start_nbd();

@@ -109,7 +109,8 @@ pub mod libc_errno {
     pub const EDQUOT: i32 = 122;
 }
 
-/// What a bdev is: fixed when it is created.
+/// What a bdev is: fixed when it is created, but for the block count of a bdev that
+/// [`Bdev::rescan`] grew.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BdevInfo {
     /// Unique name in the target.
@@ -258,6 +259,14 @@ pub trait Bdev: Send + Sync {
     /// Counters, where the bdev keeps them (the registry's decorator does).
     fn io_stats(&self) -> Option<IoStatsSnapshot> {
         None
+    }
+
+    /// Takes on the size of what backs the bdev now (a file or block device that grew)
+    /// and returns the block count. Bdevs whose size cannot change refuse (`EOPNOTSUPP`).
+    fn rescan(&self) -> Result<u64, BdevError> {
+        Err(self
+            .info()
+            .io_error(io::Error::from_raw_os_error(libc_errno::EOPNOTSUPP)))
     }
 }
 

@@ -1,6 +1,8 @@
 //! A bdev on a regular file or a block device, through [`FileEngine`] (io_uring, O_DIRECT).
 
+use std::io;
 use std::path::Path;
+use std::sync::RwLock;
 
 use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenError, OpenOptions};
 
@@ -39,7 +41,10 @@ pub enum FileBdevError {
 
 /// A bdev backed by a file or block device.
 pub struct FileBdev {
-    info: BdevInfo,
+    /// What [`Bdev::info`] returns: replaced (and the old one leaked, a few dozen bytes
+    /// per resize) when a rescan finds the file grown, so that the reference a request
+    /// holds stays valid.
+    info: RwLock<&'static BdevInfo>,
     engine: FileEngine,
 }
 
@@ -73,7 +78,10 @@ impl FileBdev {
             block_count,
             optimal_io_boundary_blocks: 0,
         };
-        Ok(Self { info, engine })
+        Ok(Self {
+            info: RwLock::new(Box::leak(Box::new(info))),
+            engine,
+        })
     }
 
     /// The file or device path.
@@ -99,7 +107,7 @@ impl FileBdev {
                 .engine
                 .write(offset, buffer, false)
                 .await
-                .map_err(|error| self.info.io_error(error))?;
+                .map_err(|error| self.info().io_error(error))?;
             offset += len;
         }
         Ok(())
@@ -108,7 +116,33 @@ impl FileBdev {
 
 impl Bdev for FileBdev {
     fn info(&self) -> &BdevInfo {
-        &self.info
+        *self.info.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn rescan(&self) -> Result<u64, crate::BdevError> {
+        let mut current = self.info.write().unwrap_or_else(|p| p.into_inner());
+        let size_bytes = std::fs::File::open(self.path())
+            .and_then(|file| basalt_io::device::size_bytes(&file))
+            .map_err(|error| current.io_error(error))?;
+        let block_count = size_bytes / u64::from(current.block_size);
+        if block_count < current.block_count {
+            // Blocks a guest may hold data in would vanish under it.
+            return Err(current.io_error(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} shrank to {block_count} blocks from {}; a bdev only grows",
+                    self.path().display(),
+                    current.block_count
+                ),
+            )));
+        }
+        if block_count > current.block_count {
+            *current = Box::leak(Box::new(BdevInfo {
+                block_count,
+                ..(*current).clone()
+            }));
+        }
+        Ok(block_count)
     }
 
     fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
@@ -117,7 +151,7 @@ impl Bdev for FileBdev {
             self.engine
                 .read(extent.offset_bytes(), buf)
                 .await
-                .map_err(|error| self.info.io_error(error))
+                .map_err(|error| self.info().io_error(error))
         })
     }
 
@@ -128,7 +162,7 @@ impl Bdev for FileBdev {
                 .write(extent.offset_bytes(), data, fua)
                 .await
                 .map(drop)
-                .map_err(|error| self.info.io_error(error))
+                .map_err(|error| self.info().io_error(error))
         })
     }
 
@@ -137,7 +171,7 @@ impl Bdev for FileBdev {
             self.engine
                 .sync()
                 .await
-                .map_err(|error| self.info.io_error(error))
+                .map_err(|error| self.info().io_error(error))
         })
     }
 
@@ -158,7 +192,7 @@ impl Bdev for FileBdev {
                 Err(error) if error.raw_os_error() == Some(EOPNOTSUPP) => {
                     self.zero_by_writing(extent).await
                 }
-                other => other.map_err(|error| self.info.io_error(error)),
+                other => other.map_err(|error| self.info().io_error(error)),
             }
         })
     }
@@ -217,6 +251,44 @@ mod tests {
                 .all(|b| *b == 0)
         );
         bdev.flush().await.expect("flush");
+        drop(bdev);
+        std::fs::remove_file(path).expect("remove");
+    }
+
+    #[tokio::test]
+    async fn a_rescan_takes_on_a_grown_file_and_refuses_a_shrunk_one() {
+        let path = std::env::temp_dir().join(format!("basalt-file-grow-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; 1 << 20]).expect("create");
+        let options = FileBdevOptions {
+            block_size: 4096,
+            buffered: true,
+            queue_depth: 4,
+        };
+        let bdev = FileBdev::open(&path, "g".into(), String::new(), &options).expect("open");
+        assert!(bdev.info().extent(1 << 20, 4096).is_err(), "past the end");
+        assert_eq!(bdev.rescan().expect("same size"), 256);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open the file");
+        file.set_len(2 << 20).expect("grow");
+        assert_eq!(bdev.rescan().expect("grown"), 512);
+        assert_eq!(bdev.info().block_count, 512);
+        let extent = bdev.info().extent(1 << 20, 4096).expect("inside now");
+        bdev.write(extent, DmaBuf::from_slice(&[7u8; 4096]), true)
+            .await
+            .expect("write past the old end");
+        assert!(
+            bdev.read(extent)
+                .await
+                .expect("read")
+                .iter()
+                .all(|b| *b == 7)
+        );
+        file.set_len(1 << 20).expect("shrink");
+        let error = bdev.rescan().expect_err("a bdev only grows");
+        assert!(error.to_string().contains("only grows"), "{error}");
+        assert_eq!(bdev.info().block_count, 512, "unchanged");
         drop(bdev);
         std::fs::remove_file(path).expect("remove");
     }

@@ -117,6 +117,10 @@ impl Bdev for Counted {
         self.count(Kind::Unmap, extent.len_bytes(), self.inner.discard(extent))
     }
 
+    fn rescan(&self) -> Result<u64, crate::BdevError> {
+        self.inner.rescan()
+    }
+
     fn io_stats(&self) -> Option<IoStatsSnapshot> {
         let c = &self.counters;
         let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);

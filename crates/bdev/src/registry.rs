@@ -126,17 +126,19 @@ impl BdevRegistry {
         }
     }
 
+    /// The bdev `name`, which must be of `kind` (nothing is claimed).
+    pub fn get(&self, name: &str, kind: BdevKind) -> Result<Arc<dyn Bdev>, RpcError> {
+        let entries = self.lock();
+        let entry = entries.get(name).ok_or_else(|| no_such_bdev(name))?;
+        check_kind(name, entry, kind)?;
+        Ok(entry.bdev.clone())
+    }
+
     /// Deletes a bdev of `kind`; refused while something uses it.
     pub fn remove(&self, name: &str, kind: BdevKind) -> Result<(), RpcError> {
         let mut entries = self.lock();
         let entry = entries.get(name).ok_or_else(|| no_such_bdev(name))?;
-        if entry.kind != kind {
-            return Err(RpcError::invalid_params(format!(
-                "bdev {name:?} is a {} bdev, not a {} bdev",
-                entry.kind.name(),
-                kind.name()
-            )));
-        }
+        check_kind(name, entry, kind)?;
         if !entry.claims.is_empty() {
             return Err(RpcError::busy(format!(
                 "bdev {name:?} is in use by {}",
@@ -166,6 +168,18 @@ impl BdevRegistry {
             .map(|entry| entry.construct.clone())
             .collect()
     }
+}
+
+/// An error unless the entry `name` is of `kind`.
+fn check_kind(name: &str, entry: &Entry, kind: BdevKind) -> Result<(), RpcError> {
+    if entry.kind == kind {
+        return Ok(());
+    }
+    Err(RpcError::invalid_params(format!(
+        "bdev {name:?} is a {} bdev, not a {} bdev",
+        entry.kind.name(),
+        kind.name()
+    )))
 }
 
 /// The error for a bdev name that is not registered.

@@ -28,6 +28,8 @@ pub const METHODS: &[&str] = &[
     "bdev_uring_delete",
     "bdev_aio_create",
     "bdev_aio_delete",
+    "bdev_uring_rescan",
+    "bdev_aio_rescan",
     "bdev_get_bdevs",
     "bdev_get_iostat",
     "bdev_basalt_create",
@@ -142,6 +144,9 @@ fn dispatch(registry: &BdevRegistry, method: &str, params: Value) -> Result<Valu
         ),
         "bdev_uring_create" | "bdev_aio_create" => {
             file_create(registry, method, RpcError::parse_params(method, params)?)
+        }
+        "bdev_uring_rescan" | "bdev_aio_rescan" => {
+            rescan(registry, RpcError::parse_params(method, params)?)
         }
         "bdev_uring_delete" | "bdev_aio_delete" => delete(
             registry,
@@ -263,7 +268,7 @@ fn file_create(
     Ok(json!(params.name))
 }
 
-/// Parameters of the `*_delete` methods.
+/// Parameters of the `*_delete` and `*_rescan` methods.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeleteParams {
@@ -277,6 +282,14 @@ fn delete(
     params: DeleteParams,
 ) -> Result<Value, RpcError> {
     registry.remove(&params.name, kind)?;
+    Ok(json!(true))
+}
+
+/// `bdev_uring_rescan`: the file bdev takes on its file's size now (it may only grow).
+fn rescan(registry: &BdevRegistry, params: DeleteParams) -> Result<Value, RpcError> {
+    let bdev = registry.get(&params.name, BdevKind::File)?;
+    bdev.rescan()
+        .map_err(|error| RpcError::invalid_params(error.to_string()))?;
     Ok(json!(true))
 }
 
