@@ -114,7 +114,9 @@ fn a_guest_uses_vhost_user_blk_controllers() {
 
 /// The life cycle under a running VM: the guest reboots (a device reset) and attaches
 /// again; then the target is killed (SIGKILL) and started again from its saved
-/// configuration while QEMU waits with `reconnect=1`, and the guest's I/O resumes.
+/// configuration while QEMU waits with `reconnect=1`, and the guest's I/O resumes; last,
+/// the disk's file grows, `bdev_uring_rescan` takes it on, and the running guest sees the
+/// new size (the configuration change notice).
 #[test]
 fn a_guest_rides_out_a_target_restart_and_a_reboot() {
     let _guest = GUEST
@@ -163,9 +165,18 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         .spawn()
         .expect("run the guest");
     let mut console = String::new();
-    let mut restarted = false;
+    let (mut grown, mut restarted) = (false, false);
     for line in BufReader::new(guest.stdout.take().expect("stdout")).lines() {
         let line = line.expect("console");
+        if line.contains("vhost_restart: grow the disk now") {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&disk)
+                .and_then(|file| file.set_len(96 << 20))
+                .expect("grow the disk file");
+            target.rpc_ok("bdev_uring_rescan", json!({"name": "disk"}));
+            grown = true;
+        }
         if line.contains("vhost_restart: restart the target now") {
             target
                 .child
@@ -187,8 +198,8 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         eprintln!("{console}");
     }
     assert!(
-        status.success() && restarted && console.contains("vhost_restart: done"),
-        "guest failed ({status}, target restarted: {restarted}):\n{console}\ntarget log:\n{}",
+        status.success() && grown && restarted && console.contains("vhost_restart: done"),
+        "guest failed ({status}, grown: {grown}, target restarted: {restarted}):\n{console}\ntarget log:\n{}",
         target.log_text()
     );
     assert!(console.contains("vhost_restart: rebooting"), "{console}");

@@ -7,6 +7,7 @@
 //! - [`device`]: facts about a path (block device or not, its size).
 //! - [`reactor`]: [`Reactors`], threads that each run a single-threaded runtime and own the
 //!   connections handed to them.
+//! - [`unix_fds`]: bytes and file descriptors over a Unix stream socket (`SCM_RIGHTS`).
 //!
 //! Invariant: a buffer handed to the kernel stays owned by the engine until its completion
 //! arrives, so the kernel never writes into freed memory.
@@ -16,6 +17,7 @@ pub mod dma_buf;
 pub mod file_engine;
 pub mod process;
 pub mod reactor;
+pub mod unix_fds;
 
 pub use dma_buf::DmaBuf;
 pub use file_engine::{AllocateMode, FileEngine, OpenError, OpenOptions};

@@ -122,6 +122,11 @@ impl BlkBackend {
         })
     }
 
+    /// The bdev's size in blocks now (it grows with a rescan).
+    pub fn block_count(&self) -> u64 {
+        self.options.bdev.info().block_count
+    }
+
     /// The configuration space (struct virtio_blk_config, 60 bytes).
     fn config(&self) -> [u8; 60] {
         let info = self.options.bdev.info();
@@ -378,7 +383,11 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
+        // BACKEND_REQ: QEMU hands over the backend channel, on which the controller's
+        // relay sends the configuration change notice after a resize.
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::BACKEND_REQ
     }
 
     fn set_event_idx(&self, enabled: bool) {

@@ -4,17 +4,21 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use basalt_io::Reactors;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::backend::{BlkBackend, BlkOptions};
+use crate::relay::{Session, relay};
 
 /// Longest controller name (it names a socket file).
 pub const NAME_SIZE_MAX: usize = 64;
@@ -208,18 +212,29 @@ impl VhostServer {
         let backend = Arc::new(BlkBackend::new(options, self.reactors.clone()).map_err(io_error)?);
         // The socket exists when this returns, and a path that cannot be one is an error
         // for the caller.
-        let listener = Listener::new(&socket, true).map_err(|error| {
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket).map_err(|error| {
             io_error(std::io::Error::other(format!(
                 "{}: {error}",
                 socket.display()
             )))
         })?;
+        // vhost-user-backend's end of the relay: a listener of its own, on an abstract
+        // address (no file), unique to this process and controller.
+        static INNER_SOCKETS: AtomicU64 = AtomicU64::new(0);
+        let inner = SocketAddr::from_abstract_name(format!(
+            "basalt-vhost-{}-{}",
+            std::process::id(),
+            INNER_SOCKETS.fetch_add(1, Ordering::Relaxed)
+        ))
+        .and_then(|address| Ok((UnixListener::bind_addr(&address)?, address)))
+        .map_err(io_error)?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (name, backend, stop) = (name.to_string(), backend.clone(), stop.clone());
             std::thread::Builder::new()
                 .name(format!("vhost-{name}"))
-                .spawn(move || serve(&name, listener, backend, &stop))
+                .spawn(move || serve(&name, &listener, inner, backend, &stop))
                 .map_err(io_error)?
         };
         controllers.insert(
@@ -294,9 +309,28 @@ fn stop(controller: &mut Controller) {
     let _ = std::fs::remove_file(&controller.socket);
 }
 
-/// A controller's thread: serve one frontend, then accept the next, until stopped.
-fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &AtomicBool) {
+/// A controller's thread: accept one frontend, relay it to a new vhost-user-backend
+/// daemon until either goes, then accept the next, until stopped.
+fn serve(
+    name: &str,
+    listener: &UnixListener,
+    (inner, inner_address): (UnixListener, SocketAddr),
+    backend: Arc<BlkBackend>,
+    stop: &AtomicBool,
+) {
+    let mut inner = Listener::from(inner);
     while !stop.load(Ordering::Acquire) {
+        let frontend = match listener.accept() {
+            Ok((frontend, _)) => frontend,
+            Err(error) => {
+                tracing::warn!(ctrlr = name, %error, "vhost accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
         let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let mut daemon = match VhostUserDaemon::new(name.to_string(), backend.clone(), memory) {
             Ok(daemon) => daemon,
@@ -306,12 +340,29 @@ fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &At
                 continue;
             }
         };
-        let result = daemon.start(&mut listener).and_then(|()| daemon.wait());
+        let session = Arc::new(Session::default());
+        let relayed = UnixStream::connect_addr(&inner_address)
+            .and_then(|to_daemon| relay(frontend, to_daemon, &session));
+        let pumps = match relayed {
+            Ok(pumps) => pumps,
+            Err(error) => {
+                tracing::error!(ctrlr = name, %error, "vhost relay could not start");
+                continue;
+            }
+        };
+        let watcher = watch_size(name, &backend, &session);
+        let result = daemon.start(&mut inner).and_then(|()| daemon.wait());
         // The session's worker threads end with it.
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();
         }
         backend.attached.store(false, Ordering::Release);
+        for pump in pumps {
+            let _ = pump.join();
+        }
+        if let Ok(watcher) = watcher {
+            let _ = watcher.join();
+        }
         match result {
             Ok(())
             | Err(vhost_user_backend::Error::HandleRequest(
@@ -327,6 +378,47 @@ fn serve(name: &str, mut listener: Listener, backend: Arc<BlkBackend>, stop: &At
             }
         }
     }
+}
+
+/// How often a session looks at its bdev's size.
+const SIZE_WATCH_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Watches the bdev's size for the session and sends the frontend a configuration change
+/// notice when it grows (a rescan), until the session ends.
+fn watch_size(
+    name: &str,
+    backend: &Arc<BlkBackend>,
+    session: &Arc<Session>,
+) -> std::io::Result<JoinHandle<()>> {
+    let (name, backend, session) = (name.to_string(), backend.clone(), session.clone());
+    std::thread::Builder::new()
+        .name(format!("vhost-size-{name}"))
+        .spawn(move || {
+            let mut told = backend.block_count();
+            while !session.ended() {
+                std::thread::sleep(SIZE_WATCH_INTERVAL);
+                let now = backend.block_count();
+                if now == told {
+                    continue;
+                }
+                match session.notify_config_change() {
+                    Ok(true) => {
+                        tracing::info!(
+                            ctrlr = name,
+                            blocks = now,
+                            "told the frontend of a new size"
+                        );
+                        told = now;
+                    }
+                    // No backend channel (not negotiated yet, or never): nobody to tell.
+                    Ok(false) => {}
+                    Err(error) => {
+                        tracing::warn!(ctrlr = name, %error, "size change notice failed");
+                        told = now;
+                    }
+                }
+            }
+        })
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod controller;
+pub mod relay;
 pub mod request;
 pub mod rpc;
 

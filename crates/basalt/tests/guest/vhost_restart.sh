@@ -6,7 +6,9 @@
 # a device reset): the pattern reads back; then ask the host to restart the target (it kills
 # it with SIGKILL and starts it again from its saved configuration) and, while it does, wait
 # idle; then read the pattern back (I/O resumes once QEMU has reconnected), write more and
-# read that back.
+# read that back. Last, ask the host to grow the disk (it grows the file from 64 to 96 MiB
+# and calls bdev_uring_rescan): the running guest sees the new size within 10 s (the
+# target's configuration change notice) and its new part takes a verified pattern.
 set -euo pipefail
 step() { echo "vhost_restart: $*"; }
 
@@ -51,6 +53,15 @@ case "$(marker)" in
     step "new writes go through"
     pattern 16M
     pattern 16M --verify_only=1
+    step "grow the disk now"
+    for _ in $(seq 100); do
+      [ "$(blockdev --getsize64 /dev/vda)" -eq $((96 << 20)) ] && break
+      sleep 0.1
+    done
+    step "the disk is $(blockdev --getsize64 /dev/vda) bytes"
+    [ "$(blockdev --getsize64 /dev/vda)" -eq $((96 << 20)) ]
+    pattern 80M
+    pattern 80M --verify_only=1
     step "done"
     ;;
   *)

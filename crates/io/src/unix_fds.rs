@@ -1,0 +1,169 @@
+//! File descriptors passed over a Unix stream socket (`SCM_RIGHTS`), as vhost-user does.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+/// Descriptors one message may carry at most (vhost-user's limit).
+pub const FDS_MAX: usize = 32;
+
+/// Room for the control message of [`FDS_MAX`] descriptors, aligned for `cmsghdr`.
+#[repr(C, align(8))]
+struct ControlBuffer([u8; 256]);
+
+/// Receives up to `buf.len()` bytes and the descriptors sent with them (close-on-exec).
+/// `(0, [])` is the end of the stream. Descriptors beyond [`FDS_MAX`] are closed, and a
+/// message whose descriptors were cut short by the kernel is an error.
+pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut control = ControlBuffer([0; 256]);
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.0.as_mut_ptr().cast();
+    message.msg_controllen = control.0.len();
+    let received = loop {
+        // SAFETY: the header points at `iov` (over `buf`) and `control`, which outlive
+        // the call and are as long as the header says.
+        let received =
+            unsafe { libc::recvmsg(stream.as_raw_fd(), &mut message, libc::MSG_CMSG_CLOEXEC) };
+        if received >= 0 {
+            break received as usize;
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    };
+    let mut fds = Vec::new();
+    // SAFETY: the CMSG_* walk stays inside `control`, as filled in by the kernel
+    // (`msg_controllen` says how much); each SCM_RIGHTS payload is an array of ints, and
+    // every descriptor in it is now ours, so each is wrapped exactly once.
+    unsafe {
+        let mut header = libc::CMSG_FIRSTHDR(&message);
+        while !header.is_null() {
+            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(header);
+                let bytes = (*header).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                for index in 0..bytes / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(index));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            header = libc::CMSG_NXTHDR(&message, header);
+        }
+    }
+    if message.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "descriptors were cut short",
+        ));
+    }
+    fds.truncate(FDS_MAX);
+    Ok((received, fds))
+}
+
+/// Sends all of `buf`, with `fds` (at most [`FDS_MAX`]) attached to its first bytes.
+pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    if fds.len() > FDS_MAX {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} descriptors, at most {FDS_MAX}", fds.len()),
+        ));
+    }
+    let mut sent = 0;
+    while sent < buf.len() || (sent == 0 && buf.is_empty()) {
+        let mut control = ControlBuffer([0; 256]);
+        let mut iov = libc::iovec {
+            iov_base: buf[sent..].as_ptr().cast_mut().cast(),
+            iov_len: buf.len() - sent,
+        };
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+        message.msg_iov = &mut iov;
+        message.msg_iovlen = 1;
+        if sent == 0 && !fds.is_empty() {
+            let bytes = std::mem::size_of_val(fds) as u32;
+            // SAFETY: CMSG_SPACE of at most FDS_MAX ints fits in `control` (256 bytes);
+            // the header and data written are inside it.
+            unsafe {
+                message.msg_control = control.0.as_mut_ptr().cast();
+                message.msg_controllen = libc::CMSG_SPACE(bytes) as usize;
+                let header = libc::CMSG_FIRSTHDR(&message);
+                (*header).cmsg_level = libc::SOL_SOCKET;
+                (*header).cmsg_type = libc::SCM_RIGHTS;
+                (*header).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+                let data = libc::CMSG_DATA(header).cast::<RawFd>();
+                for (index, fd) in fds.iter().enumerate() {
+                    std::ptr::write_unaligned(data.add(index), fd.as_raw_fd());
+                }
+            }
+        }
+        // SAFETY: the header points at `iov` (over `buf`) and `control`, which outlive the
+        // call; the kernel only reads them.
+        let written = unsafe { libc::sendmsg(stream.as_raw_fd(), &message, libc::MSG_NOSIGNAL) };
+        if written < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error);
+        }
+        sent += written as usize;
+        if buf.is_empty() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn descriptors_travel_with_their_bytes() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let mut file = tempfile_in_target();
+        file.write_all(b"passed along").expect("write");
+        let fds = [file.as_fd(), file.as_fd()];
+        send_with_fds(&a, b"header+payload", &fds).expect("send");
+        send_with_fds(&a, b"no fds", &[]).expect("send");
+        let mut buf = [0u8; 14];
+        let (n, received) = recv_with_fds(&b, &mut buf).expect("recv");
+        assert_eq!((n, &buf[..n]), (14, &b"header+payload"[..]));
+        assert_eq!(received.len(), 2);
+        let mut passed = std::fs::File::from(received.into_iter().next().expect("fd"));
+        passed.rewind().expect("rewind");
+        let mut text = String::new();
+        passed.read_to_string(&mut text).expect("read");
+        assert_eq!(text, "passed along");
+        let (n, received) = recv_with_fds(&b, &mut buf).expect("recv");
+        assert_eq!((&buf[..n], received.len()), (&b"no fds"[..], 0));
+        drop(a);
+        let (n, received) = recv_with_fds(&b, &mut buf).expect("end");
+        assert_eq!((n, received.len()), (0, 0));
+        let too_many: Vec<BorrowedFd<'_>> = (0..=FDS_MAX).map(|_| file.as_fd()).collect();
+        assert!(send_with_fds(&b, b"x", &too_many).is_err());
+    }
+
+    fn tempfile_in_target() -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("basalt-unix-fds-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("file");
+        std::fs::remove_file(&path).expect("unlink");
+        file
+    }
+}
