@@ -120,10 +120,11 @@ impl Bdev for FileBdev {
     }
 
     fn rescan(&self) -> Result<u64, crate::BdevError> {
-        let mut current = self.info.write().unwrap_or_else(|p| p.into_inner());
+        // Measured before the lock is taken: info(), on every request, waits on it.
         let size_bytes = std::fs::File::open(self.path())
             .and_then(|file| basalt_io::device::size_bytes(&file))
-            .map_err(|error| current.io_error(error))?;
+            .map_err(|error| self.info().io_error(error))?;
+        let mut current = self.info.write().unwrap_or_else(|p| p.into_inner());
         let block_count = size_bytes / u64::from(current.block_size);
         if block_count < current.block_count {
             // Blocks a guest may hold data in would vanish under it.

@@ -13,9 +13,15 @@ pub const FDS_MAX: usize = 32;
 struct ControlBuffer([u8; 256]);
 
 /// Receives up to `buf.len()` bytes and the descriptors sent with them (close-on-exec).
-/// `(0, [])` is the end of the stream. Descriptors beyond [`FDS_MAX`] are closed, and a
-/// message whose descriptors were cut short by the kernel is an error.
+/// `(0, [])` is the end of the stream. More than [`FDS_MAX`] descriptors, or descriptors
+/// cut short by the kernel, are an error (and closed); so is an empty `buf`.
 pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    if buf.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an empty buffer",
+        ));
+    }
     let mut control = ControlBuffer([0; 256]);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -64,12 +70,24 @@ pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, 
             "descriptors were cut short",
         ));
     }
-    fds.truncate(FDS_MAX);
+    if fds.len() > FDS_MAX {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} descriptors, at most {FDS_MAX}", fds.len()),
+        ));
+    }
     Ok((received, fds))
 }
 
-/// Sends all of `buf`, with `fds` (at most [`FDS_MAX`]) attached to its first bytes.
+/// Sends all of `buf` (not empty), with `fds` (at most [`FDS_MAX`]) attached to its first
+/// bytes.
 pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    if buf.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an empty buffer",
+        ));
+    }
     if fds.len() > FDS_MAX {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -77,7 +95,7 @@ pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) ->
         ));
     }
     let mut sent = 0;
-    while sent < buf.len() || (sent == 0 && buf.is_empty()) {
+    while sent < buf.len() {
         let mut control = ControlBuffer([0; 256]);
         let mut iov = libc::iovec {
             iov_base: buf[sent..].as_ptr().cast_mut().cast(),
@@ -115,9 +133,6 @@ pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) ->
             return Err(error);
         }
         sent += written as usize;
-        if buf.is_empty() {
-            break;
-        }
     }
     Ok(())
 }
@@ -152,6 +167,8 @@ mod tests {
         assert_eq!((n, received.len()), (0, 0));
         let too_many: Vec<BorrowedFd<'_>> = (0..=FDS_MAX).map(|_| file.as_fd()).collect();
         assert!(send_with_fds(&b, b"x", &too_many).is_err());
+        assert!(send_with_fds(&b, b"", &[]).is_err(), "nothing to send");
+        assert!(recv_with_fds(&b, &mut []).is_err(), "nowhere to receive");
     }
 
     fn tempfile_in_target() -> std::fs::File {

@@ -7,7 +7,7 @@
 //! shared and locked), so a completion costs no second thread hand-off.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -90,6 +90,8 @@ pub struct BlkBackend {
     vring_cpus: Vec<usize>,
     /// A frontend has set its memory table (connected).
     pub attached: AtomicBool,
+    /// The size the frontend was last told of, in blocks.
+    pub announced_blocks: AtomicU64,
 }
 
 thread_local! {
@@ -103,6 +105,7 @@ impl BlkBackend {
         let in_flight = (0..options.queues)
             .map(|_| Arc::new(AtomicUsize::new(0)))
             .collect();
+        let block_count = options.bdev.info().block_count;
         let mut vring_cpus: Vec<usize> = options
             .reactors
             .iter()
@@ -119,6 +122,7 @@ impl BlkBackend {
             in_flight,
             next_reactor: AtomicUsize::new(0),
             attached: AtomicBool::new(false),
+            announced_blocks: AtomicU64::new(block_count),
         })
     }
 

@@ -10,10 +10,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use basalt_io::Reactors;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::UnixListener;
 
-use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
@@ -40,6 +39,8 @@ pub struct Controller {
     backend: Arc<BlkBackend>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    /// The private directory of the relay's socket to vhost-user-backend.
+    relay_dir: PathBuf,
 }
 
 impl Controller {
@@ -219,23 +220,34 @@ impl VhostServer {
                 socket.display()
             )))
         })?;
-        // vhost-user-backend's end of the relay: a listener of its own, on an abstract
-        // address (no file), unique to this process and controller.
-        static INNER_SOCKETS: AtomicU64 = AtomicU64::new(0);
-        let inner = SocketAddr::from_abstract_name(format!(
+        // vhost-user-backend's end of the relay: it connects to a socket in a directory
+        // only this user may enter, so that no other process can pose as it.
+        static RELAY_DIRS: AtomicU64 = AtomicU64::new(0);
+        let relay_dir = std::env::temp_dir().join(format!(
             "basalt-vhost-{}-{}",
             std::process::id(),
-            INNER_SOCKETS.fetch_add(1, Ordering::Relaxed)
-        ))
-        .and_then(|address| Ok((UnixListener::bind_addr(&address)?, address)))
-        .map_err(io_error)?;
+            RELAY_DIRS.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&relay_dir);
+        if let Err(error) = std::fs::DirBuilder::new().mode(0o700).create(&relay_dir) {
+            let _ = std::fs::remove_file(&socket);
+            return Err(io_error(error));
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (name, backend, stop) = (name.to_string(), backend.clone(), stop.clone());
-            std::thread::Builder::new()
+            let relay_socket = relay_dir.join("relay.sock");
+            let spawned = std::thread::Builder::new()
                 .name(format!("vhost-{name}"))
-                .spawn(move || serve(&name, &listener, inner, backend, &stop))
-                .map_err(io_error)?
+                .spawn(move || serve(&name, &listener, &relay_socket, backend, &stop));
+            match spawned {
+                Ok(thread) => thread,
+                Err(error) => {
+                    let _ = std::fs::remove_file(&socket);
+                    let _ = std::fs::remove_dir_all(&relay_dir);
+                    return Err(io_error(error));
+                }
+            }
         };
         controllers.insert(
             name.to_string(),
@@ -245,6 +257,7 @@ impl VhostServer {
                 readonly,
                 queues,
                 socket: socket.clone(),
+                relay_dir,
                 cpumask,
                 backend,
                 stop,
@@ -307,6 +320,7 @@ fn stop(controller: &mut Controller) {
         let _ = thread.join();
     }
     let _ = std::fs::remove_file(&controller.socket);
+    let _ = std::fs::remove_dir_all(&controller.relay_dir);
 }
 
 /// A controller's thread: accept one frontend, relay it to a new vhost-user-backend
@@ -314,11 +328,10 @@ fn stop(controller: &mut Controller) {
 fn serve(
     name: &str,
     listener: &UnixListener,
-    (inner, inner_address): (UnixListener, SocketAddr),
+    relay_socket: &Path,
     backend: Arc<BlkBackend>,
     stop: &AtomicBool,
 ) {
-    let mut inner = Listener::from(inner);
     while !stop.load(Ordering::Acquire) {
         let frontend = match listener.accept() {
             Ok((frontend, _)) => frontend,
@@ -340,18 +353,32 @@ fn serve(
                 continue;
             }
         };
+        // A listener for this session only: the daemon connects to it and its one
+        // connection is accepted; a connection left over from a failed session dies with
+        // the previous listener instead of pairing with this frontend.
+        let _ = std::fs::remove_file(relay_socket);
+        let to_daemon = UnixListener::bind(relay_socket).and_then(|inner| {
+            let path = relay_socket.to_str().ok_or_else(|| {
+                std::io::Error::other(format!("{}: not UTF-8", relay_socket.display()))
+            })?;
+            daemon
+                .start_client(path)
+                .map_err(|error| std::io::Error::other(format!("{error:?}")))?;
+            Ok(inner.accept()?.0)
+        });
+        let _ = std::fs::remove_file(relay_socket);
         let session = Arc::new(Session::default());
-        let relayed = UnixStream::connect_addr(&inner_address)
-            .and_then(|to_daemon| relay(frontend, to_daemon, &session));
-        let pumps = match relayed {
+        let pumps = match to_daemon.and_then(|to_daemon| relay(frontend, to_daemon, &session)) {
             Ok(pumps) => pumps,
             Err(error) => {
+                // The frontend and the daemon's connection are closed: both see the end.
                 tracing::error!(ctrlr = name, %error, "vhost relay could not start");
+                let _ = daemon.wait();
                 continue;
             }
         };
         let watcher = watch_size(name, &backend, &session);
-        let result = daemon.start(&mut inner).and_then(|()| daemon.wait());
+        let result = daemon.wait();
         // The session's worker threads end with it.
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();
@@ -394,11 +421,12 @@ fn watch_size(
     std::thread::Builder::new()
         .name(format!("vhost-size-{name}"))
         .spawn(move || {
-            let mut told = backend.block_count();
+            // What the frontend was last told is the controller's, not the session's: a
+            // size that grew while QEMU was away is announced when it comes back.
             while !session.ended() {
                 std::thread::sleep(SIZE_WATCH_INTERVAL);
                 let now = backend.block_count();
-                if now == told {
+                if now == backend.announced_blocks.load(Ordering::Acquire) {
                     continue;
                 }
                 match session.notify_config_change() {
@@ -408,13 +436,13 @@ fn watch_size(
                             blocks = now,
                             "told the frontend of a new size"
                         );
-                        told = now;
+                        backend.announced_blocks.store(now, Ordering::Release);
                     }
                     // No backend channel (not negotiated yet, or never): nobody to tell.
                     Ok(false) => {}
                     Err(error) => {
                         tracing::warn!(ctrlr = name, %error, "size change notice failed");
-                        told = now;
+                        backend.announced_blocks.store(now, Ordering::Release);
                     }
                 }
             }

@@ -44,17 +44,21 @@ impl Session {
     /// Tells the frontend that the configuration space changed (it reads it again; QEMU
     /// then shows a new capacity to the guest). `Ok(false)`: no backend channel yet.
     pub fn notify_config_change(&self) -> io::Result<bool> {
+        // A copy, so that a slow send does not hold the lock a pump may need.
         let channel = self
             .backend_channel
             .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let Some(channel) = channel.as_ref() else {
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(UnixStream::try_clone)
+            .transpose()?;
+        let Some(channel) = channel else {
             return Ok(false);
         };
         let mut header = [0u8; HEADER_BYTES];
         header[0..4].copy_from_slice(&BACKEND_CONFIG_CHANGE_MSG.to_le_bytes());
         header[4..8].copy_from_slice(&VERSION_1.to_le_bytes());
-        send_with_fds(channel, &header, &[])?;
+        send_with_fds(&channel, &header, &[])?;
         Ok(true)
     }
 }
@@ -67,6 +71,7 @@ pub fn relay(
     session: &std::sync::Arc<Session>,
 ) -> io::Result<[JoinHandle<()>; 2]> {
     let (frontend2, daemon2) = (frontend.try_clone()?, daemon.try_clone()?);
+    let (frontend3, daemon3) = (frontend.try_clone()?, daemon.try_clone()?);
     let requests = {
         let session = session.clone();
         std::thread::Builder::new()
@@ -77,9 +82,18 @@ pub fn relay(
         let session = session.clone();
         std::thread::Builder::new()
             .name("vhost-relay".into())
-            .spawn(move || pump(&daemon2, &frontend2, &session, false))?
+            .spawn(move || pump(&daemon2, &frontend2, &session, false))
     };
-    Ok([requests, replies])
+    match replies {
+        Ok(replies) => Ok([requests, replies]),
+        Err(error) => {
+            // Both directions or neither: the first pump ends on the shutdown.
+            let _ = frontend3.shutdown(Shutdown::Both);
+            let _ = daemon3.shutdown(Shutdown::Both);
+            let _ = requests.join();
+            Err(error)
+        }
+    }
 }
 
 /// Moves messages from `from` to `to` until one side fails or ends, then shuts both down
