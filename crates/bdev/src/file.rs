@@ -2,7 +2,8 @@
 
 use std::io;
 use std::path::Path;
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenError, OpenOptions};
 
@@ -39,12 +40,18 @@ pub enum FileBdevError {
     },
 }
 
+/// How many times a file bdev can grow.
+const GROWTHS_MAX: usize = 63;
+
 /// A bdev backed by a file or block device.
 pub struct FileBdev {
-    /// What [`Bdev::info`] returns: replaced (and the old one leaked, a few dozen bytes
-    /// per resize) when a rescan finds the file grown, so that the reference a request
-    /// holds stays valid.
-    info: RwLock<&'static BdevInfo>,
+    /// The info at creation and after each growth, each set once, so that a reference
+    /// [`Bdev::info`] handed out stays valid while the bdev lives; `current` indexes the
+    /// latest. No lock on the I/O path, nothing leaked.
+    infos: Box<[OnceLock<BdevInfo>]>,
+    current: AtomicUsize,
+    /// Rescans, one at a time.
+    rescanning: Mutex<()>,
     engine: FileEngine,
 }
 
@@ -78,8 +85,12 @@ impl FileBdev {
             block_count,
             optimal_io_boundary_blocks: 0,
         };
+        let infos: Box<[OnceLock<BdevInfo>]> = (0..=GROWTHS_MAX).map(|_| OnceLock::new()).collect();
+        infos[0].set(info).expect("a fresh cell");
         Ok(Self {
-            info: RwLock::new(Box::leak(Box::new(info))),
+            infos,
+            current: AtomicUsize::new(0),
+            rescanning: Mutex::new(()),
             engine,
         })
     }
@@ -116,15 +127,17 @@ impl FileBdev {
 
 impl Bdev for FileBdev {
     fn info(&self) -> &BdevInfo {
-        *self.info.read().unwrap_or_else(|p| p.into_inner())
+        self.infos[self.current.load(Ordering::Acquire)]
+            .get()
+            .expect("the current info is set")
     }
 
     fn rescan(&self) -> Result<u64, crate::BdevError> {
-        // Measured before the lock is taken: info(), on every request, waits on it.
+        let _one_at_a_time = self.rescanning.lock().unwrap_or_else(|p| p.into_inner());
+        let current = self.info();
         let size_bytes = std::fs::File::open(self.path())
             .and_then(|file| basalt_io::device::size_bytes(&file))
-            .map_err(|error| self.info().io_error(error))?;
-        let mut current = self.info.write().unwrap_or_else(|p| p.into_inner());
+            .map_err(|error| current.io_error(error))?;
         let block_count = size_bytes / u64::from(current.block_size);
         if block_count < current.block_count {
             // Blocks a guest may hold data in would vanish under it.
@@ -138,10 +151,18 @@ impl Bdev for FileBdev {
             )));
         }
         if block_count > current.block_count {
-            *current = Box::leak(Box::new(BdevInfo {
+            let next = self.current.load(Ordering::Acquire) + 1;
+            let grown = BdevInfo {
                 block_count,
-                ..(*current).clone()
-            }));
+                ..current.clone()
+            };
+            if next > GROWTHS_MAX || self.infos[next].set(grown).is_err() {
+                return Err(current.io_error(io::Error::other(format!(
+                    "it has grown {GROWTHS_MAX} times, the most a file bdev can; \
+                     delete it and create it again"
+                ))));
+            }
+            self.current.store(next, Ordering::Release);
         }
         Ok(block_count)
     }
@@ -256,16 +277,21 @@ mod tests {
         std::fs::remove_file(path).expect("remove");
     }
 
-    #[tokio::test]
-    async fn a_rescan_takes_on_a_grown_file_and_refuses_a_shrunk_one() {
-        let path = std::env::temp_dir().join(format!("basalt-file-grow-{}", std::process::id()));
-        std::fs::write(&path, vec![0u8; 1 << 20]).expect("create");
+    /// A 4 KiB-block bdev through the page cache (wherever /tmp is).
+    fn open_buffered(path: &Path, name: &str) -> FileBdev {
         let options = FileBdevOptions {
             block_size: 4096,
             buffered: true,
             queue_depth: 4,
         };
-        let bdev = FileBdev::open(&path, "g".into(), String::new(), &options).expect("open");
+        FileBdev::open(path, name.into(), String::new(), &options).expect("open")
+    }
+
+    #[tokio::test]
+    async fn a_rescan_takes_on_a_grown_file_and_refuses_a_shrunk_one() {
+        let path = std::env::temp_dir().join(format!("basalt-file-grow-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; 1 << 20]).expect("create");
+        let bdev = open_buffered(&path, "g");
         assert!(bdev.info().extent(1 << 20, 4096).is_err(), "past the end");
         assert_eq!(bdev.rescan().expect("same size"), 256);
         let file = std::fs::OpenOptions::new()
@@ -298,12 +324,7 @@ mod tests {
     async fn zeroing_by_writing_covers_the_extent_only() {
         let path = std::env::temp_dir().join(format!("basalt-file-zero-{}", std::process::id()));
         std::fs::write(&path, vec![0xeeu8; 3 << 20]).expect("create");
-        let options = FileBdevOptions {
-            block_size: 4096,
-            buffered: true,
-            queue_depth: 4,
-        };
-        let bdev = FileBdev::open(&path, "f".into(), String::new(), &options).expect("open");
+        let bdev = open_buffered(&path, "f");
         let extent = bdev.info().extent(4096, (2 << 20) + 8192).expect("extent");
         bdev.zero_by_writing(extent).await.expect("zero");
         let all = bdev.info().extent(0, 3 << 20).expect("extent");

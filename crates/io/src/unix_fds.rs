@@ -8,6 +8,27 @@ use std::os::unix::net::UnixStream;
 /// Descriptors one message may carry at most (vhost-user's limit).
 pub const FDS_MAX: usize = 32;
 
+/// A zero-length transfer carries no descriptors on a stream socket, and a zero-length
+/// receive reads as the end of the stream: both are refused.
+fn refuse_empty(buf: &[u8]) -> io::Result<()> {
+    if buf.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an empty buffer",
+        ));
+    }
+    Ok(())
+}
+
+/// A message header over the one buffer `iov` describes, without control data.
+fn header(iov: &mut libc::iovec) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = iov;
+    message.msg_iovlen = 1;
+    message
+}
+
 /// Room for the control message of [`FDS_MAX`] descriptors, aligned for `cmsghdr`.
 #[repr(C, align(8))]
 struct ControlBuffer([u8; 256]);
@@ -16,21 +37,13 @@ struct ControlBuffer([u8; 256]);
 /// `(0, [])` is the end of the stream. More than [`FDS_MAX`] descriptors, or descriptors
 /// cut short by the kernel, are an error (and closed); so is an empty `buf`.
 pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    if buf.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "an empty buffer",
-        ));
-    }
+    refuse_empty(buf)?;
     let mut control = ControlBuffer([0; 256]);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &mut iov;
-    message.msg_iovlen = 1;
+    let mut message = header(&mut iov);
     message.msg_control = control.0.as_mut_ptr().cast();
     message.msg_controllen = control.0.len();
     let received = loop {
@@ -82,12 +95,7 @@ pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, 
 /// Sends all of `buf` (not empty), with `fds` (at most [`FDS_MAX`]) attached to its first
 /// bytes.
 pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    if buf.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "an empty buffer",
-        ));
-    }
+    refuse_empty(buf)?;
     if fds.len() > FDS_MAX {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -101,10 +109,7 @@ pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) ->
             iov_base: buf[sent..].as_ptr().cast_mut().cast(),
             iov_len: buf.len() - sent,
         };
-        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-        let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-        message.msg_iov = &mut iov;
-        message.msg_iovlen = 1;
+        let mut message = header(&mut iov);
         if sent == 0 && !fds.is_empty() {
             let bytes = std::mem::size_of_val(fds) as u32;
             // SAFETY: CMSG_SPACE of at most FDS_MAX ints fits in `control` (256 bytes);

@@ -3,6 +3,8 @@
 //! the frontend goes (guest reboot, QEMU restart), the controller listens again.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,9 +12,6 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use basalt_io::Reactors;
-use std::os::unix::fs::DirBuilderExt;
-use std::os::unix::net::UnixListener;
-
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 

@@ -72,19 +72,14 @@ pub fn relay(
 ) -> io::Result<[JoinHandle<()>; 2]> {
     let (frontend2, daemon2) = (frontend.try_clone()?, daemon.try_clone()?);
     let (frontend3, daemon3) = (frontend.try_clone()?, daemon.try_clone()?);
-    let requests = {
+    let spawn = |from: UnixStream, to: UnixStream, from_frontend: bool| {
         let session = session.clone();
         std::thread::Builder::new()
             .name("vhost-relay".into())
-            .spawn(move || pump(&frontend, &daemon, &session, true))?
+            .spawn(move || pump(&from, &to, &session, from_frontend))
     };
-    let replies = {
-        let session = session.clone();
-        std::thread::Builder::new()
-            .name("vhost-relay".into())
-            .spawn(move || pump(&daemon2, &frontend2, &session, false))
-    };
-    match replies {
+    let requests = spawn(frontend, daemon, true)?;
+    match spawn(daemon2, frontend2, false) {
         Ok(replies) => Ok([requests, replies]),
         Err(error) => {
             // Both directions or neither: the first pump ends on the shutdown.
