@@ -2565,6 +2565,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             .expect("8 bytes"),
     );
     let mut raft = MultiRaft::new(id, seed);
+    // Clients read from leaders only: followers may learn of commits lazily.
+    raft.set_lazy_commit(true);
     // Entries keep a reference to their payload once durable; sending one to a follower
     // reads the payload back.
     let payload_file = std::fs::File::open(&path).map_err(io_error(&path))?;

@@ -262,6 +262,9 @@ pub struct MultiRaft {
     rng: u64,
     /// Restores payloads that entries refer to, for groups created from now on.
     hydrate: Option<Hydrate>,
+    /// Whether leaders of groups created from now on send followers an append of its
+    /// own when the commit index moves (see [`MultiRaft::set_lazy_commit`]).
+    lazy_commit: bool,
 }
 
 fn raft_id(osd: OsdId) -> u64 {
@@ -284,7 +287,18 @@ impl MultiRaft {
             logger,
             rng: seed,
             hydrate: None,
+            lazy_commit: false,
         }
+    }
+
+    /// Whether the leaders of groups created from now on let a new commit index reach
+    /// followers with the next append or heartbeat, rather than with an empty append of
+    /// its own. That append cost each write a message to every follower and an answer
+    /// back, sent ahead of the client's reply; without it a follower learns of a commit up
+    /// to a heartbeat later, which suits replicas that serve no reads (the OSDs' PGs), not
+    /// state that followers answer queries from (the monitors' map).
+    pub fn set_lazy_commit(&mut self, lazy: bool) {
+        self.lazy_commit = lazy;
     }
 
     /// How groups created from now on restore an entry's payload from a reference to the
@@ -364,6 +378,7 @@ impl MultiRaft {
             check_quorum: true,
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
+            skip_bcast_commit: self.lazy_commit,
             applied,
             ..Config::default()
         };

@@ -217,6 +217,8 @@ impl Cluster {
         let seed = self.rng.next();
         let osd = &mut self.osds[index];
         let mut raft = MultiRaft::new(osd.id, seed);
+        // As the OSDs run it.
+        raft.set_lazy_commit(true);
         for &pg in &self.pgs {
             let mut restored = Restored::default();
             for record in osd.durable.iter().filter(|record| record.pg == pg) {

@@ -1,9 +1,12 @@
 //! Frames over TCP: a client that pipelines requests and matches replies by request id, and
 //! a server that answers each request with a handler, in any order.
 //!
-//! Each connection has one writer task: frames queued while it writes go out together in
-//! the next write, so a burst of requests or replies costs one system call. `TCP_NODELAY`
-//! is set: a frame is never held back waiting for more.
+//! A frame goes onto the socket at once, from the task that sends it, when nothing is queued
+//! ahead of it and the socket takes it whole: a raft append then leaves before the sender's
+//! next task (its own log write, say) runs. Otherwise it waits for the connection's writer
+//! task, and frames queued while that task writes go out together in its next write, so a
+//! burst of requests or replies costs one system call. `TCP_NODELAY` is set: a frame is
+//! never held back waiting for more.
 //!
 //! This is the only module of `wire` that does I/O; the codecs stay pure.
 
@@ -15,9 +18,10 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::frame;
@@ -90,21 +94,133 @@ async fn read_frames<R: AsyncRead + Unpin>(
     }
 }
 
-/// Writes queued frames, batching whatever is queued into one write.
-async fn write_frames<W: AsyncWrite + Unpin>(
-    mut writer: W,
-    mut queue: mpsc::UnboundedReceiver<Vec<u8>>,
-) -> io::Result<()> {
-    let mut batch = Vec::new();
-    while let Some(frame) = queue.recv().await {
-        batch.clear();
-        batch.extend_from_slice(&frame);
-        while let Ok(more) = queue.try_recv() {
-            batch.extend_from_slice(&more);
-        }
-        writer.write_all(&batch).await?;
+/// The sending side of one connection; clones share it. The connection's writer task ends,
+/// after writing what is queued, when the last clone is dropped.
+struct Outgoing {
+    shared: Arc<OutgoingShared>,
+}
+
+struct OutgoingShared {
+    socket: OwnedWriteHalf,
+    state: Mutex<OutgoingState>,
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct OutgoingState {
+    /// Bytes waiting for the writer task, in stream order.
+    queued: Vec<u8>,
+    /// The writer task holds bytes taken from `queued` that are not all written yet.
+    writing: bool,
+    /// A write failed: nothing more is sent.
+    failed: bool,
+    /// Live [`Outgoing`] handles.
+    senders: usize,
+}
+
+impl Outgoing {
+    /// The sending side of `socket`, and its writer task.
+    fn new(socket: OwnedWriteHalf) -> (Self, JoinHandle<()>) {
+        let shared = Arc::new(OutgoingShared {
+            socket,
+            state: Mutex::new(OutgoingState {
+                senders: 1,
+                ..OutgoingState::default()
+            }),
+            wake: Notify::new(),
+        });
+        let writer = shared.clone();
+        let task = tokio::spawn(async move {
+            if let Err(error) = writer.write_queued().await {
+                tracing::debug!(%error, "connection write failed");
+                writer.state().failed = true;
+            }
+        });
+        (Self { shared }, task)
     }
-    writer.shutdown().await
+
+    /// Sends `frame` after every frame sent before it; `Err` once a write has failed.
+    fn send(&self, frame: &[u8]) -> Result<(), ()> {
+        let mut state = self.shared.state();
+        if state.failed {
+            return Err(());
+        }
+        let mut rest = frame;
+        if state.queued.is_empty() && !state.writing {
+            match self.shared.socket.try_write(frame) {
+                Ok(written) if written == frame.len() => return Ok(()),
+                Ok(written) => rest = &frame[written..],
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => {
+                    tracing::debug!(%error, "connection write failed");
+                    state.failed = true;
+                    return Err(());
+                }
+            }
+        }
+        state.queued.extend_from_slice(rest);
+        drop(state);
+        self.shared.wake.notify_one();
+        Ok(())
+    }
+}
+
+impl Clone for Outgoing {
+    fn clone(&self) -> Self {
+        self.shared.state().senders += 1;
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        self.shared.state().senders -= 1;
+        self.shared.wake.notify_one();
+    }
+}
+
+impl OutgoingShared {
+    fn state(&self) -> std::sync::MutexGuard<'_, OutgoingState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The writer task: writes whatever is queued, all of it in one write when it can,
+    /// until the last sender is gone and nothing is left.
+    async fn write_queued(&self) -> io::Result<()> {
+        let mut batch = Vec::new();
+        loop {
+            {
+                let mut state = self.state();
+                if state.queued.is_empty() {
+                    state.writing = false;
+                    if state.senders == 0 || state.failed {
+                        return Ok(());
+                    }
+                } else {
+                    std::mem::swap(&mut batch, &mut state.queued);
+                    state.writing = true;
+                }
+            }
+            if batch.is_empty() {
+                self.wake.notified().await;
+                continue;
+            }
+            let mut at = 0;
+            while at < batch.len() {
+                self.socket.writable().await?;
+                match self.socket.try_write(&batch[at..]) {
+                    Ok(written) => at += written,
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(error) => return Err(error),
+                }
+            }
+            batch.clear();
+        }
+    }
 }
 
 type Pending = Arc<Mutex<PendingCalls>>;
@@ -118,7 +234,7 @@ struct PendingCalls {
 /// A client connection: calls with replies, and one-way messages.
 pub struct Client {
     peer: SocketAddr,
-    queue: mpsc::UnboundedSender<Vec<u8>>,
+    outgoing: Outgoing,
     pending: Pending,
     next_id: AtomicU64,
     tasks: [JoinHandle<()>; 2],
@@ -140,7 +256,7 @@ impl Client {
             .set_nodelay(true)
             .map_err(|source| TransportError::Connect { peer, source })?;
         let (reader, writer) = stream.into_split();
-        let (queue, frames) = mpsc::unbounded_channel();
+        let (outgoing, writer_task) = Outgoing::new(writer);
         let pending: Pending = Arc::default();
         let replies = pending.clone();
         let reader_task = tokio::spawn(async move {
@@ -159,14 +275,9 @@ impl Client {
             state.closed = Some(reason);
             state.calls.clear();
         });
-        let writer_task = tokio::spawn(async move {
-            if let Err(error) = write_frames(writer, frames).await {
-                tracing::debug!(%error, "client connection write failed");
-            }
-        });
         Ok(Self {
             peer,
-            queue,
+            outgoing,
             pending,
             next_id: AtomicU64::new(1),
             tasks: [reader_task, writer_task],
@@ -191,7 +302,7 @@ impl Client {
             }
             state.calls.insert(id, reply);
         }
-        if self.queue.send(message.encode(id)).is_err() {
+        if self.outgoing.send(&message.encode(id)).is_err() {
             lock(&self.pending).calls.remove(&id);
             return Err(self.closed(None));
         }
@@ -205,8 +316,8 @@ impl Client {
         if let Some(reason) = lock(&self.pending).closed.clone() {
             return Err(self.closed(Some(reason)));
         }
-        self.queue
-            .send(message.encode(ONE_WAY))
+        self.outgoing
+            .send(&message.encode(ONE_WAY))
             .map_err(|_| self.closed(None))
     }
 }
@@ -261,16 +372,15 @@ impl Drop for Server {
 
 async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler) {
     let (reader, writer) = stream.into_split();
-    let (queue, frames) = mpsc::unbounded_channel::<Vec<u8>>();
-    let writer_task = tokio::spawn(write_frames(writer, frames));
+    let (outgoing, writer_task) = Outgoing::new(writer);
     let result = read_frames(reader, |id, message| {
         let reply = handler(message);
-        let queue = queue.clone();
+        let outgoing = outgoing.clone();
         tokio::spawn(async move {
             if let Some(reply) = reply.await
                 && id != ONE_WAY
             {
-                let _ = queue.send(reply.encode(id));
+                let _ = outgoing.send(&reply.encode(id));
             }
         });
     })
@@ -278,7 +388,7 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
     if let Err(error) = result {
         tracing::debug!(%peer, %error, "connection closed on a bad frame");
     }
-    drop(queue);
+    drop(outgoing);
     let _ = writer_task.await;
 }
 
@@ -288,6 +398,7 @@ mod tests {
     use crate::message::Status;
     use basalt_common::{PgId, PoolId};
     use std::time::Duration;
+    use tokio::io::AsyncWriteExt;
 
     /// A request the echo handler answers after `delay_ms` with `tag` as the reply's data.
     fn echo_request(delay_ms: u8, tag: &[u8]) -> Message {
@@ -352,6 +463,59 @@ mod tests {
         for call in calls {
             call.await.expect("call task");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_beyond_what_the_socket_takes_at_once_arrive_whole_and_in_order() {
+        // A peer that reads slowly, on a thread of its own: the socket takes part of a
+        // frame, the rest queues behind it for the writer task, and frames sent when the
+        // socket has room again must not overtake it.
+        let frames = 96u32;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let reader = std::thread::spawn(move || {
+            use std::io::Read;
+            let (mut stream, _) = listener.accept().expect("accept");
+            let (mut bytes, mut at, mut seen) = (Vec::new(), 0, Vec::new());
+            let mut chunk = vec![0u8; 32 << 10];
+            while seen.len() < frames as usize {
+                let n = stream.read(&mut chunk).expect("read");
+                assert!(n > 0, "the connection closed early");
+                bytes.extend_from_slice(&chunk[..n]);
+                while let Some((frame, used)) = frame::decode(&bytes[at..]).expect("a frame") {
+                    at += used;
+                    let Message::Raft { message, .. } = Message::decode(&frame).expect("message")
+                    else {
+                        panic!("not a frame that was sent");
+                    };
+                    let number = u32::from_le_bytes(message[..4].try_into().expect("4 bytes"));
+                    assert!(
+                        message[4..].iter().all(|&b| b == number as u8),
+                        "frame {number} is whole"
+                    );
+                    seen.push(number);
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            seen
+        });
+        let client = Client::connect(address).await.expect("connect");
+        for number in 0..frames {
+            let mut bytes = vec![number as u8; 1 << 20];
+            bytes[..4].copy_from_slice(&number.to_le_bytes());
+            client
+                .send(&Message::Raft {
+                    pg: pg(0),
+                    message: bytes,
+                })
+                .expect("send");
+            tokio::task::yield_now().await;
+        }
+        let seen = tokio::task::spawn_blocking(move || reader.join())
+            .await
+            .expect("task")
+            .expect("the reader saw whole frames");
+        assert_eq!(seen, (0..frames).collect::<Vec<_>>(), "in the order sent");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
