@@ -16,8 +16,9 @@
 //!   entry is answered.
 //!
 //! Reads are served by the leader once a quorum confirmed its leadership after the read
-//! arrived (raft's read index) and it has applied everything committed at that point,
-//! straight from the log device through the index; holes read as zeroes.
+//! arrived (raft's read index) or less than a [`LEASE`] ago, and it has applied everything
+//! committed at that point, straight from the log device through the index; holes read as
+//! zeroes.
 //!
 //! The core also reuses the log ([`crate::reclaim`]): it cuts checkpoints, compacts raft
 //! logs behind them, and cleans the ring's tail.
@@ -73,6 +74,12 @@ const RETAINED_ENTRIES: usize = 4096;
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
+/// How long a quorum's confirmation of a PG's leadership lets its leader serve reads
+/// without asking again: half the time a follower refuses to vote after hearing from its
+/// leader ([`basalt_replication::ELECTION_TICKS`] ticks), see [`MultiRaft::extend_lease`].
+pub const LEASE: Duration = Duration::from_millis(
+    TICK.as_millis() as u64 * basalt_replication::multi_raft::ELECTION_TICKS as u64 / 2,
+);
 /// Between heartbeats to the monitor.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 /// The most raft message bytes put in one frame to a peer (frames carry 4 MiB at most).
@@ -434,6 +441,9 @@ struct Core {
     outbox: BTreeMap<OsdId, Vec<(PgId, RaftMessage)>>,
     /// Reads waiting for raft to confirm leadership, by the id given to raft.
     confirming: HashMap<u64, (PgId, ReadRequest)>,
+    /// Leases being renewed (a read index asked with no read waiting on it): by PG, the
+    /// id given to raft and when it was asked.
+    renewing: HashMap<PgId, (u64, std::time::Instant)>,
     next_read: u64,
     /// Snapshots being installed here, by PG.
     installing: HashMap<PgId, Installing>,
@@ -1379,9 +1389,29 @@ impl Core {
         }
     }
 
-    /// Starts a read: raft's read barrier, then its read index.
+    /// Starts a read: served under the PG's lease if it holds one (renewed when half of it
+    /// is gone), else after raft's read barrier and read index.
     fn start_read(&mut self, range: ObjectRange, reply_to: oneshot::Sender<Message>) {
         let pg = range.pg;
+        let now = std::time::Instant::now();
+        if let Some((index, left)) = self.raft.lease_read(pg, now) {
+            if left < LEASE / 2 {
+                self.renew_lease(pg, now);
+            }
+            let read = ReadRequest {
+                arrived: now,
+                object: range.object,
+                offset_bytes: u64::from(range.offset_bytes),
+                len_bytes: range.len_bytes,
+                reply: reply_to,
+            };
+            if self.applied.get(&pg).copied().unwrap_or(0) >= index {
+                self.serve_read(pg, read);
+            } else {
+                self.reads.entry(pg).or_default().push((index, read));
+            }
+            return;
+        }
         // Raft drops read-index requests of a leader that has not committed an entry of its
         // term yet: such a leader sends the client elsewhere for now.
         if self.raft.read_barrier(pg).is_none() {
@@ -1404,6 +1434,22 @@ impl Core {
         self.next_read += 1;
         self.raft.read_index(pg, id.to_le_bytes().to_vec());
         self.confirming.insert(id, (pg, read));
+    }
+
+    /// Asks a quorum to confirm the leadership of `pg` again, unless a request not yet a
+    /// lease long is out (raft drops those of a leader that lost its place).
+    fn renew_lease(&mut self, pg: PgId, now: std::time::Instant) {
+        if self
+            .renewing
+            .get(&pg)
+            .is_some_and(|(_, asked)| now.duration_since(*asked) < LEASE)
+        {
+            return;
+        }
+        let id = self.next_read;
+        self.next_read += 1;
+        self.raft.read_index(pg, id.to_le_bytes().to_vec());
+        self.renewing.insert(pg, (id, now));
     }
 
     fn control(&self, body: &[u8], reply_to: oneshot::Sender<Message>) {
@@ -1720,9 +1766,17 @@ impl Core {
             let Some(id) = context.try_into().ok().map(u64::from_le_bytes) else {
                 continue;
             };
+            if let Some((renewal, asked)) = self.renewing.get(&pg).copied()
+                && renewal == id
+            {
+                self.renewing.remove(&pg);
+                self.raft.extend_lease(pg, asked, LEASE);
+                continue;
+            }
             let Some((_, read)) = self.confirming.remove(&id) else {
                 continue;
             };
+            self.raft.extend_lease(pg, read.arrived, LEASE);
             if applied >= index {
                 self.serve_read(pg, read);
             } else {
@@ -1872,6 +1926,7 @@ impl Core {
         self.hard_states.remove(&pg);
         self.lazy_commit.remove(&pg);
         self.reads.remove(&pg);
+        self.renewing.remove(&pg);
         self.restored.remove(&pg);
         self.restored_objects.remove(&pg);
         self.snapshots_sent.retain(|(sent, _), _| *sent != pg);
@@ -2622,6 +2677,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         },
         outbox: BTreeMap::new(),
         confirming: HashMap::new(),
+        renewing: HashMap::new(),
         next_read: 0,
         installing: HashMap::new(),
         next_transfer: 0,

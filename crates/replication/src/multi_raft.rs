@@ -9,6 +9,7 @@
 //! ([`MultiRaft::replace_entry_data`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
 
 use basalt_common::{OsdId, PgId};
 use raft::eraftpb::{
@@ -146,6 +147,15 @@ struct Group {
     /// A snapshot handed out to be persisted: (the ready's number, its index). Raft counts
     /// it applied only once it is durable.
     snapshot_persisting: Option<(u64, u64)>,
+    /// Ticks since this replica was created (or restored): it grants no votes for the
+    /// first [`ELECTION_TICKS`] of them (see [`MultiRaft::extend_lease`]).
+    ticks: usize,
+    /// While leading: the term and the instant until which no other replica can have
+    /// been elected (see [`MultiRaft::extend_lease`]).
+    lease: Option<(u64, Instant)>,
+    /// When this replica last handed leadership on: confirmations asked before then
+    /// extend no lease.
+    handed_on: Option<Instant>,
 }
 
 /// Encodes a raft message for the network.
@@ -386,6 +396,9 @@ impl MultiRaft {
         let mut group = Group {
             node,
             snapshot_persisting: None,
+            ticks: 0,
+            lease: None,
+            handed_on: None,
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
@@ -540,6 +553,47 @@ impl MultiRaft {
         }
     }
 
+    /// Records that a quorum confirmed this replica's leadership of `pg` (a read index came
+    /// back) for a request made at `asked`: until `asked` plus `lease`, it may serve reads
+    /// without asking again ([`MultiRaft::lease_read`]).
+    ///
+    /// Why this holds: each follower that confirmed heard from this leader after `asked`,
+    /// and refuses to vote for [`ELECTION_TICKS`] ticks after hearing from its leader (raft's
+    /// check-quorum lease) or after it starts (see [`MultiRaft::step`]); any new leader
+    /// needs the vote of one of them. A `lease` well below [`ELECTION_TICKS`] ticks of real
+    /// time thus ends before any other replica can lead. A leader that hands leadership on
+    /// drops its lease first.
+    pub fn extend_lease(&mut self, pg: PgId, asked: Instant, lease: std::time::Duration) {
+        let Some(group) = self.groups.get_mut(&pg) else {
+            return;
+        };
+        let raft = &group.node.raft;
+        if raft.state != StateRole::Leader
+            || raft.lead_transferee.is_some()
+            || group.handed_on.is_some_and(|at| asked <= at)
+        {
+            return;
+        }
+        let until = asked + lease;
+        group.lease = match group.lease {
+            Some((term, held)) if term == raft.term && held > until => Some((term, held)),
+            _ => Some((raft.term, until)),
+        };
+    }
+
+    /// The index a read must see applied, if this replica may serve it at `now` without
+    /// asking a quorum: it leads `pg` under a lease that has not run out, and has committed
+    /// an entry of its term ([`MultiRaft::read_barrier`]). Also how long the lease has left.
+    pub fn lease_read(&self, pg: PgId, now: Instant) -> Option<(u64, std::time::Duration)> {
+        let group = self.groups.get(&pg)?;
+        let (term, until) = group.lease?;
+        let raft = &group.node.raft;
+        if term != raft.term || raft.lead_transferee.is_some() || now >= until {
+            return None;
+        }
+        Some((self.read_barrier(pg)?, until - now))
+    }
+
     /// This replica's current term of `pg`.
     pub fn term(&self, pg: PgId) -> Option<u64> {
         self.groups.get(&pg).map(|group| group.node.raft.term)
@@ -558,6 +612,7 @@ impl MultiRaft {
     /// Advances every group's logical clock by one tick.
     pub fn tick(&mut self) {
         for group in self.groups.values_mut() {
+            group.ticks = group.ticks.saturating_add(1);
             group.node.tick();
             Self::draw_election_timeout(&mut self.rng, group);
         }
@@ -575,6 +630,19 @@ impl MultiRaft {
                     SnapshotStatus::Finish
                 };
                 group.node.report_snapshot(message.from, status);
+                return;
+            }
+            let asks_vote = matches!(
+                message.get_msg_type(),
+                MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+            );
+            if asks_vote
+                && group.ticks < ELECTION_TICKS
+                && message.context != raft::CAMPAIGN_TRANSFER
+            {
+                // A replica that just started forgot when it last heard from its leader:
+                // it waits as long as a follower would before it votes, so that the
+                // leader's lease holds across its restart.
                 return;
             }
             if let Err(error) = group.node.step(message) {
@@ -759,6 +827,8 @@ impl MultiRaft {
                 .filter(|id| caught_up(*id))
                 .max_by_key(|id| matched(*id));
             if let Some(heir) = heir {
+                group.lease = None;
+                group.handed_on = Some(Instant::now());
                 group.node.transfer_leader(heir);
                 return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
             }
@@ -892,5 +962,177 @@ mod tests {
         );
         let follower = MultiRaft::new(OsdId(1), 2);
         assert_eq!(follower.committed(pg), None, "unknown pg");
+    }
+
+    const PG: PgId = PgId {
+        pool: basalt_common::PoolId(0),
+        index: 0,
+    };
+
+    /// Three replicas of [`PG`] passing messages to each other at once; what each
+    /// confirmed read index carried, by replica.
+    struct Trio {
+        replicas: Vec<MultiRaft>,
+        confirmed: Vec<Vec<Vec<u8>>>,
+    }
+
+    impl Trio {
+        fn new() -> Self {
+            let members = [OsdId(0), OsdId(1), OsdId(2)];
+            let replicas = members
+                .iter()
+                .map(|osd| {
+                    let mut raft = MultiRaft::new(*osd, u64::from(osd.0) + 7);
+                    raft.create_group(PG, &members, Restored::default())
+                        .expect("group");
+                    raft
+                })
+                .collect();
+            Self {
+                replicas,
+                confirmed: vec![Vec::new(); 3],
+            }
+        }
+
+        /// Delivers everything the replicas have to say until they fall silent; returns
+        /// the messages sent, as (from, message).
+        fn settle(&mut self) -> Vec<(usize, Message)> {
+            let mut sent = Vec::new();
+            let mut actions = Vec::new();
+            loop {
+                let mut messages = Vec::new();
+                for (from, raft) in self.replicas.iter_mut().enumerate() {
+                    raft.collect(&mut actions);
+                    for action in actions.drain(..) {
+                        match action {
+                            Action::Send { to, message, .. } => messages.push((from, to, message)),
+                            Action::Persist {
+                                number, then_send, ..
+                            } => {
+                                raft.on_persisted(PG, number);
+                                messages.extend(then_send.into_iter().map(|(to, m)| (from, to, m)));
+                            }
+                            Action::ReadIndex { reads, .. } => self.confirmed[from]
+                                .extend(reads.into_iter().map(|(context, _)| context)),
+                            Action::Apply { .. } => {}
+                        }
+                    }
+                }
+                if messages.is_empty() {
+                    return sent;
+                }
+                for (from, to, message) in messages {
+                    self.replicas[to.0 as usize].step(PG, message.clone());
+                    sent.push((from, message));
+                }
+            }
+        }
+
+        /// Ticks until a replica leads and has committed an entry of its term.
+        fn elect(&mut self) -> usize {
+            for _ in 0..10 * ELECTION_TICKS {
+                for raft in &mut self.replicas {
+                    raft.tick();
+                }
+                self.settle();
+                if let Some(leader) = (0..3).find(|n| self.replicas[*n].read_barrier(PG).is_some())
+                {
+                    return leader;
+                }
+            }
+            panic!("no leader");
+        }
+    }
+
+    #[test]
+    fn a_lease_comes_from_a_confirmed_read_index_and_ends_on_time_or_with_a_hand_off() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let asked = Instant::now();
+        assert_eq!(
+            trio.replicas[leader].lease_read(PG, asked),
+            None,
+            "no lease yet"
+        );
+        trio.replicas[leader].read_index(PG, b"r1".to_vec());
+        trio.settle();
+        assert_eq!(trio.confirmed[leader], [b"r1".to_vec()]);
+        let lease = std::time::Duration::from_millis(500);
+        trio.replicas[leader].extend_lease(PG, asked, lease);
+        let committed = trio.replicas[leader].committed(PG).expect("hosted");
+        let soon = asked + std::time::Duration::from_millis(100);
+        assert_eq!(
+            trio.replicas[leader].lease_read(PG, soon),
+            Some((committed, std::time::Duration::from_millis(400)))
+        );
+        assert_eq!(
+            trio.replicas[leader].lease_read(PG, asked + lease),
+            None,
+            "the lease ran out"
+        );
+        // Followers get none.
+        let follower = (leader + 1) % 3;
+        trio.replicas[follower].extend_lease(PG, asked, lease);
+        assert_eq!(trio.replicas[follower].lease_read(PG, soon), None);
+
+        // Handing leadership on ends the lease, and earlier confirmations renew nothing.
+        let others: Vec<OsdId> = (0..3u32)
+            .filter(|n| *n as usize != leader)
+            .map(OsdId)
+            .collect();
+        assert!(matches!(
+            trio.replicas[leader].reconfigure(PG, &others),
+            Some(Reconfiguring::TransferringLeadership(_))
+        ));
+        assert_eq!(trio.replicas[leader].lease_read(PG, soon), None);
+        trio.replicas[leader].extend_lease(PG, asked, lease);
+        assert_eq!(trio.replicas[leader].lease_read(PG, soon), None);
+    }
+
+    #[test]
+    fn a_replica_votes_only_once_it_has_waited_an_election_timeout_since_it_started() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let candidate = (leader + 1) % 3;
+        let restarted = (leader + 2) % 3;
+        // The third replica restarts with nothing and forgets its leader.
+        let members = [OsdId(0), OsdId(1), OsdId(2)];
+        let mut fresh = MultiRaft::new(OsdId(restarted as u32), 99);
+        fresh
+            .create_group(PG, &members, Restored::default())
+            .expect("group");
+        trio.replicas[restarted] = fresh;
+        let ask = |term: u64, context: &[u8]| Message {
+            msg_type: MessageType::MsgRequestVote,
+            to: raft_id(OsdId(restarted as u32)),
+            from: raft_id(OsdId(candidate as u32)),
+            term,
+            log_term: term - 1,
+            index: 1000,
+            context: context.to_vec().into(),
+            ..Message::default()
+        };
+        let answered = |sent: &[(usize, Message)]| {
+            sent.iter().any(|(from, message)| {
+                *from == restarted && message.get_msg_type() == MessageType::MsgRequestVoteResponse
+            })
+        };
+        trio.replicas[restarted].step(PG, ask(50, b""));
+        assert!(
+            !answered(&trio.settle()),
+            "a replica that just started votes"
+        );
+        // A leader handing on its place asks for votes that may not wait.
+        trio.replicas[restarted].step(PG, ask(51, raft::CAMPAIGN_TRANSFER));
+        assert!(
+            answered(&trio.settle()),
+            "a hand-off's vote went unanswered"
+        );
+        // Once it has waited as long as a follower would, it votes.
+        for _ in 0..ELECTION_TICKS {
+            trio.replicas[restarted].tick();
+        }
+        trio.replicas[restarted].step(PG, ask(60, b""));
+        assert!(answered(&trio.settle()), "the vote went unanswered");
     }
 }
