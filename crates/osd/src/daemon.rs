@@ -439,11 +439,12 @@ struct Core {
     reclaim: Reclaim,
     /// Raft messages of this loop turn, by peer.
     outbox: BTreeMap<OsdId, Vec<(PgId, RaftMessage)>>,
-    /// Reads waiting for raft to confirm leadership, by the id given to raft.
-    confirming: HashMap<u64, (PgId, ReadRequest)>,
+    /// Reads waiting for raft to confirm leadership, by the id given to raft, with the
+    /// term they were asked in.
+    confirming: HashMap<u64, (PgId, u64, ReadRequest)>,
     /// Leases being renewed (a read index asked with no read waiting on it): by PG, the
-    /// id given to raft and when it was asked.
-    renewing: HashMap<PgId, (u64, std::time::Instant)>,
+    /// id given to raft, the term and when it was asked.
+    renewing: HashMap<PgId, (u64, u64, std::time::Instant)>,
     next_read: u64,
     /// Snapshots being installed here, by PG.
     installing: HashMap<PgId, Installing>,
@@ -1433,7 +1434,8 @@ impl Core {
         let id = self.next_read;
         self.next_read += 1;
         self.raft.read_index(pg, id.to_le_bytes().to_vec());
-        self.confirming.insert(id, (pg, read));
+        let term = self.raft.term(pg).unwrap_or(0);
+        self.confirming.insert(id, (pg, term, read));
     }
 
     /// Asks a quorum to confirm the leadership of `pg` again, unless a request not yet a
@@ -1442,14 +1444,15 @@ impl Core {
         if self
             .renewing
             .get(&pg)
-            .is_some_and(|(_, asked)| now.duration_since(*asked) < LEASE)
+            .is_some_and(|(_, _, asked)| now.duration_since(*asked) < LEASE)
         {
             return;
         }
         let id = self.next_read;
         self.next_read += 1;
         self.raft.read_index(pg, id.to_le_bytes().to_vec());
-        self.renewing.insert(pg, (id, now));
+        let term = self.raft.term(pg).unwrap_or(0);
+        self.renewing.insert(pg, (id, term, now));
     }
 
     fn control(&self, body: &[u8], reply_to: oneshot::Sender<Message>) {
@@ -1766,17 +1769,17 @@ impl Core {
             let Some(id) = context.try_into().ok().map(u64::from_le_bytes) else {
                 continue;
             };
-            if let Some((renewal, asked)) = self.renewing.get(&pg).copied()
+            if let Some((renewal, term, asked)) = self.renewing.get(&pg).copied()
                 && renewal == id
             {
                 self.renewing.remove(&pg);
-                self.raft.extend_lease(pg, asked, LEASE);
+                self.raft.extend_lease(pg, term, asked, LEASE);
                 continue;
             }
-            let Some((_, read)) = self.confirming.remove(&id) else {
+            let Some((_, term, read)) = self.confirming.remove(&id) else {
                 continue;
             };
-            self.raft.extend_lease(pg, read.arrived, LEASE);
+            self.raft.extend_lease(pg, term, read.arrived, LEASE);
             if applied >= index {
                 self.serve_read(pg, read);
             } else {
@@ -1807,15 +1810,16 @@ impl Core {
                 }
             }
         }
-        if self.confirming.values().any(|(pg, _)| deposed(pg)) {
+        self.renewing.retain(|pg, _| !deposed(pg));
+        if self.confirming.values().any(|(pg, _, _)| deposed(pg)) {
             let ids: Vec<u64> = self
                 .confirming
                 .iter()
-                .filter(|(_, (pg, _))| deposed(pg))
+                .filter(|(_, (pg, _, _))| deposed(pg))
                 .map(|(id, _)| *id)
                 .collect();
             for id in ids {
-                if let Some((pg, read)) = self.confirming.remove(&id) {
+                if let Some((pg, _, read)) = self.confirming.remove(&id) {
                     let leader = raft.leader(pg).filter(|leader| *leader != self.id);
                     let _ = read.reply.send(reply(Status::NotLeader { leader }));
                 }

@@ -153,9 +153,10 @@ struct Group {
     /// While leading: the term and the instant until which no other replica can have
     /// been elected (see [`MultiRaft::extend_lease`]).
     lease: Option<(u64, Instant)>,
-    /// When this replica last handed leadership on: confirmations asked before then
-    /// extend no lease.
-    handed_on: Option<Instant>,
+    /// The last term in which this replica began to hand leadership on: it takes no lease
+    /// for the rest of that term (a hand-off's vote request skips the followers' lease, and
+    /// may arrive late, after raft gave the hand-off up).
+    handed_on: Option<u64>,
 }
 
 /// Encodes a raft message for the network.
@@ -554,23 +555,31 @@ impl MultiRaft {
     }
 
     /// Records that a quorum confirmed this replica's leadership of `pg` (a read index came
-    /// back) for a request made at `asked`: until `asked` plus `lease`, it may serve reads
-    /// without asking again ([`MultiRaft::lease_read`]).
+    /// back) for a request made at `asked` in `term`: until `asked` plus `lease`, it may
+    /// serve reads without asking again ([`MultiRaft::lease_read`]).
     ///
     /// Why this holds: each follower that confirmed heard from this leader after `asked`,
     /// and refuses to vote for [`ELECTION_TICKS`] ticks after hearing from its leader (raft's
     /// check-quorum lease) or after it starts (see [`MultiRaft::step`]); any new leader
     /// needs the vote of one of them. A `lease` well below [`ELECTION_TICKS`] ticks of real
     /// time thus ends before any other replica can lead. A leader that hands leadership on
-    /// drops its lease first.
-    pub fn extend_lease(&mut self, pg: PgId, asked: Instant, lease: std::time::Duration) {
+    /// drops its lease and takes none for the rest of its term. `Instant` stops while the
+    /// machine is suspended: servers are assumed not to be.
+    pub fn extend_lease(
+        &mut self,
+        pg: PgId,
+        term: u64,
+        asked: Instant,
+        lease: std::time::Duration,
+    ) {
         let Some(group) = self.groups.get_mut(&pg) else {
             return;
         };
         let raft = &group.node.raft;
         if raft.state != StateRole::Leader
+            || raft.term != term
             || raft.lead_transferee.is_some()
-            || group.handed_on.is_some_and(|at| asked <= at)
+            || group.handed_on == Some(term)
         {
             return;
         }
@@ -828,7 +837,7 @@ impl MultiRaft {
                 .max_by_key(|id| matched(*id));
             if let Some(heir) = heir {
                 group.lease = None;
-                group.handed_on = Some(Instant::now());
+                group.handed_on = Some(raft.term);
                 group.node.transfer_leader(heir);
                 return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
             }
@@ -1058,7 +1067,14 @@ mod tests {
         trio.settle();
         assert_eq!(trio.confirmed[leader], [b"r1".to_vec()]);
         let lease = std::time::Duration::from_millis(500);
-        trio.replicas[leader].extend_lease(PG, asked, lease);
+        let term = trio.replicas[leader].term(PG).expect("hosted");
+        trio.replicas[leader].extend_lease(PG, term - 1, asked, lease);
+        assert_eq!(
+            trio.replicas[leader].lease_read(PG, asked),
+            None,
+            "a confirmation of an earlier term"
+        );
+        trio.replicas[leader].extend_lease(PG, term, asked, lease);
         let committed = trio.replicas[leader].committed(PG).expect("hosted");
         let soon = asked + std::time::Duration::from_millis(100);
         assert_eq!(
@@ -1072,10 +1088,12 @@ mod tests {
         );
         // Followers get none.
         let follower = (leader + 1) % 3;
-        trio.replicas[follower].extend_lease(PG, asked, lease);
+        trio.replicas[follower].extend_lease(PG, term, asked, lease);
         assert_eq!(trio.replicas[follower].lease_read(PG, soon), None);
 
-        // Handing leadership on ends the lease, and earlier confirmations renew nothing.
+        // Handing leadership on ends the lease, and no confirmation renews it in this term
+        // (the hand-off's vote request skips the followers' lease, even once raft gave the
+        // hand-off up).
         let others: Vec<OsdId> = (0..3u32)
             .filter(|n| *n as usize != leader)
             .map(OsdId)
@@ -1085,8 +1103,22 @@ mod tests {
             Some(Reconfiguring::TransferringLeadership(_))
         ));
         assert_eq!(trio.replicas[leader].lease_read(PG, soon), None);
-        trio.replicas[leader].extend_lease(PG, asked, lease);
-        assert_eq!(trio.replicas[leader].lease_read(PG, soon), None);
+        let later = Instant::now();
+        trio.replicas[leader].extend_lease(PG, term, later, lease);
+        assert_eq!(trio.replicas[leader].lease_read(PG, later), None);
+        // The hand-off's message is lost; raft gives the hand-off up after an election
+        // timeout, still leading.
+        trio.replicas[leader].collect(&mut Vec::new());
+        for _ in 0..2 * ELECTION_TICKS {
+            for raft in &mut trio.replicas {
+                raft.tick();
+            }
+            trio.settle();
+        }
+        assert!(trio.replicas[leader].is_leader(PG));
+        assert_eq!(trio.replicas[leader].term(PG), Some(term));
+        trio.replicas[leader].extend_lease(PG, term, later, lease);
+        assert_eq!(trio.replicas[leader].lease_read(PG, later), None);
     }
 
     #[test]
