@@ -40,7 +40,7 @@ use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
 use basalt_mon::protocol::{MonReply, MonRequest, OsdReport};
 use basalt_replication::{
-    Action, EntryType, MultiRaft, ProposeError, RaftMessage, Reconfiguring, Restored,
+    Action, EntryType, MultiRaft, ProposeError, RaftMessage, ReadStart, Reconfiguring, Restored,
     decode_message, encode_message,
 };
 use basalt_store::batch::{self, BLOCK_SIZE};
@@ -76,7 +76,8 @@ pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MA
 pub const TICK: Duration = Duration::from_millis(100);
 /// How long a quorum's confirmation of a PG's leadership lets its leader serve reads
 /// without asking again: half the time a follower refuses to vote after hearing from its
-/// leader ([`basalt_replication::ELECTION_TICKS`] ticks), see [`MultiRaft::extend_lease`].
+/// leader ([`basalt_replication::multi_raft::ELECTION_TICKS`] ticks), see
+/// [`MultiRaft::set_lease`].
 pub const LEASE: Duration = Duration::from_millis(
     TICK.as_millis() as u64 * basalt_replication::multi_raft::ELECTION_TICKS as u64 / 2,
 );
@@ -439,12 +440,8 @@ struct Core {
     reclaim: Reclaim,
     /// Raft messages of this loop turn, by peer.
     outbox: BTreeMap<OsdId, Vec<(PgId, RaftMessage)>>,
-    /// Reads waiting for raft to confirm leadership, by the id given to raft, with the
-    /// term they were asked in.
-    confirming: HashMap<u64, (PgId, u64, ReadRequest)>,
-    /// Leases being renewed (a read index asked with no read waiting on it): by PG, the
-    /// id given to raft, the term and when it was asked.
-    renewing: HashMap<PgId, (u64, u64, std::time::Instant)>,
+    /// Reads waiting for raft to confirm leadership, by the id given to raft.
+    confirming: HashMap<u64, (PgId, ReadRequest)>,
     next_read: u64,
     /// Snapshots being installed here, by PG.
     installing: HashMap<PgId, Installing>,
@@ -1390,37 +1387,12 @@ impl Core {
         }
     }
 
-    /// Starts a read: served under the PG's lease if it holds one (renewed when half of it
-    /// is gone), else after raft's read barrier and read index.
+    /// Starts a read: served at once under the PG's lease, else once a quorum confirmed the
+    /// leadership after the read arrived (a leader cut off from its peers could otherwise
+    /// serve a stale read while a new leader already accepts writes). A leader that has not
+    /// committed an entry of its term yet sends the client elsewhere for now.
     fn start_read(&mut self, range: ObjectRange, reply_to: oneshot::Sender<Message>) {
         let pg = range.pg;
-        let now = std::time::Instant::now();
-        if let Some((index, left)) = self.raft.lease_read(pg, now) {
-            if left < LEASE / 2 {
-                self.renew_lease(pg, now);
-            }
-            let read = ReadRequest {
-                arrived: now,
-                object: range.object,
-                offset_bytes: u64::from(range.offset_bytes),
-                len_bytes: range.len_bytes,
-                reply: reply_to,
-            };
-            if self.applied.get(&pg).copied().unwrap_or(0) >= index {
-                self.serve_read(pg, read);
-            } else {
-                self.reads.entry(pg).or_default().push((index, read));
-            }
-            return;
-        }
-        // Raft drops read-index requests of a leader that has not committed an entry of its
-        // term yet: such a leader sends the client elsewhere for now.
-        if self.raft.read_barrier(pg).is_none() {
-            let _ = reply_to.send(reply(Status::NotLeader {
-                leader: self.raft.leader(pg).filter(|l| *l != self.id),
-            }));
-            return;
-        }
         let read = ReadRequest {
             arrived: std::time::Instant::now(),
             object: range.object,
@@ -1428,31 +1400,25 @@ impl Core {
             len_bytes: range.len_bytes,
             reply: reply_to,
         };
-        // A quorum confirms this replica still leads before the read is served: a leader
-        // cut off from its peers could otherwise serve a stale read while a new leader
-        // already accepts writes.
         let id = self.next_read;
-        self.next_read += 1;
-        self.raft.read_index(pg, id.to_le_bytes().to_vec());
-        let term = self.raft.term(pg).unwrap_or(0);
-        self.confirming.insert(id, (pg, term, read));
-    }
-
-    /// Asks a quorum to confirm the leadership of `pg` again, unless a request not yet a
-    /// lease long is out (raft drops those of a leader that lost its place).
-    fn renew_lease(&mut self, pg: PgId, now: std::time::Instant) {
-        if self
-            .renewing
-            .get(&pg)
-            .is_some_and(|(_, _, asked)| now.duration_since(*asked) < LEASE)
-        {
-            return;
+        match self.raft.read(pg, &id.to_le_bytes(), read.arrived) {
+            ReadStart::At(index) => {
+                if self.applied.get(&pg).copied().unwrap_or(0) >= index {
+                    self.serve_read(pg, read);
+                } else {
+                    self.reads.entry(pg).or_default().push((index, read));
+                }
+            }
+            ReadStart::Confirming => {
+                self.next_read += 1;
+                self.confirming.insert(id, (pg, read));
+            }
+            ReadStart::Refused => {
+                let _ = read.reply.send(reply(Status::NotLeader {
+                    leader: self.raft.leader(pg).filter(|l| *l != self.id),
+                }));
+            }
         }
-        let id = self.next_read;
-        self.next_read += 1;
-        self.raft.read_index(pg, id.to_le_bytes().to_vec());
-        let term = self.raft.term(pg).unwrap_or(0);
-        self.renewing.insert(pg, (id, term, now));
     }
 
     fn control(&self, body: &[u8], reply_to: oneshot::Sender<Message>) {
@@ -1769,17 +1735,9 @@ impl Core {
             let Some(id) = context.try_into().ok().map(u64::from_le_bytes) else {
                 continue;
             };
-            if let Some((renewal, term, asked)) = self.renewing.get(&pg).copied()
-                && renewal == id
-            {
-                self.renewing.remove(&pg);
-                self.raft.extend_lease(pg, term, asked, LEASE);
-                continue;
-            }
-            let Some((_, term, read)) = self.confirming.remove(&id) else {
+            let Some((_, read)) = self.confirming.remove(&id) else {
                 continue;
             };
-            self.raft.extend_lease(pg, term, read.arrived, LEASE);
             if applied >= index {
                 self.serve_read(pg, read);
             } else {
@@ -1810,16 +1768,15 @@ impl Core {
                 }
             }
         }
-        self.renewing.retain(|pg, _| !deposed(pg));
-        if self.confirming.values().any(|(pg, _, _)| deposed(pg)) {
+        if self.confirming.values().any(|(pg, _)| deposed(pg)) {
             let ids: Vec<u64> = self
                 .confirming
                 .iter()
-                .filter(|(_, (pg, _, _))| deposed(pg))
+                .filter(|(_, (pg, _))| deposed(pg))
                 .map(|(id, _)| *id)
                 .collect();
             for id in ids {
-                if let Some((pg, _, read)) = self.confirming.remove(&id) {
+                if let Some((pg, read)) = self.confirming.remove(&id) {
                     let leader = raft.leader(pg).filter(|leader| *leader != self.id);
                     let _ = read.reply.send(reply(Status::NotLeader { leader }));
                 }
@@ -1930,7 +1887,6 @@ impl Core {
         self.hard_states.remove(&pg);
         self.lazy_commit.remove(&pg);
         self.reads.remove(&pg);
-        self.renewing.remove(&pg);
         self.restored.remove(&pg);
         self.restored_objects.remove(&pg);
         self.snapshots_sent.retain(|(sent, _), _| *sent != pg);
@@ -2626,6 +2582,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let mut raft = MultiRaft::new(id, seed);
     // Clients read from leaders only: followers may learn of commits lazily.
     raft.set_lazy_commit(true);
+    raft.set_lease(Some(LEASE));
     // Entries keep a reference to their payload once durable; sending one to a follower
     // reads the payload back.
     let payload_file = std::fs::File::open(&path).map_err(io_error(&path))?;
@@ -2681,7 +2638,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         },
         outbox: BTreeMap::new(),
         confirming: HashMap::new(),
-        renewing: HashMap::new(),
         next_read: 0,
         installing: HashMap::new(),
         next_transfer: 0,

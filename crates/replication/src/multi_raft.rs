@@ -9,7 +9,7 @@
 //! ([`MultiRaft::replace_entry_data`]).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use basalt_common::{OsdId, PgId};
 use raft::eraftpb::{
@@ -55,8 +55,9 @@ pub enum Action {
         /// the PG's objects as of it ready and makes the switch durable with this persist.
         snapshot: Option<(u64, u64)>,
     },
-    /// Reads asked for with [`MultiRaft::read_index`] may be served once the PG has applied
-    /// up to `index`: leadership was confirmed by a quorum after they were asked.
+    /// Reads started with [`MultiRaft::read`] that were [`ReadStart::Confirming`] may be
+    /// served once the PG has applied up to `index`: leadership was confirmed by a quorum
+    /// after they were asked.
     ReadIndex {
         /// The PG.
         pg: PgId,
@@ -157,7 +158,31 @@ struct Group {
     /// for the rest of that term (a hand-off's vote request skips the followers' lease, and
     /// may arrive late, after raft gave the hand-off up).
     handed_on: Option<u64>,
+    /// Read indexes asked and not yet confirmed, by their context given to raft: the term
+    /// and the instant they were asked.
+    asked: BTreeMap<Vec<u8>, (u64, Instant)>,
+    /// When the lease renewal in flight, if any, was asked.
+    renewing: Option<Instant>,
+    /// Numbers the lease renewals.
+    renewals: u64,
 }
+
+/// Where a read stands when it starts ([`MultiRaft::read`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadStart {
+    /// Under the leader's lease: serve it once the PG has applied up to this index.
+    At(u64),
+    /// A quorum is asked to confirm the leadership: wait for [`Action::ReadIndex`].
+    Confirming,
+    /// This replica cannot serve reads of the PG now: it does not lead it, or has not
+    /// committed an entry of its term yet ([`MultiRaft::read_barrier`]).
+    Refused,
+}
+
+/// The first byte of the contexts given to raft's read index: a client's read, or a lease
+/// renewal.
+const READ_CONTEXT: u8 = 0;
+const RENEWAL_CONTEXT: u8 = 1;
 
 /// Encodes a raft message for the network.
 pub fn encode_message(message: &Message) -> Vec<u8> {
@@ -276,6 +301,9 @@ pub struct MultiRaft {
     /// Whether leaders of groups created from now on send followers an append of its
     /// own when the commit index moves (see [`MultiRaft::set_lazy_commit`]).
     lazy_commit: bool,
+    /// How long a quorum's confirmation lets a leader serve reads on its own, if at all
+    /// (see [`MultiRaft::set_lease`]).
+    lease: Option<Duration>,
 }
 
 fn raft_id(osd: OsdId) -> u64 {
@@ -299,7 +327,25 @@ impl MultiRaft {
             rng: seed,
             hydrate: None,
             lazy_commit: false,
+            lease: None,
         }
+    }
+
+    /// Lets leaders serve reads for `lease` after a quorum confirmed their leadership,
+    /// without asking again ([`MultiRaft::read`]); `lease` must be well below
+    /// [`ELECTION_TICKS`] ticks of real time (half of it, say). `None` (the default):
+    /// every read asks.
+    ///
+    /// Why this holds: each follower that confirmed heard from the leader after the read
+    /// was asked, and refuses to vote for [`ELECTION_TICKS`] ticks after hearing from its
+    /// leader (raft's check-quorum lease, counted in its own ticks, which never run faster
+    /// than real time) or after it starts (see [`MultiRaft::step`]); any new leader needs
+    /// the vote of one of them. The lease thus ends before any other replica can lead. A
+    /// leader that hands leadership on drops its lease and takes none for the rest of its
+    /// term; a confirmation counts only in the term it was asked in. `Instant` stops while
+    /// the machine is suspended: servers are assumed not to be.
+    pub fn set_lease(&mut self, lease: Option<Duration>) {
+        self.lease = lease;
     }
 
     /// Whether the leaders of groups created from now on let a new commit index reach
@@ -400,6 +446,9 @@ impl MultiRaft {
             ticks: 0,
             lease: None,
             handed_on: None,
+            asked: BTreeMap::new(),
+            renewing: None,
+            renewals: 0,
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
@@ -544,37 +593,46 @@ impl MultiRaft {
         (raft.raft_log.term(committed).ok()? == raft.term).then_some(committed)
     }
 
-    /// Asks raft to confirm this replica's leadership of `pg` with a quorum (raft's read
-    /// index); the answer comes as [`Action::ReadIndex`] with `context`. Raft drops the
-    /// request silently if leadership is lost meanwhile, or if the leader has not committed
-    /// an entry of its term ([`MultiRaft::read_barrier`] tells).
-    pub fn read_index(&mut self, pg: PgId, context: Vec<u8>) {
-        if let Some(group) = self.groups.get_mut(&pg) {
-            group.node.read_index(context);
+    /// Starts a read of `pg` at `now`: served at once under the leader's lease (renewed in
+    /// the background once half of it is gone), else once a quorum confirms the leadership
+    /// (raft's read index), when [`Action::ReadIndex`] comes with `context`. Raft drops
+    /// the request silently if leadership is lost meanwhile.
+    pub fn read(&mut self, pg: PgId, context: &[u8], now: Instant) -> ReadStart {
+        let Some(barrier) = self.read_barrier(pg) else {
+            return ReadStart::Refused;
+        };
+        let lease = self.lease;
+        let Some(group) = self.groups.get_mut(&pg) else {
+            return ReadStart::Refused;
+        };
+        let term = group.node.raft.term;
+        let held = group.lease.filter(|(held_term, until)| {
+            *held_term == term && group.node.raft.lead_transferee.is_none() && now < *until
+        });
+        if let (Some((_, until)), Some(lease)) = (held, lease) {
+            let renewing = group
+                .renewing
+                .is_some_and(|asked| now.duration_since(asked) < lease);
+            if until - now < lease / 2 && !renewing {
+                group.renewals += 1;
+                let mut renewal = vec![RENEWAL_CONTEXT];
+                renewal.extend_from_slice(&group.renewals.to_le_bytes());
+                group.asked.insert(renewal.clone(), (term, now));
+                group.renewing = Some(now);
+                group.node.read_index(renewal);
+            }
+            return ReadStart::At(barrier);
         }
+        let mut tagged = vec![READ_CONTEXT];
+        tagged.extend_from_slice(context);
+        group.asked.insert(tagged.clone(), (term, now));
+        group.node.read_index(tagged);
+        ReadStart::Confirming
     }
 
-    /// Records that a quorum confirmed this replica's leadership of `pg` (a read index came
-    /// back) for a request made at `asked` in `term`: until `asked` plus `lease`, it may
-    /// serve reads without asking again ([`MultiRaft::lease_read`]).
-    ///
-    /// Why this holds: each follower that confirmed heard from this leader after `asked`,
-    /// and refuses to vote for [`ELECTION_TICKS`] ticks after hearing from its leader (raft's
-    /// check-quorum lease) or after it starts (see [`MultiRaft::step`]); any new leader
-    /// needs the vote of one of them. A `lease` well below [`ELECTION_TICKS`] ticks of real
-    /// time thus ends before any other replica can lead. A leader that hands leadership on
-    /// drops its lease and takes none for the rest of its term. `Instant` stops while the
-    /// machine is suspended: servers are assumed not to be.
-    pub fn extend_lease(
-        &mut self,
-        pg: PgId,
-        term: u64,
-        asked: Instant,
-        lease: std::time::Duration,
-    ) {
-        let Some(group) = self.groups.get_mut(&pg) else {
-            return;
-        };
+    /// A quorum confirmed the leadership for a read index asked at `asked` in `term`: the
+    /// lease runs until `asked` plus the lease (see [`MultiRaft::set_lease`]).
+    fn extend_lease(group: &mut Group, lease: Duration, term: u64, asked: Instant) {
         let raft = &group.node.raft;
         if raft.state != StateRole::Leader
             || raft.term != term
@@ -584,23 +642,12 @@ impl MultiRaft {
             return;
         }
         let until = asked + lease;
-        group.lease = match group.lease {
-            Some((term, held)) if term == raft.term && held > until => Some((term, held)),
-            _ => Some((raft.term, until)),
-        };
-    }
-
-    /// The index a read must see applied, if this replica may serve it at `now` without
-    /// asking a quorum: it leads `pg` under a lease that has not run out, and has committed
-    /// an entry of its term ([`MultiRaft::read_barrier`]). Also how long the lease has left.
-    pub fn lease_read(&self, pg: PgId, now: Instant) -> Option<(u64, std::time::Duration)> {
-        let group = self.groups.get(&pg)?;
-        let (term, until) = group.lease?;
-        let raft = &group.node.raft;
-        if term != raft.term || raft.lead_transferee.is_some() || now >= until {
-            return None;
+        if group
+            .lease
+            .is_none_or(|(held_term, held)| held_term != term || held < until)
+        {
+            group.lease = Some((term, until));
         }
-        Some((self.read_barrier(pg)?, until - now))
     }
 
     /// This replica's current term of `pg`.
@@ -694,11 +741,22 @@ impl MultiRaft {
                     message,
                 });
             }
-            let reads: Vec<(Vec<u8>, u64)> = ready
-                .take_read_states()
-                .into_iter()
-                .map(|state| (state.request_ctx, state.index))
-                .collect();
+            let mut reads: Vec<(Vec<u8>, u64)> = Vec::new();
+            for state in ready.take_read_states() {
+                let asked = group.asked.remove(&state.request_ctx);
+                if let (Some((term, at)), Some(lease)) = (asked, self.lease) {
+                    Self::extend_lease(group, lease, term, at);
+                }
+                match state.request_ctx.split_first() {
+                    Some((&READ_CONTEXT, context)) => reads.push((context.to_vec(), state.index)),
+                    _ => group.renewing = None,
+                }
+            }
+            if group.node.raft.state != StateRole::Leader {
+                // Raft forgot the read indexes asked while leading.
+                group.asked.clear();
+                group.renewing = None;
+            }
             if !reads.is_empty() {
                 actions.push(Action::ReadIndex { pg, reads });
             }
@@ -1056,44 +1114,43 @@ mod tests {
     #[test]
     fn a_lease_comes_from_a_confirmed_read_index_and_ends_on_time_or_with_a_hand_off() {
         let mut trio = Trio::new();
+        let lease = Duration::from_millis(500);
+        for raft in &mut trio.replicas {
+            raft.set_lease(Some(lease));
+        }
         let leader = trio.elect();
+        let committed = trio.replicas[leader].committed(PG).expect("hosted");
         let asked = Instant::now();
-        assert_eq!(
-            trio.replicas[leader].lease_read(PG, asked),
-            None,
-            "no lease yet"
-        );
-        trio.replicas[leader].read_index(PG, b"r1".to_vec());
+        let at = |ms: u64| asked + Duration::from_millis(ms);
+        let read = |trio: &mut Trio, context: &[u8], now: Instant| {
+            trio.replicas[leader].read(PG, context, now)
+        };
+        assert_eq!(read(&mut trio, b"r1", asked), ReadStart::Confirming);
         trio.settle();
         assert_eq!(trio.confirmed[leader], [b"r1".to_vec()]);
-        let lease = std::time::Duration::from_millis(500);
-        let term = trio.replicas[leader].term(PG).expect("hosted");
-        trio.replicas[leader].extend_lease(PG, term - 1, asked, lease);
-        assert_eq!(
-            trio.replicas[leader].lease_read(PG, asked),
-            None,
-            "a confirmation of an earlier term"
-        );
-        trio.replicas[leader].extend_lease(PG, term, asked, lease);
-        let committed = trio.replicas[leader].committed(PG).expect("hosted");
-        let soon = asked + std::time::Duration::from_millis(100);
-        assert_eq!(
-            trio.replicas[leader].lease_read(PG, soon),
-            Some((committed, std::time::Duration::from_millis(400)))
-        );
-        assert_eq!(
-            trio.replicas[leader].lease_read(PG, asked + lease),
-            None,
-            "the lease ran out"
-        );
-        // Followers get none.
+        // Under the lease: at once.
+        assert_eq!(read(&mut trio, b"r2", at(100)), ReadStart::At(committed));
+        // Less than half left: at once, and renewed behind the read's back.
+        assert_eq!(read(&mut trio, b"r3", at(300)), ReadStart::At(committed));
+        trio.settle();
+        assert_eq!(trio.confirmed[leader].len(), 1, "a renewal is no read");
+        assert_eq!(read(&mut trio, b"r4", at(600)), ReadStart::At(committed));
+        // The renewal asked at 600 ms is never confirmed: the lease from 300 ms runs out.
+        assert_eq!(read(&mut trio, b"r5", at(800)), ReadStart::Confirming);
+        // Followers serve no reads.
         let follower = (leader + 1) % 3;
-        trio.replicas[follower].extend_lease(PG, term, asked, lease);
-        assert_eq!(trio.replicas[follower].lease_read(PG, soon), None);
+        assert_eq!(
+            trio.replicas[follower].read(PG, b"f", asked),
+            ReadStart::Refused
+        );
 
-        // Handing leadership on ends the lease, and no confirmation renews it in this term
-        // (the hand-off's vote request skips the followers' lease, even once raft gave the
+        // Handing leadership on ends the lease, and nothing renews it in this term (the
+        // hand-off's vote request skips the followers' lease, even once raft gave the
         // hand-off up).
+        trio.settle();
+        let now = Instant::now();
+        assert_eq!(read(&mut trio, b"r6", now), ReadStart::At(committed));
+        let term = trio.replicas[leader].term(PG);
         let others: Vec<OsdId> = (0..3u32)
             .filter(|n| *n as usize != leader)
             .map(OsdId)
@@ -1102,10 +1159,7 @@ mod tests {
             trio.replicas[leader].reconfigure(PG, &others),
             Some(Reconfiguring::TransferringLeadership(_))
         ));
-        assert_eq!(trio.replicas[leader].lease_read(PG, soon), None);
-        let later = Instant::now();
-        trio.replicas[leader].extend_lease(PG, term, later, lease);
-        assert_eq!(trio.replicas[leader].lease_read(PG, later), None);
+        assert_eq!(read(&mut trio, b"r7", now), ReadStart::Confirming);
         // The hand-off's message is lost; raft gives the hand-off up after an election
         // timeout, still leading.
         trio.replicas[leader].collect(&mut Vec::new());
@@ -1116,9 +1170,12 @@ mod tests {
             trio.settle();
         }
         assert!(trio.replicas[leader].is_leader(PG));
-        assert_eq!(trio.replicas[leader].term(PG), Some(term));
-        trio.replicas[leader].extend_lease(PG, term, later, lease);
-        assert_eq!(trio.replicas[leader].lease_read(PG, later), None);
+        assert_eq!(trio.replicas[leader].term(PG), term);
+        let now = Instant::now();
+        assert_eq!(read(&mut trio, b"r8", now), ReadStart::Confirming);
+        trio.settle();
+        assert_eq!(trio.confirmed[leader].last(), Some(&b"r8".to_vec()));
+        assert_eq!(read(&mut trio, b"r9", now), ReadStart::Confirming);
     }
 
     #[test]

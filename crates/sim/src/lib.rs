@@ -3,14 +3,22 @@
 //! Several OSDs, each with a [`MultiRaft`] hosting every PG, run in one thread on a seeded
 //! generator. Production code runs; only its surroundings are simulated:
 //!
-//! - **Disk**: a persist completes a few steps after it is issued, in order; a crash loses
+//! - **Disk**: a persist completes a few steps after it is issued, in order, those issued
+//!   while a write is under way together in the next one (group commit); a crash loses
 //!   every persist still in flight (a torn tail), never one already complete.
 //! - **Network**: every message is delayed by a random number of steps (so messages
 //!   reorder), some are lost, and for a while one OSD may be cut off from the others.
 //! - **Crashes**: an OSD loses all volatile state and restarts later from its durable
 //!   records, as the real OSD replays its log.
+//! - **Pauses**: an OSD stops for a while (its clock does not tick, nothing reaches it);
+//!   when it goes on, clients reach it before the messages sent to it meanwhile do.
 //! - **Clients**: write proposals go to the OSD that believes it leads the PG; a write is
-//!   acknowledged when that OSD applies it.
+//!   acknowledged when that OSD applies it. Reads go to an OSD that believes it leads the PG
+//!   and are served as the OSDs serve them ([`MultiRaft::read`]: under the leader's lease,
+//!   or once a quorum confirmed the leadership), when that OSD has applied up to the
+//!   read's index; a simulated clock (a step is a tenth of a tick) measures the leases.
+//!   Every read must see every write acknowledged before it started: a stale read fails
+//!   the run.
 //! - **Membership**: every OSD hosts every PG, which starts on the first few; now and then a
 //!   PG's target members change (as the monitors' map would when OSDs go out or come in)
 //!   and its leader moves the voters there ([`MultiRaft::reconfigure`]).
@@ -21,12 +29,18 @@
 //! --seed N` replays it.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use basalt_common::{OsdId, PgId, PoolId};
-use basalt_replication::{Action, HardState, MultiRaft, RaftEntry, RaftMessage, Restored};
+use basalt_replication::multi_raft::ELECTION_TICKS;
+use basalt_replication::{
+    Action, HardState, MultiRaft, RaftEntry, RaftMessage, ReadStart, Restored,
+};
 
 /// Simulation steps per raft tick.
 const STEPS_PER_TICK: u64 = 10;
+/// A simulation step on the clock that measures leases (a tick is 100 ms, as in the OSD).
+const STEP: Duration = Duration::from_millis(10);
 
 /// What one run does.
 #[derive(Debug, Clone)]
@@ -55,8 +69,12 @@ pub struct SimConfig {
     pub crash: f64,
     /// Chance per step of cutting a random OSD off.
     pub partition: f64,
+    /// Chance per step of pausing a random OSD.
+    pub pause: f64,
     /// Chance per step of a client write.
     pub write: f64,
+    /// Chance per step of a client read.
+    pub read: f64,
 }
 
 impl SimConfig {
@@ -75,7 +93,9 @@ impl SimConfig {
             persist_max: 6,
             crash: 0.0004,
             partition: 0.0003,
-            write: 0.2,
+            pause: 0.0003,
+            write: 0.1,
+            read: 0.5,
         }
     }
 }
@@ -91,10 +111,16 @@ pub struct Outcome {
     pub crashes: u64,
     /// Partitions.
     pub partitions: u64,
+    /// Pauses.
+    pub pauses: u64,
     /// Steps until the healed cluster agreed.
     pub settle_steps: u64,
     /// Target membership changes.
     pub reconfigurations: u64,
+    /// Reads served.
+    pub reads: u64,
+    /// Of them, reads served under a lease (no quorum asked).
+    pub lease_reads: u64,
 }
 
 struct Rng(u64);
@@ -136,6 +162,18 @@ struct SimOsd {
     /// The index of the last entry applied (data or not), per PG.
     applied_index: BTreeMap<PgId, u64>,
     restart_at: Option<u64>,
+    /// The step until which this OSD is paused.
+    paused_until: Option<u64>,
+}
+
+impl SimOsd {
+    /// The OSD's raft, if it is up and not paused.
+    fn running(&mut self) -> Option<&mut MultiRaft> {
+        if self.paused_until.is_some() {
+            return None;
+        }
+        self.raft.as_mut()
+    }
 }
 
 struct Cluster {
@@ -152,7 +190,28 @@ struct Cluster {
     acknowledged: BTreeMap<u64, PgId>,
     /// Each PG's target members.
     targets: BTreeMap<PgId, Vec<OsdId>>,
+    /// Each PG's acknowledged writes, in the order they were acknowledged.
+    acknowledged_in_order: BTreeMap<PgId, Vec<u64>>,
+    next_read: u64,
+    /// Reads waiting for a quorum's confirmation, by id.
+    confirming: BTreeMap<u64, Read>,
+    /// Reads waiting for their OSD to apply up to their index.
+    waiting: Vec<(u64, Read)>,
+    /// The first stale read seen.
+    stale: Option<String>,
+    /// The clock at step 0.
+    epoch: Instant,
     outcome: Outcome,
+}
+
+/// A client read of a PG.
+struct Read {
+    pg: PgId,
+    via: OsdId,
+    /// How many of the PG's writes were acknowledged when the read started: it must see
+    /// them all.
+    acknowledged: usize,
+    started: u64,
 }
 
 fn write_id(data: &[u8]) -> Option<u64> {
@@ -180,6 +239,12 @@ impl Cluster {
             pending: BTreeMap::new(),
             acknowledged: BTreeMap::new(),
             targets: BTreeMap::new(),
+            acknowledged_in_order: BTreeMap::new(),
+            next_read: 0,
+            confirming: BTreeMap::new(),
+            waiting: Vec::new(),
+            stale: None,
+            epoch: Instant::now(),
             outcome: Outcome::default(),
             config,
         };
@@ -196,6 +261,7 @@ impl Cluster {
                 applied: BTreeMap::new(),
                 applied_index: BTreeMap::new(),
                 restart_at: None,
+                paused_until: None,
             });
         }
         for index in 0..cluster.osds.len() {
@@ -219,6 +285,9 @@ impl Cluster {
         let mut raft = MultiRaft::new(osd.id, seed);
         // As the OSDs run it.
         raft.set_lazy_commit(true);
+        raft.set_lease(Some(
+            STEP * STEPS_PER_TICK as u32 * ELECTION_TICKS as u32 / 2,
+        ));
         for &pg in &self.pgs {
             let mut restored = Restored::default();
             for record in osd.durable.iter().filter(|record| record.pg == pg) {
@@ -237,9 +306,13 @@ impl Cluster {
         let restart = self.now + 200 + self.rng.below(2000);
         let osd = &mut self.osds[index];
         osd.raft = None;
+        osd.paused_until = None;
         osd.in_flight.clear();
         osd.restart_at = Some(restart);
         self.pending.retain(|_, (_, via)| *via != osd.id);
+        let id = osd.id;
+        self.confirming.retain(|_, read| read.via != id);
+        self.waiting.retain(|(_, read)| read.via != id);
         self.outcome.crashes += 1;
     }
 
@@ -282,6 +355,15 @@ impl Cluster {
             self.targets.insert(pg, target);
             self.outcome.reconfigurations += 1;
         }
+        if self.rng.chance(self.config.pause) {
+            let victim = self.rng.below(self.osds.len() as u64) as usize;
+            let until = self.now + 100 + self.rng.below(1000);
+            let osd = &mut self.osds[victim];
+            if osd.raft.is_some() && osd.paused_until.is_none() {
+                osd.paused_until = Some(until);
+                self.outcome.pauses += 1;
+            }
+        }
         if self.rng.chance(self.config.crash) {
             let up: Vec<usize> = (0..self.osds.len())
                 .filter(|&i| self.osds[i].raft.is_some())
@@ -300,14 +382,14 @@ impl Cluster {
         let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
         let Some(index) = self
             .osds
-            .iter()
-            .position(|osd| osd.raft.as_ref().is_some_and(|raft| raft.is_leader(pg)))
+            .iter_mut()
+            .position(|osd| osd.running().is_some_and(|raft| raft.is_leader(pg)))
         else {
             return;
         };
         let id = self.next_write;
         let osd = &mut self.osds[index];
-        let raft = osd.raft.as_mut().expect("leader is up");
+        let raft = osd.running().expect("leader is up");
         if raft.propose(pg, id.to_le_bytes().to_vec()).is_ok() {
             self.next_write += 1;
             self.pending.insert(id, (pg, osd.id));
@@ -315,17 +397,97 @@ impl Cluster {
         }
     }
 
+    /// Starts a client read at an OSD that believes it leads the PG (any of them, if
+    /// several do).
+    fn start_reads(&mut self) {
+        if !self.faults || !self.rng.chance(self.config.read) {
+            return;
+        }
+        let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
+        let leaders: Vec<usize> = (0..self.osds.len())
+            .filter(|&i| {
+                self.osds[i]
+                    .running()
+                    .is_some_and(|raft| raft.is_leader(pg))
+            })
+            .collect();
+        if leaders.is_empty() {
+            return;
+        }
+        let index = leaders[self.rng.below(leaders.len() as u64) as usize];
+        let read = Read {
+            pg,
+            via: self.osds[index].id,
+            acknowledged: self.acknowledged_in_order.get(&pg).map_or(0, Vec::len),
+            started: self.now,
+        };
+        let id = self.next_read;
+        self.next_read += 1;
+        let now = self.epoch + STEP * self.now as u32;
+        let raft = self.osds[index].running().expect("a leader is up");
+        match raft.read(pg, &id.to_le_bytes(), now) {
+            ReadStart::At(at) => {
+                self.outcome.lease_reads += 1;
+                self.waiting.push((at, read));
+            }
+            ReadStart::Confirming => {
+                self.confirming.insert(id, read);
+            }
+            ReadStart::Refused => {}
+        }
+    }
+
+    /// Serves the reads whose OSD has applied up to their index, from what it applied.
+    fn serve_reads(&mut self) {
+        let osds = &self.osds;
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|(at, read)| {
+                osds[read.via.0 as usize]
+                    .applied_index
+                    .get(&read.pg)
+                    .copied()
+                    >= Some(*at)
+            });
+        self.waiting = waiting;
+        for (at, read) in ready {
+            self.outcome.reads += 1;
+            let seen: std::collections::BTreeSet<u64> = self.osds[read.via.0 as usize]
+                .applied
+                .get(&read.pg)
+                .into_iter()
+                .flatten()
+                .filter(|(index, _)| *index <= at)
+                .filter_map(|(_, data)| write_id(data))
+                .collect();
+            let acknowledged = self
+                .acknowledged_in_order
+                .get(&read.pg)
+                .map_or(&[][..], |ids| &ids[..read.acknowledged]);
+            if let Some(missed) = acknowledged.iter().find(|id| !seen.contains(id))
+                && self.stale.is_none()
+            {
+                self.stale = Some(format!(
+                    "pg {}: a read started at step {} and served by {} at index {at} misses \
+                     write {missed}, acknowledged before it started",
+                    read.pg, read.started, read.via
+                ));
+            }
+        }
+    }
+
     fn deliver_messages(&mut self) {
         let now = self.now;
+        let osds = &self.osds;
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.network)
             .into_iter()
-            .partition(|m| m.0 <= now);
+            .partition(|m| m.0 <= now && osds[m.2.0 as usize].paused_until.is_none());
         self.network = later;
         for (_, from, to, pg, message) in due {
             if !self.can_talk(from, to) {
                 continue;
             }
-            if let Some(raft) = self.osds[to.0 as usize].raft.as_mut() {
+            if let Some(raft) = self.osds[to.0 as usize].running() {
                 raft.step(pg, message);
             }
         }
@@ -333,6 +495,9 @@ impl Cluster {
 
     fn complete_persists(&mut self) {
         for index in 0..self.osds.len() {
+            if self.osds[index].paused_until.is_some() {
+                continue;
+            }
             while let Some((at, _)) = self.osds[index].in_flight.front() {
                 if *at > self.now {
                     break;
@@ -360,7 +525,7 @@ impl Cluster {
     fn run_actions(&mut self) {
         for index in 0..self.osds.len() {
             let mut actions = Vec::new();
-            match self.osds[index].raft.as_mut() {
+            match self.osds[index].running() {
                 Some(raft) => raft.collect(&mut actions),
                 None => continue,
             }
@@ -377,12 +542,20 @@ impl Cluster {
                         // The simulation never compacts: no snapshots.
                         ..
                     } => {
-                        // The log device completes persists in order.
-                        let last = self.osds[index]
-                            .in_flight
-                            .back()
-                            .map_or(self.now, |(at, _)| *at);
-                        let at = last.max(self.now) + 1 + self.rng.below(self.config.persist_max);
+                        // The log device completes persists in order, with group commit:
+                        // while one write is under way, what comes meanwhile gathers into
+                        // the next one, which starts when it ends.
+                        let in_flight = &self.osds[index].in_flight;
+                        let first = in_flight.front().map(|(at, _)| *at);
+                        let last = in_flight.back().map(|(at, _)| *at);
+                        let at = match (first, last) {
+                            (Some(first), Some(last)) if last > first => last,
+                            (_, last) => {
+                                last.unwrap_or(self.now).max(self.now)
+                                    + 1
+                                    + self.rng.below(self.config.persist_max)
+                            }
+                        };
                         let record = Record {
                             pg,
                             entries,
@@ -392,7 +565,16 @@ impl Cluster {
                         };
                         self.osds[index].in_flight.push_back((at, record));
                     }
-                    Action::ReadIndex { .. } => {}
+                    Action::ReadIndex { reads, .. } => {
+                        for (context, at) in reads {
+                            let Some(id) = context.try_into().ok().map(u64::from_le_bytes) else {
+                                continue;
+                            };
+                            if let Some(read) = self.confirming.remove(&id) {
+                                self.waiting.push((at, read));
+                            }
+                        }
+                    }
                     Action::Apply { pg, entries } => {
                         for entry in entries {
                             self.osds[index].applied_index.insert(pg, entry.index);
@@ -405,6 +587,7 @@ impl Cluster {
                             {
                                 self.pending.remove(&id);
                                 self.acknowledged.insert(id, pg);
+                                self.acknowledged_in_order.entry(pg).or_default().push(id);
                             }
                             self.osds[index]
                                 .applied
@@ -433,9 +616,29 @@ impl Cluster {
         self.now += 1;
         self.inject_faults();
         self.restart_due();
+        let (now, faults) = (self.now, self.faults);
+        for index in 0..self.osds.len() {
+            let osd = &mut self.osds[index];
+            if osd
+                .paused_until
+                .is_some_and(|until| until <= now || !faults)
+            {
+                osd.paused_until = None;
+                // What was sent to it meanwhile reaches it over the next steps.
+                let id = osd.id;
+                for message in self.network.iter_mut().filter(|m| m.2 == id) {
+                    message.0 = message
+                        .0
+                        .max(now + 1 + self.rng.below(self.config.delay_max));
+                }
+            }
+        }
+        // Clients first: one that reaches an OSD just back from a pause does so before
+        // the messages sent to it meanwhile.
+        self.start_reads();
         if self.now.is_multiple_of(STEPS_PER_TICK) {
             for osd in &mut self.osds {
-                if let Some(raft) = osd.raft.as_mut() {
+                if let Some(raft) = osd.running() {
                     raft.tick();
                     for (pg, target) in &self.targets {
                         raft.reconfigure(*pg, target);
@@ -447,6 +650,7 @@ impl Cluster {
         self.complete_persists();
         self.propose_writes();
         self.run_actions();
+        self.serve_reads();
     }
 
     /// Whether every PG has one leader, whose voters are the PG's target members, that has
@@ -491,6 +695,9 @@ impl Cluster {
     }
 
     fn check(&self) -> Result<(), String> {
+        if let Some(stale) = &self.stale {
+            return Err(stale.clone());
+        }
         for pg in &self.pgs {
             let voters = &self.targets[pg];
             let reference = self.osds[voters[0].0 as usize]

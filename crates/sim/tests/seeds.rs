@@ -2,7 +2,7 @@
 //! `cargo run -p basalt-sim -- --seed N` replays.
 
 #[test]
-fn acknowledged_writes_survive_and_replicas_agree() {
+fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     let seeds: u64 = std::env::var("BASALT_SIM_SEEDS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -10,18 +10,25 @@ fn acknowledged_writes_survive_and_replicas_agree() {
     let mut acknowledged = 0;
     let mut crashes = 0;
     let mut reconfigurations = 0;
+    let (mut reads, mut lease_reads) = (0, 0);
     for seed in 0..seeds {
         let outcome = basalt_sim::run(&basalt_sim::SimConfig::new(seed))
             .unwrap_or_else(|failure| panic!("{failure}"));
         acknowledged += outcome.acknowledged;
         crashes += outcome.crashes;
         reconfigurations += outcome.reconfigurations;
+        reads += outcome.reads;
+        lease_reads += outcome.lease_reads;
     }
     assert!(
         acknowledged > seeds * 100,
         "the runs must do real work: {acknowledged} acknowledged writes"
     );
     assert!(crashes > 0, "the runs must crash osds");
+    assert!(
+        lease_reads > seeds * 50 && reads > lease_reads + seeds * 10,
+        "the runs must read, under leases and not: {reads} reads, {lease_reads} under a lease"
+    );
     assert!(
         reconfigurations > seeds,
         "the runs must change memberships: {reconfigurations}"
