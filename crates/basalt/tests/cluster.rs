@@ -294,6 +294,28 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     );
 }
 
+#[test]
+fn an_exported_image_follows_a_resize() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-resize");
+    let cluster = small_osd_cluster(&dir.path, "96MiB", None, "16MiB");
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let blocks =
+        || target.rpc_ok("bdev_get_bdevs", json!({"name": "img"}))[0]["num_blocks"].as_u64();
+    assert_eq!(blocks(), Some(32768));
+    qemu_io_ok(&uri, false, &["write -P 0xa1 0 1M"]);
+    cluster.cli_ok(&["image", "resize", "rbd/vol", "--size", "32MiB"]);
+    wait_for("the bdev to grow", Duration::from_secs(10), || {
+        blocks() == Some(65536)
+    });
+    // A new connection sees the new size and uses all of it.
+    let info = run(Command::new("qemu-img").args(["info", "--output=json", &uri]));
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("qemu-img json");
+    assert_eq!(info["virtual-size"], 32u64 << 20);
+    qemu_io_ok(&uri, false, &["write -P 0x3c 31M 1M"]);
+    qemu_io_ok(&uri, true, &["read -P 0x3c 31M 1M", "read -P 0xa1 0 1M"]);
+}
+
 /// A monitor and three OSDs on devices of `device_size` (the last serving metrics on
 /// `metrics_port`, if given), a pool `rbd` of 8 PGs and an image `rbd/vol` of `image_size`,
 /// every PG active+clean.

@@ -6,6 +6,8 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use basalt_io::DmaBuf;
 
@@ -267,6 +269,75 @@ pub trait Bdev: Send + Sync {
         Err(self
             .info()
             .io_error(io::Error::from_raw_os_error(libc_errno::EOPNOTSUPP)))
+    }
+}
+
+/// How many times a bdev can grow.
+const GROWTHS_MAX: usize = 63;
+
+/// The info of a bdev whose size can grow: the info at creation and after each growth, each
+/// set once, so that a reference [`Bdev::info`] handed out stays valid while the bdev lives;
+/// an index points at the latest. No lock on the I/O path, nothing leaked.
+pub(crate) struct GrowingInfo {
+    infos: Box<[OnceLock<BdevInfo>]>,
+    current: AtomicUsize,
+    /// Growths, one at a time.
+    growing: Mutex<()>,
+}
+
+impl GrowingInfo {
+    pub(crate) fn new(info: BdevInfo) -> Self {
+        let infos: Box<[OnceLock<BdevInfo>]> = (0..=GROWTHS_MAX).map(|_| OnceLock::new()).collect();
+        infos[0].set(info).expect("a fresh cell");
+        Self {
+            infos,
+            current: AtomicUsize::new(0),
+            growing: Mutex::new(()),
+        }
+    }
+
+    /// The latest info.
+    pub(crate) fn get(&self) -> &BdevInfo {
+        self.infos[self.current.load(Ordering::Acquire)]
+            .get()
+            .expect("the current info is set")
+    }
+
+    /// Takes on the block count that `measure` finds (it runs under the growth lock) and
+    /// returns it. A smaller one is refused: blocks a guest may hold data in would vanish
+    /// under it. `what` names what backs the bdev, for the errors.
+    pub(crate) fn grow(
+        &self,
+        what: &str,
+        measure: impl FnOnce(&BdevInfo) -> Result<u64, BdevError>,
+    ) -> Result<u64, BdevError> {
+        let _one_at_a_time = self.growing.lock().unwrap_or_else(|p| p.into_inner());
+        let current = self.get();
+        let block_count = measure(current)?;
+        if block_count < current.block_count {
+            return Err(current.io_error(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{what} shrank to {block_count} blocks from {}; a bdev only grows",
+                    current.block_count
+                ),
+            )));
+        }
+        if block_count > current.block_count {
+            let next = self.current.load(Ordering::Acquire) + 1;
+            let grown = BdevInfo {
+                block_count,
+                ..current.clone()
+            };
+            if next > GROWTHS_MAX || self.infos[next].set(grown).is_err() {
+                return Err(current.io_error(io::Error::other(format!(
+                    "it has grown {GROWTHS_MAX} times, the most a bdev can; delete it and \
+                     create it again"
+                ))));
+            }
+            self.current.store(next, Ordering::Release);
+        }
+        Ok(block_count)
     }
 }
 

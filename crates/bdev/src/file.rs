@@ -1,13 +1,10 @@
 //! A bdev on a regular file or a block device, through [`FileEngine`] (io_uring, O_DIRECT).
 
-use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
 
 use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenError, OpenOptions};
 
-use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent};
+use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, GrowingInfo};
 
 /// How to open a file bdev.
 #[derive(Debug, Clone)]
@@ -40,18 +37,9 @@ pub enum FileBdevError {
     },
 }
 
-/// How many times a file bdev can grow.
-const GROWTHS_MAX: usize = 63;
-
 /// A bdev backed by a file or block device.
 pub struct FileBdev {
-    /// The info at creation and after each growth, each set once, so that a reference
-    /// [`Bdev::info`] handed out stays valid while the bdev lives; `current` indexes the
-    /// latest. No lock on the I/O path, nothing leaked.
-    infos: Box<[OnceLock<BdevInfo>]>,
-    current: AtomicUsize,
-    /// Rescans, one at a time.
-    rescanning: Mutex<()>,
+    info: GrowingInfo,
     engine: FileEngine,
 }
 
@@ -85,12 +73,8 @@ impl FileBdev {
             block_count,
             optimal_io_boundary_blocks: 0,
         };
-        let infos: Box<[OnceLock<BdevInfo>]> = (0..=GROWTHS_MAX).map(|_| OnceLock::new()).collect();
-        infos[0].set(info).expect("a fresh cell");
         Ok(Self {
-            infos,
-            current: AtomicUsize::new(0),
-            rescanning: Mutex::new(()),
+            info: GrowingInfo::new(info),
             engine,
         })
     }
@@ -127,44 +111,17 @@ impl FileBdev {
 
 impl Bdev for FileBdev {
     fn info(&self) -> &BdevInfo {
-        self.infos[self.current.load(Ordering::Acquire)]
-            .get()
-            .expect("the current info is set")
+        self.info.get()
     }
 
     fn rescan(&self) -> Result<u64, crate::BdevError> {
-        let _one_at_a_time = self.rescanning.lock().unwrap_or_else(|p| p.into_inner());
-        let current = self.info();
-        let size_bytes = std::fs::File::open(self.path())
-            .and_then(|file| basalt_io::device::size_bytes(&file))
-            .map_err(|error| current.io_error(error))?;
-        let block_count = size_bytes / u64::from(current.block_size);
-        if block_count < current.block_count {
-            // Blocks a guest may hold data in would vanish under it.
-            return Err(current.io_error(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{} shrank to {block_count} blocks from {}; a bdev only grows",
-                    self.path().display(),
-                    current.block_count
-                ),
-            )));
-        }
-        if block_count > current.block_count {
-            let next = self.current.load(Ordering::Acquire) + 1;
-            let grown = BdevInfo {
-                block_count,
-                ..current.clone()
-            };
-            if next > GROWTHS_MAX || self.infos[next].set(grown).is_err() {
-                return Err(current.io_error(io::Error::other(format!(
-                    "it has grown {GROWTHS_MAX} times, the most a file bdev can; \
-                     delete it and create it again"
-                ))));
-            }
-            self.current.store(next, Ordering::Release);
-        }
-        Ok(block_count)
+        let what = self.path().display().to_string();
+        self.info.grow(&what, |current| {
+            let size_bytes = std::fs::File::open(self.path())
+                .and_then(|file| basalt_io::device::size_bytes(&file))
+                .map_err(|error| current.io_error(error))?;
+            Ok(size_bytes / u64::from(current.block_size))
+        })
     }
 
     fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {

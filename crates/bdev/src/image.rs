@@ -4,25 +4,77 @@
 //! nothing to wait for beyond the writes in flight (which the frontend already waits for);
 //! write zeroes and discard both discard, since discarded ranges read as zeroes.
 
+use std::sync::Arc;
+
 use basalt_client::{ClientError, Image};
 use basalt_io::DmaBuf;
 
-use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, libc_errno};
+use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, GrowingInfo, libc_errno};
 
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
 
-/// A bdev over a Basalt image.
+/// A bdev over a Basalt image. It follows the image's size: when the cluster map says the
+/// image grew, so does the bdev (and the frontends that watch sizes tell their hosts).
 pub struct ImageBdev {
-    info: BdevInfo,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    info: GrowingInfo,
     /// Holds the cluster connection alive as well.
     image: Image,
 }
 
+impl Shared {
+    /// Takes on the image's size in the map now.
+    fn follow_size(&self) -> Result<u64, BdevError> {
+        self.info.grow(self.image.name(), |current| {
+            let size_bytes = self
+                .image
+                .size_bytes()
+                .map_err(|error| io_error(current, error))?;
+            Ok(size_bytes / u64::from(current.block_size))
+        })
+    }
+}
+
 impl ImageBdev {
-    /// A bdev of `info` over `image`.
+    /// A bdev of `info` over `image`; within a tokio runtime, it follows the image's size
+    /// from then on.
     pub fn new(info: BdevInfo, image: Image) -> Self {
-        Self { info, image }
+        let shared = Arc::new(Shared {
+            info: GrowingInfo::new(info),
+            image,
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let mut changes = shared.image.map_changes();
+            let bdev = Arc::downgrade(&shared);
+            runtime.spawn(async move {
+                let mut refused = None;
+                while changes.changed().await.is_ok() {
+                    let Some(shared) = bdev.upgrade() else {
+                        return;
+                    };
+                    let before = shared.info.get().block_count;
+                    match shared.follow_size() {
+                        Ok(blocks) if blocks != before => {
+                            tracing::info!(bdev = %shared.info.get().name, blocks, "image grew");
+                        }
+                        Ok(_) => {}
+                        Err(error) => {
+                            // Once per refusal, not at every map.
+                            let message = error.to_string();
+                            if refused.as_ref() != Some(&message) {
+                                tracing::warn!(%message, "the bdev keeps its size");
+                                refused = Some(message);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        Self { shared }
     }
 }
 
@@ -42,26 +94,34 @@ fn io_error(info: &BdevInfo, error: ClientError) -> BdevError {
 
 impl Bdev for ImageBdev {
     fn info(&self) -> &BdevInfo {
-        &self.info
+        self.shared.info.get()
+    }
+
+    /// Takes on the image's size in the cluster map now (the bdev does so by itself when a
+    /// new map arrives).
+    fn rescan(&self) -> Result<u64, BdevError> {
+        self.shared.follow_size()
     }
 
     fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
         Box::pin(async move {
             let data = self
+                .shared
                 .image
                 .read(extent.offset_bytes(), extent.len_bytes())
                 .await
-                .map_err(|error| io_error(&self.info, error))?;
+                .map_err(|error| io_error(self.info(), error))?;
             Ok(DmaBuf::from_slice(&data))
         })
     }
 
     fn write(&self, extent: Extent, data: DmaBuf, _fua: bool) -> BdevFuture<'_, ()> {
         Box::pin(async move {
-            self.image
+            self.shared
+                .image
                 .write(extent.offset_bytes(), &data[..extent.len_bytes() as usize])
                 .await
-                .map_err(|error| io_error(&self.info, error))
+                .map_err(|error| io_error(self.info(), error))
         })
     }
 
@@ -75,10 +135,11 @@ impl Bdev for ImageBdev {
 
     fn discard(&self, extent: Extent) -> BdevFuture<'_, ()> {
         Box::pin(async move {
-            self.image
+            self.shared
+                .image
                 .discard(extent.offset_bytes(), extent.len_bytes())
                 .await
-                .map_err(|error| io_error(&self.info, error))
+                .map_err(|error| io_error(self.info(), error))
         })
     }
 }

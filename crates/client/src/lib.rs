@@ -373,6 +373,12 @@ impl Image {
         self.id
     }
 
+    /// Follows the cluster map: `changed()` returns when a newer map arrives, and fails once
+    /// the cluster connection is gone.
+    pub fn map_changes(&self) -> watch::Receiver<Arc<ClusterMap>> {
+        self.cluster.map.clone()
+    }
+
     /// Its size now (it follows resizes).
     pub fn size_bytes(&self) -> Result<u64, ClientError> {
         self.cluster

@@ -60,6 +60,15 @@ pub struct BoundQueue {
     pub sq_flow_control_disabled: bool,
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// How often the target looks at its namespaces' sizes.
+const SIZE_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The NVMe/TCP target.
 pub struct NvmfTarget {
     reactors: Arc<Reactors>,
@@ -71,6 +80,8 @@ pub struct NvmfTarget {
     generation: AtomicU64,
     /// Queue pair counts.
     pub counters: QueueCounters,
+    /// The block count each namespace's controllers last heard of, by subsystem and id.
+    sizes: Mutex<BTreeMap<(String, u32), u64>>,
 }
 
 impl NvmfTarget {
@@ -85,7 +96,7 @@ impl NvmfTarget {
             true,
             (1, CONTROLLER_ID_MAX),
         ));
-        Arc::new(Self {
+        let target = Arc::new(Self {
             reactors,
             transport: Mutex::new(None),
             subsystems: RwLock::new(BTreeMap::new()),
@@ -94,7 +105,50 @@ impl NvmfTarget {
             next_port_id: AtomicU16::new(1),
             generation: AtomicU64::new(1),
             counters: QueueCounters::default(),
-        })
+            sizes: Mutex::new(BTreeMap::new()),
+        });
+        let watched = Arc::downgrade(&target);
+        let spawned = std::thread::Builder::new()
+            .name("nvmf-sizes".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(SIZE_WATCH_INTERVAL);
+                    let Some(target) = watched.upgrade() else {
+                        return;
+                    };
+                    target.announce_sizes();
+                }
+            });
+        if let Err(error) = spawned {
+            tracing::warn!(%error, "namespace sizes will not be watched");
+        }
+        target
+    }
+
+    /// Tells the controllers of each namespace whose bdev changed size since they last
+    /// heard of it (a rescan, a Basalt image that grew): a namespace attribute notice, after
+    /// which the host reads the namespace again.
+    fn announce_sizes(&self) {
+        for subsystem in self.subsystems() {
+            let (namespaces, controllers): (Vec<_>, Vec<_>) = {
+                let state = subsystem.lock();
+                (
+                    state.namespaces.values().cloned().collect(),
+                    state.controllers.values().cloned().collect(),
+                )
+            };
+            for namespace in namespaces {
+                let key = (subsystem.nqn.clone(), namespace.nsid);
+                let blocks = namespace.bdev.info().block_count;
+                let before = lock(&self.sizes).insert(key, blocks);
+                if before.is_some_and(|before| before != blocks) {
+                    tracing::info!(nqn = %subsystem.nqn, nsid = namespace.nsid, blocks, "namespace resized");
+                    for controller in &controllers {
+                        controller.namespace_changed(namespace.nsid);
+                    }
+                }
+            }
+        }
     }
 
     fn lock_listeners(&self) -> MutexGuard<'_, BTreeMap<ListenAddress, Listener>> {
@@ -176,6 +230,7 @@ impl NvmfTarget {
     /// Returns it, for the caller to release its bdevs.
     pub fn remove_subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
         let subsystem = self.write_subsystems().remove(nqn)?;
+        lock(&self.sizes).retain(|(of, _), _| *of != subsystem.nqn);
         let (controllers, listeners) = {
             let mut state = subsystem.lock();
             let controllers: Vec<_> = std::mem::take(&mut state.controllers)
@@ -197,6 +252,8 @@ impl NvmfTarget {
     /// Attaches a namespace and tells the subsystem's controllers.
     pub fn add_namespace(&self, subsystem: &Subsystem, namespace: Arc<Namespace>) {
         let nsid = namespace.nsid;
+        let blocks = namespace.bdev.info().block_count;
+        lock(&self.sizes).insert((subsystem.nqn.clone(), nsid), blocks);
         let controllers: Vec<_> = {
             let mut state = subsystem.lock();
             state.namespaces.insert(nsid, namespace);
@@ -209,6 +266,7 @@ impl NvmfTarget {
 
     /// Detaches a namespace and tells the subsystem's controllers.
     pub fn remove_namespace(&self, subsystem: &Subsystem, nsid: u32) -> Option<Arc<Namespace>> {
+        lock(&self.sizes).remove(&(subsystem.nqn.clone(), nsid));
         let (namespace, controllers) = {
             let mut state = subsystem.lock();
             let namespace = state.namespaces.remove(&nsid)?;

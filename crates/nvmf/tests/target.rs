@@ -449,14 +449,11 @@ async fn a_silent_host_loses_its_controller() {
     read_write_cycle(&host, 0, 0, 4096, 2).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
-    let fixture = fixture(json!({"trtype": "TCP"})).await;
-    let host = Arc::new(
-        Host::connect(fixture.address, NQN, HostOptions::default())
-            .await
-            .expect("connect"),
-    );
+type Notice =
+    tokio::task::JoinHandle<Result<basalt_nvmf::host::Completion, basalt_nvmf::host::HostError>>;
+
+/// Enables namespace attribute notices and leaves an Asynchronous Event Request waiting.
+async fn await_notice(host: &Arc<Host>) -> Notice {
     let config = Sqe {
         opcode: ADMIN_SET_FEATURES,
         cdw10: u32::from(FEATURE_ASYNC_EVENT_CONFIGURATION),
@@ -466,27 +463,19 @@ async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
     host.admin(config, Vec::new(), 0)
         .await
         .expect("enable notices");
-    let waiting = {
-        let host = host.clone();
-        tokio::spawn(async move {
-            let request = Sqe {
-                opcode: ADMIN_ASYNC_EVENT_REQUEST,
-                ..Sqe::default()
-            };
-            host.admin(request, Vec::new(), 0).await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(!waiting.is_finished(), "no event yet");
-    add_malloc(&fixture.registry, "Malloc1");
-    let nsid = rpc(
-        &fixture,
-        "nvmf_subsystem_add_ns",
-        json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc1", "nsid": 5}}),
-    )
-    .await
-    .expect("add");
-    assert_eq!(nsid, json!(5));
+    let host = host.clone();
+    tokio::spawn(async move {
+        let request = Sqe {
+            opcode: ADMIN_ASYNC_EVENT_REQUEST,
+            ..Sqe::default()
+        };
+        host.admin(request, Vec::new(), 0).await
+    })
+}
+
+/// The request `waiting` completes with a namespace attribute notice, and the changed
+/// namespace list names `nsid` (alone).
+async fn expect_notice(host: &Host, waiting: Notice, nsid: u8) {
     let event = tokio::time::timeout(Duration::from_secs(5), waiting)
         .await
         .expect("event in time")
@@ -500,7 +489,95 @@ async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
         .log_page(LOG_CHANGED_NAMESPACES, 0, 4096, false)
         .await
         .expect("changed list");
-    assert_eq!(&changed[..8], &[5, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(&changed[..8], &[nsid, 0, 0, 0, 0, 0, 0, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_that_grows_raises_an_event_and_reads_at_its_new_size() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let path = std::env::temp_dir().join(format!("basalt-nvmf-grow-{}", std::process::id()));
+    std::fs::File::create(&path)
+        .and_then(|file| file.set_len(4 << 20))
+        .expect("file");
+    basalt_bdev::rpc::call(
+        &fixture.registry,
+        "bdev_uring_create",
+        json!({"name": "Grow0", "filename": path, "buffered": true}),
+    )
+    .expect("a bdev method")
+    .expect("file bdev");
+    rpc(
+        &fixture,
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": "Grow0", "nsid": 2}}),
+    )
+    .await
+    .expect("add");
+    let host = Arc::new(
+        Host::connect(fixture.address, NQN, HostOptions::default())
+            .await
+            .expect("connect"),
+    );
+    assert_eq!(
+        host.namespace_geometry(2).await.expect("identify"),
+        (512, 8192)
+    );
+    let waiting = await_notice(&host).await;
+    // Past the end: refused until the bdev grows.
+    assert!(
+        host.read(0, 2, 12_000, 1, BLOCK).await.is_err(),
+        "beyond the end"
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|file| file.set_len(8 << 20))
+        .expect("grow the file");
+    basalt_bdev::rpc::call(
+        &fixture.registry,
+        "bdev_uring_rescan",
+        json!({"name": "Grow0"}),
+    )
+    .expect("a bdev method")
+    .expect("rescan");
+    expect_notice(&host, waiting, 2).await;
+    assert_eq!(
+        host.namespace_geometry(2).await.expect("identify"),
+        (512, 16384)
+    );
+    let data = vec![0x5au8; 512];
+    host.write(0, 2, 16_383, data.clone(), BLOCK, false)
+        .await
+        .expect("write in the new blocks");
+    assert_eq!(
+        host.read(0, 2, 16_383, 1, BLOCK).await.expect("read back"),
+        data
+    );
+    drop(host);
+    std::fs::remove_file(path).expect("remove");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let host = Arc::new(
+        Host::connect(fixture.address, NQN, HostOptions::default())
+            .await
+            .expect("connect"),
+    );
+    let waiting = await_notice(&host).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "no event yet");
+    add_malloc(&fixture.registry, "Malloc1");
+    let nsid = rpc(
+        &fixture,
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc1", "nsid": 5}}),
+    )
+    .await
+    .expect("add");
+    assert_eq!(nsid, json!(5));
+    expect_notice(&host, waiting, 5).await;
     assert_eq!(host.namespaces().await.expect("namespaces"), vec![1, 5]);
     // The bdev is claimed: it cannot be deleted while exported.
     rpc(
