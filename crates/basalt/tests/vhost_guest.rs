@@ -273,4 +273,20 @@ fn vhost_methods_name_what_is_wrong() {
     target.rpc_ok("vhost_delete_controller", json!({"ctrlr": "v"}));
     target.rpc_err("vhost_delete_controller", json!({"ctrlr": "v"}), -19);
     target.rpc_ok("bdev_malloc_delete", json!({"name": "m0"}));
+
+    // A controller whose socket file someone else removed is deleted all the same, and
+    // one left so does not keep the target from stopping.
+    for (ctrlr, bdev) in [("gone", "m1"), ("left", "m2")] {
+        target.rpc_ok(
+            "bdev_malloc_create",
+            json!({"name": bdev, "num_blocks": 64, "block_size": 512}),
+        );
+        target.rpc_ok(
+            "vhost_create_blk_controller",
+            json!({"ctrlr": ctrlr, "dev_name": bdev}),
+        );
+        std::fs::remove_file(dir.join(ctrlr)).expect("remove the socket");
+    }
+    target.rpc_ok("vhost_delete_controller", json!({"ctrlr": "gone"}));
+    target.stop();
 }

@@ -1,9 +1,10 @@
-//! File descriptors passed over a Unix stream socket (`SCM_RIGHTS`), as vhost-user does.
+//! File descriptors passed over a Unix stream socket (`SCM_RIGHTS`), as vhost-user does;
+//! and waking a thread blocked in a Unix listener's `accept`.
 #![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 
 /// Descriptors one message may carry at most (vhost-user's limit).
 pub const FDS_MAX: usize = 32;
@@ -138,6 +139,17 @@ pub fn send_with_fds(stream: &UnixStream, buf: &[u8], fds: &[BorrowedFd<'_>]) ->
             return Err(error);
         }
         sent += written as usize;
+    }
+    Ok(())
+}
+
+/// Wakes every thread blocked in `listener`'s `accept` (it fails with `EINVAL`) and makes
+/// further `accept`s fail: the way to stop a listener's thread that does not depend on its
+/// socket file still being there to connect to.
+pub fn shut_down_listener(listener: &UnixListener) -> io::Result<()> {
+    // SAFETY: shutdown on a descriptor that `listener` owns and keeps open.
+    if unsafe { libc::shutdown(listener.as_raw_fd(), libc::SHUT_RDWR) } != 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

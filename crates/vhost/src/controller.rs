@@ -37,6 +37,8 @@ pub struct Controller {
     pub cpumask: Option<String>,
     backend: Arc<BlkBackend>,
     stop: Arc<AtomicBool>,
+    /// The listener its thread accepts on (another handle to it), to wake that thread.
+    listener: UnixListener,
     thread: Option<JoinHandle<()>>,
     /// The private directory of the relay's socket to vhost-user-backend.
     relay_dir: PathBuf,
@@ -232,6 +234,14 @@ impl VhostServer {
             let _ = std::fs::remove_file(&socket);
             return Err(io_error(error));
         }
+        let waker = match listener.try_clone() {
+            Ok(waker) => waker,
+            Err(error) => {
+                let _ = std::fs::remove_file(&socket);
+                let _ = std::fs::remove_dir_all(&relay_dir);
+                return Err(io_error(error));
+            }
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (name, backend, stop) = (name.to_string(), backend.clone(), stop.clone());
@@ -260,6 +270,7 @@ impl VhostServer {
                 cpumask,
                 backend,
                 stop,
+                listener: waker,
                 thread: Some(thread),
             },
         );
@@ -308,11 +319,13 @@ impl VhostServer {
     }
 }
 
-/// Stops a controller's thread: wakes its listener with a connection of our own, which it
-/// takes as a frontend that leaves at once.
+/// Stops a controller's thread: shuts its listener down, which wakes the `accept` it waits
+/// in (whether or not the socket file is still there to connect to).
 fn stop(controller: &mut Controller) {
     controller.stop.store(true, Ordering::Release);
-    let _ = std::os::unix::net::UnixStream::connect(&controller.socket);
+    if let Err(error) = basalt_io::unix_fds::shut_down_listener(&controller.listener) {
+        tracing::warn!(ctrlr = controller.name, %error, "could not wake the controller's listener");
+    }
     if let Some(thread) = controller.thread.take()
         && !controller.attached()
     {
@@ -334,6 +347,8 @@ fn serve(
     while !stop.load(Ordering::Acquire) {
         let frontend = match listener.accept() {
             Ok((frontend, _)) => frontend,
+            // Woken to stop (see `stop`).
+            Err(_) if stop.load(Ordering::Acquire) => break,
             Err(error) => {
                 tracing::warn!(ctrlr = name, %error, "vhost accept failed");
                 std::thread::sleep(Duration::from_millis(100));

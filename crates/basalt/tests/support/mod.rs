@@ -168,11 +168,22 @@ impl TargetProcess {
         answer["port"].as_u64().expect("port") as u16
     }
 
-    /// SIGTERM, then waits for a clean exit.
+    /// SIGTERM, then waits (30 s at most) for a clean exit.
     pub fn stop(mut self) {
         let pid = self.child.id().to_string();
         run_ok(Command::new("kill").args(["-TERM", &pid]));
-        let status = self.child.wait().expect("wait");
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "target still running 30 s after SIGTERM: {}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
         assert!(
             status.success(),
             "target exited with {status}: {}",
