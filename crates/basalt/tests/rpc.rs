@@ -136,6 +136,10 @@ fn target_methods_and_their_errors() {
     sparse_file(&file, 8 << 20);
     let message = target.rpc_err("bdev_aio_rescan", json!({"name": "f0"}), INVALID_PARAMS);
     assert!(message.contains("only grows"), "{message}");
+    // A file gone from under the bdev: the target's trouble, not the caller's.
+    std::fs::remove_file(&file).expect("remove");
+    let message = target.rpc_err("bdev_uring_rescan", json!({"name": "f0"}), -32603);
+    assert!(message.contains("No such file"), "{message}");
     sparse_file(&file, 12 << 20);
     target.rpc_err("bdev_uring_rescan", json!({"name": "nope"}), NO_DEVICE);
     let message = target.rpc_err(

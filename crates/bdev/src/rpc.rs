@@ -285,11 +285,19 @@ fn delete(
     Ok(json!(true))
 }
 
-/// `bdev_uring_rescan`: the file bdev takes on its file's size now (it may only grow).
+/// `bdev_uring_rescan`: the file bdev takes on its file's size now (it may only grow). A
+/// shrunk file is the caller's mistake (invalid parameters); a file that cannot be measured
+/// any more, or a bdev that has grown too often, is the target's (internal error).
 fn rescan(registry: &BdevRegistry, params: DeleteParams) -> Result<Value, RpcError> {
     let bdev = registry.get(&params.name, BdevKind::File)?;
-    bdev.rescan()
-        .map_err(|error| RpcError::invalid_params(error.to_string()))?;
+    bdev.rescan().map_err(|error| match &error {
+        crate::BdevError::Io { source, .. }
+            if source.kind() != std::io::ErrorKind::InvalidInput =>
+        {
+            RpcError::internal(error.to_string())
+        }
+        _ => RpcError::invalid_params(error.to_string()),
+    })?;
     Ok(json!(true))
 }
 
