@@ -80,8 +80,9 @@ pub struct NvmfTarget {
     generation: AtomicU64,
     /// Queue pair counts.
     pub counters: QueueCounters,
-    /// The block count each namespace's controllers last heard of, by subsystem and id.
-    sizes: Mutex<BTreeMap<(String, u32), u64>>,
+    /// The block count each namespace's controllers last heard of, by subsystem and id,
+    /// with the namespace it was of (its address: an id may be reused by another).
+    sizes: Mutex<BTreeMap<(String, u32), (usize, u64)>>,
 }
 
 impl NvmfTarget {
@@ -130,21 +131,37 @@ impl NvmfTarget {
     /// which the host reads the namespace again.
     fn announce_sizes(&self) {
         for subsystem in self.subsystems() {
-            let (namespaces, controllers): (Vec<_>, Vec<_>) = {
+            // Sizes read with the controllers listed: one that connects later reads the
+            // new size itself.
+            let (sizes, controllers): (Vec<_>, Vec<_>) = {
                 let state = subsystem.lock();
                 (
-                    state.namespaces.values().cloned().collect(),
+                    state
+                        .namespaces
+                        .values()
+                        .map(|namespace| {
+                            let of = Arc::as_ptr(namespace) as usize;
+                            (namespace.nsid, of, namespace.bdev.info().block_count)
+                        })
+                        .collect(),
                     state.controllers.values().cloned().collect(),
                 )
             };
-            for namespace in namespaces {
-                let key = (subsystem.nqn.clone(), namespace.nsid);
-                let blocks = namespace.bdev.info().block_count;
-                let before = lock(&self.sizes).insert(key, blocks);
-                if before.is_some_and(|before| before != blocks) {
-                    tracing::info!(nqn = %subsystem.nqn, nsid = namespace.nsid, blocks, "namespace resized");
+            for (nsid, of, blocks) in sizes {
+                let key = (subsystem.nqn.clone(), nsid);
+                // Only namespaces still known (one removed meanwhile is not put back) and
+                // still the same.
+                let changed = match lock(&self.sizes).get_mut(&key) {
+                    Some(known) if known.0 == of && known.1 != blocks => {
+                        known.1 = blocks;
+                        true
+                    }
+                    _ => false,
+                };
+                if changed {
+                    tracing::info!(nqn = %subsystem.nqn, nsid, blocks, "namespace resized");
                     for controller in &controllers {
-                        controller.namespace_changed(namespace.nsid);
+                        controller.namespace_changed(nsid);
                     }
                 }
             }
@@ -252,8 +269,11 @@ impl NvmfTarget {
     /// Attaches a namespace and tells the subsystem's controllers.
     pub fn add_namespace(&self, subsystem: &Subsystem, namespace: Arc<Namespace>) {
         let nsid = namespace.nsid;
-        let blocks = namespace.bdev.info().block_count;
-        lock(&self.sizes).insert((subsystem.nqn.clone(), nsid), blocks);
+        let known = (
+            Arc::as_ptr(&namespace) as usize,
+            namespace.bdev.info().block_count,
+        );
+        lock(&self.sizes).insert((subsystem.nqn.clone(), nsid), known);
         let controllers: Vec<_> = {
             let mut state = subsystem.lock();
             state.namespaces.insert(nsid, namespace);

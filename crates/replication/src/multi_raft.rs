@@ -593,7 +593,8 @@ impl MultiRaft {
         (raft.raft_log.term(committed).ok()? == raft.term).then_some(committed)
     }
 
-    /// Starts a read of `pg` at `now`: served at once under the leader's lease (renewed in
+    /// Starts a read of `pg` at `now` (`context` should be unique among the reads waiting):
+    /// served at once under the leader's lease (renewed in
     /// the background once half of it is gone), else once a quorum confirms the leadership
     /// (raft's read index), when [`Action::ReadIndex`] comes with `context`. Raft drops
     /// the request silently if leadership is lost meanwhile.
@@ -625,7 +626,9 @@ impl MultiRaft {
         }
         let mut tagged = vec![READ_CONTEXT];
         tagged.extend_from_slice(context);
-        group.asked.insert(tagged.clone(), (term, now));
+        // Raft takes a context it already waits for as the same request: the lease then
+        // counts from the first ask.
+        group.asked.entry(tagged.clone()).or_insert((term, now));
         group.node.read_index(tagged);
         ReadStart::Confirming
     }
@@ -641,7 +644,9 @@ impl MultiRaft {
         {
             return;
         }
-        let until = asked + lease;
+        let Some(until) = asked.checked_add(lease) else {
+            return;
+        };
         if group
             .lease
             .is_none_or(|(held_term, held)| held_term != term || held < until)
@@ -1148,7 +1153,8 @@ mod tests {
         // hand-off's vote request skips the followers' lease, even once raft gave the
         // hand-off up).
         trio.settle();
-        let now = Instant::now();
+        // r5, asked at 800 ms, was confirmed just now: the lease runs to 1.3 s.
+        let now = at(900);
         assert_eq!(read(&mut trio, b"r6", now), ReadStart::At(committed));
         let term = trio.replicas[leader].term(PG);
         let others: Vec<OsdId> = (0..3u32)
