@@ -324,6 +324,7 @@ mod tests {
             bdev: Arc::new(basalt_bdev::malloc::MallocBdev::new_named("m", 4096, 256)),
             uuid: [7; 16],
             nguid: [9; 16],
+            announced_blocks: 256.into(),
         }
     }
 

@@ -606,6 +606,7 @@ fn add_ns(
     let namespace = Namespace {
         nsid,
         bdev_name: requested.bdev_name.clone(),
+        announced_blocks: bdev.info().block_count.into(),
         bdev,
         uuid,
         nguid: nguid.unwrap_or(uuid),

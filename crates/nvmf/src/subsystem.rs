@@ -301,6 +301,9 @@ pub struct Namespace {
     pub uuid: [u8; 16],
     /// The namespace globally unique identifier.
     pub nguid: [u8; 16],
+    /// The block count its controllers were last told of (the bdev's at first); the
+    /// target notices when the bdev's differs.
+    pub announced_blocks: std::sync::atomic::AtomicU64,
 }
 
 /// A subsystem's changeable state.

@@ -60,12 +60,6 @@ pub struct BoundQueue {
     pub sq_flow_control_disabled: bool,
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 /// How often the target looks at its namespaces' sizes.
 const SIZE_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -80,9 +74,6 @@ pub struct NvmfTarget {
     generation: AtomicU64,
     /// Queue pair counts.
     pub counters: QueueCounters,
-    /// The block count each namespace's controllers last heard of, by subsystem and id,
-    /// with the namespace it was of (its address: an id may be reused by another).
-    sizes: Mutex<BTreeMap<(String, u32), (usize, u64)>>,
 }
 
 impl NvmfTarget {
@@ -106,7 +97,6 @@ impl NvmfTarget {
             next_port_id: AtomicU16::new(1),
             generation: AtomicU64::new(1),
             counters: QueueCounters::default(),
-            sizes: Mutex::new(BTreeMap::new()),
         });
         let watched = Arc::downgrade(&target);
         let spawned = std::thread::Builder::new()
@@ -131,38 +121,27 @@ impl NvmfTarget {
     /// which the host reads the namespace again.
     fn announce_sizes(&self) {
         for subsystem in self.subsystems() {
-            // Sizes read with the controllers listed: one that connects later reads the
-            // new size itself.
-            let (sizes, controllers): (Vec<_>, Vec<_>) = {
+            // Sizes compared with the controllers listed, under the subsystem's lock: one
+            // that connects later reads the new size itself.
+            let (resized, controllers): (Vec<u32>, Vec<_>) = {
                 let state = subsystem.lock();
                 (
                     state
                         .namespaces
                         .values()
-                        .map(|namespace| {
-                            let of = Arc::as_ptr(namespace) as usize;
-                            (namespace.nsid, of, namespace.bdev.info().block_count)
+                        .filter(|namespace| {
+                            let blocks = namespace.bdev.info().block_count;
+                            namespace.announced_blocks.swap(blocks, Ordering::AcqRel) != blocks
                         })
+                        .map(|namespace| namespace.nsid)
                         .collect(),
                     state.controllers.values().cloned().collect(),
                 )
             };
-            for (nsid, of, blocks) in sizes {
-                let key = (subsystem.nqn.clone(), nsid);
-                // Only namespaces still known (one removed meanwhile is not put back) and
-                // still the same.
-                let changed = match lock(&self.sizes).get_mut(&key) {
-                    Some(known) if known.0 == of && known.1 != blocks => {
-                        known.1 = blocks;
-                        true
-                    }
-                    _ => false,
-                };
-                if changed {
-                    tracing::info!(nqn = %subsystem.nqn, nsid, blocks, "namespace resized");
-                    for controller in &controllers {
-                        controller.namespace_changed(nsid);
-                    }
+            for nsid in resized {
+                tracing::info!(nqn = %subsystem.nqn, nsid, "namespace resized");
+                for controller in &controllers {
+                    controller.namespace_changed(nsid);
                 }
             }
         }
@@ -247,7 +226,6 @@ impl NvmfTarget {
     /// Returns it, for the caller to release its bdevs.
     pub fn remove_subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
         let subsystem = self.write_subsystems().remove(nqn)?;
-        lock(&self.sizes).retain(|(of, _), _| *of != subsystem.nqn);
         let (controllers, listeners) = {
             let mut state = subsystem.lock();
             let controllers: Vec<_> = std::mem::take(&mut state.controllers)
@@ -269,11 +247,6 @@ impl NvmfTarget {
     /// Attaches a namespace and tells the subsystem's controllers.
     pub fn add_namespace(&self, subsystem: &Subsystem, namespace: Arc<Namespace>) {
         let nsid = namespace.nsid;
-        let known = (
-            Arc::as_ptr(&namespace) as usize,
-            namespace.bdev.info().block_count,
-        );
-        lock(&self.sizes).insert((subsystem.nqn.clone(), nsid), known);
         let controllers: Vec<_> = {
             let mut state = subsystem.lock();
             state.namespaces.insert(nsid, namespace);
@@ -286,7 +259,6 @@ impl NvmfTarget {
 
     /// Detaches a namespace and tells the subsystem's controllers.
     pub fn remove_namespace(&self, subsystem: &Subsystem, nsid: u32) -> Option<Arc<Namespace>> {
-        lock(&self.sizes).remove(&(subsystem.nqn.clone(), nsid));
         let (namespace, controllers) = {
             let mut state = subsystem.lock();
             let namespace = state.namespaces.remove(&nsid)?;

@@ -1401,16 +1401,10 @@ impl Core {
             reply: reply_to,
         };
         let id = self.next_read;
+        self.next_read += 1;
         match self.raft.read(pg, &id.to_le_bytes(), read.arrived) {
-            ReadStart::At(index) => {
-                if self.applied.get(&pg).copied().unwrap_or(0) >= index {
-                    self.serve_read(pg, read);
-                } else {
-                    self.reads.entry(pg).or_default().push((index, read));
-                }
-            }
+            ReadStart::At(index) => self.serve_at(pg, index, read),
             ReadStart::Confirming => {
-                self.next_read += 1;
                 self.confirming.insert(id, (pg, read));
             }
             ReadStart::Refused => {
@@ -1730,19 +1724,22 @@ impl Core {
 
     /// Reads whose leadership check came back: served once the PG applied up to the index.
     fn confirmed(&mut self, pg: PgId, reads: Vec<(Vec<u8>, u64)>) {
-        let applied = self.applied.get(&pg).copied().unwrap_or(0);
         for (context, index) in reads {
             let Some(id) = context.try_into().ok().map(u64::from_le_bytes) else {
                 continue;
             };
-            let Some((_, read)) = self.confirming.remove(&id) else {
-                continue;
-            };
-            if applied >= index {
-                self.serve_read(pg, read);
-            } else {
-                self.reads.entry(pg).or_default().push((index, read));
+            if let Some((_, read)) = self.confirming.remove(&id) {
+                self.serve_at(pg, index, read);
             }
+        }
+    }
+
+    /// Serves `read` once the PG has applied up to `index`: now, or when `apply` gets there.
+    fn serve_at(&mut self, pg: PgId, index: u64, read: ReadRequest) {
+        if self.applied.get(&pg).copied().unwrap_or(0) >= index {
+            self.serve_read(pg, read);
+        } else {
+            self.reads.entry(pg).or_default().push((index, read));
         }
     }
 

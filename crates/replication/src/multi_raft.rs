@@ -149,20 +149,18 @@ struct Group {
     /// it applied only once it is durable.
     snapshot_persisting: Option<(u64, u64)>,
     /// Ticks since this replica was created (or restored): it grants no votes for the
-    /// first [`ELECTION_TICKS`] of them (see [`MultiRaft::extend_lease`]).
+    /// first [`ELECTION_TICKS`] of them (see [`MultiRaft::set_lease`]).
     ticks: usize,
     /// While leading: the term and the instant until which no other replica can have
-    /// been elected (see [`MultiRaft::extend_lease`]).
+    /// been elected (see [`MultiRaft::set_lease`]).
     lease: Option<(u64, Instant)>,
     /// The last term in which this replica began to hand leadership on: it takes no lease
     /// for the rest of that term (a hand-off's vote request skips the followers' lease, and
     /// may arrive late, after raft gave the hand-off up).
     handed_on: Option<u64>,
     /// Read indexes asked and not yet confirmed, by their context given to raft: the term
-    /// and the instant they were asked.
+    /// and the instant they were asked. Renewals sort after reads (their first byte).
     asked: BTreeMap<Vec<u8>, (u64, Instant)>,
-    /// When the lease renewal in flight, if any, was asked.
-    renewing: Option<Instant>,
     /// Numbers the lease renewals.
     renewals: u64,
 }
@@ -447,7 +445,6 @@ impl MultiRaft {
             lease: None,
             handed_on: None,
             asked: BTreeMap::new(),
-            renewing: None,
             renewals: 0,
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
@@ -611,15 +608,17 @@ impl MultiRaft {
             *held_term == term && group.node.raft.lead_transferee.is_none() && now < *until
         });
         if let (Some((_, until)), Some(lease)) = (held, lease) {
+            // One renewal at a time, unless the one out is older than a lease (raft dropped
+            // it, or it is stuck).
             let renewing = group
-                .renewing
-                .is_some_and(|asked| now.duration_since(asked) < lease);
+                .asked
+                .range(vec![RENEWAL_CONTEXT]..)
+                .any(|(_, (_, asked))| now.duration_since(*asked) < lease);
             if until - now < lease / 2 && !renewing {
                 group.renewals += 1;
                 let mut renewal = vec![RENEWAL_CONTEXT];
                 renewal.extend_from_slice(&group.renewals.to_le_bytes());
                 group.asked.insert(renewal.clone(), (term, now));
-                group.renewing = Some(now);
                 group.node.read_index(renewal);
             }
             return ReadStart::At(barrier);
@@ -752,15 +751,13 @@ impl MultiRaft {
                 if let (Some((term, at)), Some(lease)) = (asked, self.lease) {
                     Self::extend_lease(group, lease, term, at);
                 }
-                match state.request_ctx.split_first() {
-                    Some((&READ_CONTEXT, context)) => reads.push((context.to_vec(), state.index)),
-                    _ => group.renewing = None,
+                if let Some((&READ_CONTEXT, context)) = state.request_ctx.split_first() {
+                    reads.push((context.to_vec(), state.index));
                 }
             }
             if group.node.raft.state != StateRole::Leader {
                 // Raft forgot the read indexes asked while leading.
                 group.asked.clear();
-                group.renewing = None;
             }
             if !reads.is_empty() {
                 actions.push(Action::ReadIndex { pg, reads });
@@ -1177,7 +1174,7 @@ mod tests {
         }
         assert!(trio.replicas[leader].is_leader(PG));
         assert_eq!(trio.replicas[leader].term(PG), term);
-        let now = Instant::now();
+        let now = at(1000);
         assert_eq!(read(&mut trio, b"r8", now), ReadStart::Confirming);
         trio.settle();
         assert_eq!(trio.confirmed[leader].last(), Some(&b"r8".to_vec()));

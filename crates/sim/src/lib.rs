@@ -187,11 +187,10 @@ struct Cluster {
     faults: bool,
     next_write: u64,
     pending: BTreeMap<u64, (PgId, OsdId)>,
-    acknowledged: BTreeMap<u64, PgId>,
+    /// Each PG's acknowledged writes, in the order they were acknowledged.
+    acknowledged: BTreeMap<PgId, Vec<u64>>,
     /// Each PG's target members.
     targets: BTreeMap<PgId, Vec<OsdId>>,
-    /// Each PG's acknowledged writes, in the order they were acknowledged.
-    acknowledged_in_order: BTreeMap<PgId, Vec<u64>>,
     next_read: u64,
     /// Reads waiting for a quorum's confirmation, by id.
     confirming: BTreeMap<u64, Read>,
@@ -239,7 +238,6 @@ impl Cluster {
             pending: BTreeMap::new(),
             acknowledged: BTreeMap::new(),
             targets: BTreeMap::new(),
-            acknowledged_in_order: BTreeMap::new(),
             next_read: 0,
             confirming: BTreeMap::new(),
             waiting: Vec::new(),
@@ -418,7 +416,7 @@ impl Cluster {
         let read = Read {
             pg,
             via: self.osds[index].id,
-            acknowledged: self.acknowledged_in_order.get(&pg).map_or(0, Vec::len),
+            acknowledged: self.acknowledged.get(&pg).map_or(0, Vec::len),
             started: self.now,
         };
         let id = self.next_read;
@@ -461,7 +459,7 @@ impl Cluster {
                 .filter_map(|(_, data)| write_id(data))
                 .collect();
             let acknowledged = self
-                .acknowledged_in_order
+                .acknowledged
                 .get(&read.pg)
                 .map_or(&[][..], |ids| &ids[..read.acknowledged]);
             if let Some(missed) = acknowledged.iter().find(|id| !seen.contains(id))
@@ -586,8 +584,7 @@ impl Cluster {
                                 && self.pending.get(&id) == Some(&(pg, from))
                             {
                                 self.pending.remove(&id);
-                                self.acknowledged.insert(id, pg);
-                                self.acknowledged_in_order.entry(pg).or_default().push(id);
+                                self.acknowledged.entry(pg).or_default().push(id);
                             }
                             self.osds[index]
                                 .applied
@@ -728,13 +725,16 @@ impl Cluster {
                 }
             }
         }
-        for (id, pg) in &self.acknowledged {
+        for (pg, ids) in &self.acknowledged {
             let voter = self.targets[pg][0];
             let log = self.osds[voter.0 as usize]
                 .applied
                 .get(pg)
                 .map_or(&[][..], Vec::as_slice);
-            if !log.iter().any(|(_, data)| write_id(data) == Some(*id)) {
+            if let Some(id) = ids
+                .iter()
+                .find(|id| !log.iter().any(|(_, data)| write_id(data) == Some(**id)))
+            {
                 return Err(format!("acknowledged write {id} of pg {pg} is lost"));
             }
         }
@@ -761,7 +761,8 @@ pub fn run(config: &SimConfig) -> Result<Outcome, String> {
         cluster.step();
     }
     cluster.outcome.settle_steps = cluster.now - settle_start;
-    cluster.outcome.acknowledged = cluster.acknowledged.len() as u64;
+    cluster.outcome.acknowledged =
+        cluster.acknowledged.values().map(Vec::len).sum::<usize>() as u64;
     cluster
         .check()
         .map_err(|failure| format!("seed {}: {failure}", config.seed))?;

@@ -221,6 +221,11 @@ impl VhostServer {
                 socket.display()
             )))
         })?;
+        // A second handle, kept to wake the controller's thread when it is stopped.
+        let waker = listener.try_clone().map_err(|error| {
+            let _ = std::fs::remove_file(&socket);
+            io_error(error)
+        })?;
         // vhost-user-backend's end of the relay: it connects to a socket in a directory
         // only this user may enter, so that no other process can pose as it.
         static RELAY_DIRS: AtomicU64 = AtomicU64::new(0);
@@ -234,14 +239,6 @@ impl VhostServer {
             let _ = std::fs::remove_file(&socket);
             return Err(io_error(error));
         }
-        let waker = match listener.try_clone() {
-            Ok(waker) => waker,
-            Err(error) => {
-                let _ = std::fs::remove_file(&socket);
-                let _ = std::fs::remove_dir_all(&relay_dir);
-                return Err(io_error(error));
-            }
-        };
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (name, backend, stop) = (name.to_string(), backend.clone(), stop.clone());
