@@ -8,7 +8,8 @@
 # Usage: bench/vhost-vs-qsd.sh [REPORT.md]
 # Environment: SIZE_MIB (each file, default 256), RUNTIME (seconds per run, default 10),
 # BASALT (default target/release/basalt, built if absent), CPUMASK (the controller's
-# cpumask, e.g. 0x1: its requests and its vring thread on CPU 0; default: none).
+# cpumask, e.g. 0x1: its requests and its vring thread on CPU 0; default: none), FIRST
+# (basalt or qsd: which runs first in each case, default basalt).
 set -euo pipefail
 
 if [ "${1:-}" != "--guest" ]; then
@@ -39,29 +40,34 @@ if [ "${1:-}" != "--guest" ]; then
     pids+=($!)
     for _ in $(seq 100); do [ -S "$work/qsd.sock" ] && [ -S "$work/vhost.0" ] && break; sleep 0.1; done
     console=$work/console.log
-    BASALT_GUEST_TIMEOUT=1200 "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" -- \
+    BASALT_GUEST_TIMEOUT=1200 "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" "${FIRST:-basalt}" -- \
         -chardev "socket,id=vu0,path=$work/vhost.0" -device vhost-user-blk-pci,chardev=vu0,num-queues=1 \
         -chardev "socket,id=vu1,path=$work/qsd.sock" -device vhost-user-blk-pci,chardev=vu1,num-queues=1 \
         | tee "$console" >&2
     {
-        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, TCG guest, files on the host)"
+        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, ${FIRST:-basalt} first, TCG guest, files on the host)"
         echo
         echo "| case | qemu-storage-daemon IOPS | qsd mean µs | Basalt IOPS | Basalt mean µs | Basalt / qsd |"
         echo "|---|---:|---:|---:|---:|---:|"
         awk -v peer=qsd -f "$SCRIPT_DIR/guest-results.awk" "$console"
+        echo
+        in_place=$("$BASALT" rpc -s "$work/rpc.sock" vhost_get_controllers | grep -o '"in_place_requests": *[0-9]*' | grep -o '[0-9]*$' || true)
+        echo "Basalt requests served in place (guest memory to the file, from the vring thread): ${in_place:-unknown}"
     } | if [ -n "$REPORT" ]; then tee "$REPORT"; else cat; fi
     exit 0
 fi
 
 # --- inside the guest -------------------------------------------------------------------
 runtime=$2
+order="basalt qsd"
+[ "${3:-basalt}" = qsd ] && order="qsd basalt"
 modprobe virtio_blk
 for _ in $(seq 100); do [ -b /dev/vda ] && [ -b /dev/vdb ] && break; sleep 0.1; done
 # Terse output (version 3): read IOPS in field 8, read mean latency (µs) in 40; write
 # IOPS in 49, write mean latency in 81.
 for rw in randread randwrite; do
   for qd in 1 32; do
-    for who in basalt qsd; do
+    for who in $order; do
       device=/dev/vda
       [ "$who" = qsd ] && device=/dev/vdb
       line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 \

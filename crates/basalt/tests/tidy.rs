@@ -93,7 +93,8 @@ fn libraries_do_not_print() {
 
 #[test]
 fn unsafe_only_in_allowed_modules() {
-    let allowed = ["crates/io/src/"];
+    // STYLE.md §5: io, and vhost's guest memory handed to io_uring.
+    let allowed = ["crates/io/src/", "crates/vhost/src/direct.rs"];
     for (_, file, text) in sources() {
         let path = file.to_string_lossy();
         let uses_unsafe =
@@ -101,7 +102,7 @@ fn unsafe_only_in_allowed_modules() {
         if uses_unsafe {
             assert!(
                 allowed.iter().any(|a| path.contains(a)),
-                "{path} uses unsafe outside io/"
+                "{path} uses unsafe outside the modules allowed"
             );
             assert!(
                 text.contains("#![allow(unsafe_code)]"),

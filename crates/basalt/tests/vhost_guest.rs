@@ -203,6 +203,16 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         target.log_text()
     );
     assert!(console.contains("vhost_restart: rebooting"), "{console}");
+    // The guest's reads and writes of the file bdev went in place (guest memory to the
+    // file from the vring thread), since the restart too.
+    let controllers = target.rpc_ok("vhost_get_controllers", json!({"name": "vhost.r"}));
+    let in_place = controllers[0]["in_place_requests"]
+        .as_u64()
+        .expect("a count");
+    assert!(
+        in_place > 1000,
+        "{in_place} requests in place: {controllers}"
+    );
     target.stop();
 }
 

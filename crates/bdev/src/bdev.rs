@@ -8,6 +8,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 use basalt_io::DmaBuf;
 
@@ -238,6 +239,15 @@ pub struct IoStatsSnapshot {
     pub unmap_latency_ns: u64,
 }
 
+/// The file under a bdev, to read and write in place ([`Bdev::in_place`]).
+#[derive(Debug, Clone, Copy)]
+pub struct InPlace<'a> {
+    /// The open file; offsets are the bdev's.
+    pub file: &'a std::fs::File,
+    /// Every buffer's address and length must be a multiple of this (O_DIRECT).
+    pub alignment: u32,
+}
+
 /// A block device. Every request's range was checked by [`BdevInfo::extent`].
 pub trait Bdev: Send + Sync {
     /// What the device is.
@@ -262,6 +272,17 @@ pub trait Bdev: Send + Sync {
     fn io_stats(&self) -> Option<IoStatsSnapshot> {
         None
     }
+
+    /// The file under the bdev, for a frontend that moves data between it and memory of
+    /// its own itself (vhost's vring threads submit guest memory to io_uring); `None`:
+    /// only through the requests above. Such I/O is counted with [`Bdev::count_in_place`].
+    fn in_place(&self) -> Option<InPlace<'_>> {
+        None
+    }
+
+    /// Counts a read or write done on [`Bdev::in_place`]'s file (where the bdev keeps
+    /// counters: the registry's decorator does).
+    fn count_in_place(&self, _write: bool, _len_bytes: u64, _elapsed: Duration, _ok: bool) {}
 
     /// Takes on the size of what backs the bdev now (a file or block device that grew)
     /// and returns the block count. Bdevs whose size cannot change refuse (`EOPNOTSUPP`).

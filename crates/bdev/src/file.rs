@@ -4,7 +4,7 @@ use std::path::Path;
 
 use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenError, OpenOptions};
 
-use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, GrowingInfo};
+use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, GrowingInfo, InPlace};
 
 /// How to open a file bdev.
 #[derive(Debug, Clone)]
@@ -112,6 +112,17 @@ impl FileBdev {
 impl Bdev for FileBdev {
     fn info(&self) -> &BdevInfo {
         self.info.get()
+    }
+
+    fn in_place(&self) -> Option<InPlace<'_>> {
+        Some(InPlace {
+            file: self.engine.file(),
+            alignment: if self.engine.is_direct() {
+                self.info().block_size
+            } else {
+                1
+            },
+        })
     }
 
     fn rescan(&self) -> Result<u64, crate::BdevError> {

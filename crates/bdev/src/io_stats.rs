@@ -1,11 +1,11 @@
 //! Per-bdev I/O counters: a decorator that wraps any bdev and counts what passes through.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use basalt_io::DmaBuf;
 
-use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, IoStatsSnapshot};
+use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, InPlace, IoStatsSnapshot};
 
 /// A bdev that counts operations, bytes and latency of the bdev it wraps.
 pub struct Counted {
@@ -55,32 +55,37 @@ impl Counted {
         let start = Instant::now();
         Box::pin(async move {
             let result = request.await;
-            let c = &self.counters;
-            if result.is_err() {
-                c.num_errors.fetch_add(1, Ordering::Relaxed);
-                return result;
-            }
-            let elapsed_ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            // Flushes are only counted; the others also add their bytes and latency.
-            let (ops, bytes_and_latency) = match kind {
-                Kind::Read => (&c.num_read_ops, Some((&c.bytes_read, &c.read_latency_ns))),
-                Kind::Write => (
-                    &c.num_write_ops,
-                    Some((&c.bytes_written, &c.write_latency_ns)),
-                ),
-                Kind::Unmap => (
-                    &c.num_unmap_ops,
-                    Some((&c.bytes_unmapped, &c.unmap_latency_ns)),
-                ),
-                Kind::Flush => (&c.num_flush_ops, None),
-            };
-            if let Some((bytes, latency)) = bytes_and_latency {
-                bytes.fetch_add(len_bytes, Ordering::Relaxed);
-                latency.fetch_add(elapsed_ns, Ordering::Relaxed);
-            }
-            ops.fetch_add(1, Ordering::Relaxed);
+            self.record(kind, len_bytes, start.elapsed(), result.is_ok());
             result
         })
+    }
+
+    /// Counts one operation that ended.
+    fn record(&self, kind: Kind, len_bytes: u64, elapsed: Duration, ok: bool) {
+        let c = &self.counters;
+        if !ok {
+            c.num_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let elapsed_ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        // Flushes are only counted; the others also add their bytes and latency.
+        let (ops, bytes_and_latency) = match kind {
+            Kind::Read => (&c.num_read_ops, Some((&c.bytes_read, &c.read_latency_ns))),
+            Kind::Write => (
+                &c.num_write_ops,
+                Some((&c.bytes_written, &c.write_latency_ns)),
+            ),
+            Kind::Unmap => (
+                &c.num_unmap_ops,
+                Some((&c.bytes_unmapped, &c.unmap_latency_ns)),
+            ),
+            Kind::Flush => (&c.num_flush_ops, None),
+        };
+        if let Some((bytes, latency)) = bytes_and_latency {
+            bytes.fetch_add(len_bytes, Ordering::Relaxed);
+            latency.fetch_add(elapsed_ns, Ordering::Relaxed);
+        }
+        ops.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -119,6 +124,15 @@ impl Bdev for Counted {
 
     fn rescan(&self) -> Result<u64, crate::BdevError> {
         self.inner.rescan()
+    }
+
+    fn in_place(&self) -> Option<InPlace<'_>> {
+        self.inner.in_place()
+    }
+
+    fn count_in_place(&self, write: bool, len_bytes: u64, elapsed: Duration, ok: bool) {
+        let kind = if write { Kind::Write } else { Kind::Read };
+        self.record(kind, len_bytes, elapsed, ok);
     }
 
     fn io_stats(&self) -> Option<IoStatsSnapshot> {

@@ -20,5 +20,5 @@ pub mod registry;
 pub mod rpc;
 pub mod uuid;
 
-pub use bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, IO_BYTES_MAX};
+pub use bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, IO_BYTES_MAX, InPlace};
 pub use registry::BdevRegistry;

@@ -120,6 +120,9 @@ pub struct FileEngine {
     path: PathBuf,
     size_bytes: u64,
     backend: Backend,
+    /// A second descriptor of the same open file, for callers that submit their own I/O.
+    file: File,
+    direct: bool,
 }
 
 enum Backend {
@@ -166,6 +169,7 @@ impl FileEngine {
             Err(error) => return Err(io_error(error)),
         };
         let size_bytes = device::size_bytes(&file).map_err(io_error)?;
+        let duplicate = file.try_clone().map_err(io_error)?;
         let runtime = tokio::runtime::Handle::try_current().ok();
         let backend = if options.force_blocking {
             Backend::Blocking(Arc::new(file))
@@ -193,7 +197,20 @@ impl FileEngine {
             path: path.to_path_buf(),
             size_bytes,
             backend,
+            file: duplicate,
+            direct: options.direct,
         })
+    }
+
+    /// The open file, for a caller that submits its own reads and writes (with O_DIRECT,
+    /// see [`FileEngine::is_direct`], their buffers must be aligned as the device asks).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Whether the file is open with O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.direct
     }
 
     /// The path this engine was opened with.

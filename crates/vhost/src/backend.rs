@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use basalt_bdev::Bdev;
 use basalt_io::{DmaBuf, Reactors};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
 use virtio_bindings::{virtio_blk, virtio_config, virtio_ring};
 use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -23,6 +23,7 @@ use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
+use crate::direct::DirectRing;
 use crate::request::*;
 
 /// Guest memory as the backend sees it.
@@ -35,7 +36,7 @@ pub const SEGMENTS_MAX: u32 = 128;
 /// Segments per discard or write zeroes request.
 pub const DISCARD_SEGMENTS_MAX: u32 = 32;
 /// How long stopping a vring waits for its requests in flight.
-const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
+pub(crate) const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// A feature bit as a mask.
 const fn feature(bit: u32) -> u64 {
@@ -60,21 +61,44 @@ pub struct BlkOptions {
 /// Ends requests of one vring: puts them on its used ring, signals the guest when it
 /// asked, and counts them out of the vring's requests in flight.
 #[derive(Clone)]
-struct Completer {
+pub(crate) struct Completer {
     vring: VringRwLock<Memory>,
     in_flight: Arc<AtomicUsize>,
 }
 
 impl Completer {
     fn complete(&self, head: u16, used_len: u32) {
+        self.finish(head, used_len);
+        self.signal();
+        self.release();
+    }
+
+    /// Puts a request on the used ring without signalling the guest (see `signal`).
+    pub(crate) fn finish(&self, head: u16, used_len: u32) {
         if let Err(error) = self.vring.add_used(head, used_len) {
             tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
-        } else if self.vring.needs_notification().unwrap_or(true)
+        }
+    }
+
+    /// Signals the guest if it asked to be, for what was put on the used ring.
+    pub(crate) fn signal(&self) {
+        if self.vring.needs_notification().unwrap_or(true)
             && let Err(error) = self.vring.signal_used_queue()
         {
             tracing::debug!(%error, "guest not signalled");
         }
+    }
+
+    /// Counts a request out of the vring's requests in flight, once it is on the used ring
+    /// and the guest signalled: stopping the vring (which drops the call eventfd) waits for
+    /// that.
+    pub(crate) fn release(&self) {
         self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether both end requests of the same vring (of the same session).
+    pub(crate) fn same_vring(&self, other: &Completer) -> bool {
+        std::ptr::eq(&*self.vring.get_ref(), &*other.vring.get_ref())
     }
 }
 
@@ -88,6 +112,11 @@ pub struct BlkBackend {
     next_reactor: AtomicUsize,
     /// The CPUs of the chosen reactors, where the vring threads run (empty: anywhere).
     vring_cpus: Vec<usize>,
+    /// The current session's io_uring per vring thread, for reads and writes in place
+    /// (empty: none, the bdev has no file to lend or the session has ended).
+    rings: RwLock<Vec<Arc<DirectRing>>>,
+    /// Requests served in place since the controller was created.
+    pub in_place_requests: AtomicU64,
     /// A frontend has set its memory table (connected).
     pub attached: AtomicBool,
     /// The size the frontend was last told of, in blocks.
@@ -121,6 +150,8 @@ impl BlkBackend {
             reactors,
             in_flight,
             next_reactor: AtomicUsize::new(0),
+            rings: RwLock::new(Vec::new()),
+            in_place_requests: AtomicU64::new(0),
             attached: AtomicBool::new(false),
             announced_blocks: AtomicU64::new(block_count),
         })
@@ -153,8 +184,58 @@ impl BlkBackend {
         config
     }
 
+    /// The epoll event of vring thread `thread`'s ring (above the queues and the exit
+    /// event, which vhost-user-backend reserves).
+    fn ring_event(&self, thread: usize) -> u64 {
+        u64::from(self.options.queues) + 1 + thread as u64
+    }
+
+    /// Gives each vring thread of a new session (one per `handlers`) an io_uring on the
+    /// bdev's file, when it has one to lend. Without, requests take the bdev path.
+    pub fn open_rings(&self, handlers: &[Arc<VringEpollHandler<Arc<Self>>>]) {
+        let mut rings = Vec::new();
+        for (thread, handler) in handlers.iter().enumerate() {
+            let ring = match DirectRing::new(self.options.bdev.clone()) {
+                Ok(Some(ring)) => ring,
+                Ok(None) => return,
+                Err(error) => {
+                    tracing::warn!(%error, "no io_uring for the vring thread; requests go through the bdev");
+                    return;
+                }
+            };
+            let event = self.ring_event(thread);
+            if let Err(error) = handler.register_listener(
+                ring.completions_fd(),
+                EventSet::IN | EventSet::EDGE_TRIGGERED,
+                event,
+            ) {
+                tracing::warn!(%error, "vring thread cannot wait for io_uring; requests go through the bdev");
+                return;
+            }
+            rings.push(Arc::new(ring));
+        }
+        *self.rings.write().unwrap_or_else(|p| p.into_inner()) = rings;
+    }
+
+    /// Drops the session's rings (each waits for its requests when its last user lets go).
+    pub fn close_rings(&self) {
+        let rings = std::mem::take(&mut *self.rings.write().unwrap_or_else(|p| p.into_inner()));
+        // Outside the lock: a ring's drop may wait for its requests.
+        drop(rings);
+    }
+
+    fn ring(&self, thread: usize) -> Option<Arc<DirectRing>> {
+        let rings = self.rings.read().unwrap_or_else(|p| p.into_inner());
+        rings.get(thread).cloned()
+    }
+
     /// Starts every request the guest made available on `queue`.
-    fn process_queue(&self, queue: u16, vring: &VringRwLock<Memory>) -> io::Result<()> {
+    fn process_queue(
+        &self,
+        queue: u16,
+        vring: &VringRwLock<Memory>,
+        ring: Option<&DirectRing>,
+    ) -> io::Result<()> {
         let Some(memory) = self
             .memory
             .read()
@@ -186,7 +267,10 @@ impl BlkBackend {
                     vring: vring.clone(),
                     in_flight: self.in_flight[usize::from(queue)].clone(),
                 };
-                self.start(completer, head, &descriptors, &memory);
+                self.start(completer, head, &descriptors, &memory, ring);
+            }
+            if let Some(ring) = ring {
+                ring.submit();
             }
             if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
                 break;
@@ -196,7 +280,14 @@ impl BlkBackend {
     }
 
     /// Starts one request (or completes it at once when it is malformed).
-    fn start(&self, completer: Completer, head: u16, descriptors: &Descriptors, memory: &Memory) {
+    fn start(
+        &self,
+        completer: Completer,
+        head: u16,
+        descriptors: &Descriptors,
+        memory: &Memory,
+        ring: Option<&DirectRing>,
+    ) {
         completer.in_flight.fetch_add(1, Ordering::AcqRel);
         let guest = memory.memory();
         let request = match parse(descriptors, &*guest) {
@@ -210,6 +301,19 @@ impl BlkBackend {
                 completer.complete(head, used_len);
                 return;
             }
+        };
+        // Reads and writes of a file go straight between guest memory and the file.
+        let completer = match ring {
+            Some(ring) if !(self.options.readonly && request.kind == TYPE_OUT) => {
+                match ring.start(completer, head, &request, &guest.clone().into_inner()) {
+                    Ok(()) => {
+                        self.in_place_requests.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    Err(completer) => completer,
+                }
+            }
+            _ => completer,
         };
         // A write's data is copied out now, on this thread, into a buffer of the bdev's own.
         let mut data = None;
@@ -433,7 +537,7 @@ impl VhostUserBackend for BlkBackend {
         device_event: u16,
         evset: EventSet,
         vrings: &[Self::Vring],
-        _thread_id: usize,
+        thread_id: usize,
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected events {evset:?}")));
@@ -441,6 +545,13 @@ impl VhostUserBackend for BlkBackend {
         // vhost-user-backend starts a thread per vring (again after each reconnect); on
         // its first event it moves to the CPUs of the reactors that run its requests, so
         // that handing a request over stays on those CPUs.
+        if u64::from(device_event) > u64::from(self.options.queues) {
+            let thread = usize::from(device_event) - usize::from(self.options.queues) - 1;
+            if let Some(ring) = self.ring(thread) {
+                ring.reap();
+            }
+            return Ok(());
+        }
         if !self.vring_cpus.is_empty() && !PLACED.get() {
             PLACED.set(true);
             if let Err(error) = basalt_io::pin_current_thread(&self.vring_cpus) {
@@ -452,7 +563,8 @@ impl VhostUserBackend for BlkBackend {
                 "unknown device event {device_event}"
             )));
         };
-        self.process_queue(device_event, vring)
+        let ring = self.ring(thread_id);
+        self.process_queue(device_event, vring, ring.as_deref())
     }
 }
 

@@ -68,6 +68,8 @@ pub struct ControllerInfo {
     pub attached: bool,
     /// The CPU mask given at creation.
     pub cpumask: Option<String>,
+    /// Reads and writes that went straight between guest memory and the bdev's file.
+    pub in_place_requests: u64,
 }
 
 /// The CPUs of a mask in SPDK's forms: hexadecimal (`0x3`, `3`) or a list (`[0,2-3]`).
@@ -303,6 +305,7 @@ impl VhostServer {
                 socket: c.socket.clone(),
                 attached: c.attached(),
                 cpumask: c.cpumask.clone(),
+                in_place_requests: c.backend.in_place_requests.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -388,12 +391,14 @@ fn serve(
                 continue;
             }
         };
+        backend.open_rings(&daemon.get_epoll_handlers());
         let watcher = watch_size(name, &backend, &session);
         let result = daemon.wait();
         // The session's worker threads end with it.
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();
         }
+        backend.close_rings();
         backend.attached.store(false, Ordering::Release);
         for pump in pumps {
             let _ = pump.join();

@@ -4,11 +4,14 @@
 //! - [`request`]: virtio-blk requests parsed from descriptor chains.
 //! - [`backend`]: the device (features, configuration space, vrings), requests run on
 //!   the target's reactors and completed back on the vring worker.
+//! - `direct`: reads and writes of a file bdev submitted by the vring thread itself,
+//!   guest memory to file and back, on an io_uring per vring thread.
 //! - [`controller`]: a controller: its socket, its serving thread, reconnects.
 //! - [`rpc`]: the `vhost_*` JSON-RPC methods.
 
 pub mod backend;
 pub mod controller;
+mod direct;
 pub mod relay;
 pub mod request;
 pub mod rpc;

@@ -155,6 +155,7 @@ fn dispatch(
                         "socket": c.socket.display().to_string(),
                         "max_queues": c.queues,
                         "attached": c.attached,
+                        "in_place_requests": c.in_place_requests,
                         "backend_specific": {"block": {"readonly": c.readonly, "bdev": c.bdev_name, "transport": "vhost_user_blk"}},
                     })
                 })

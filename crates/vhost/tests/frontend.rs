@@ -4,11 +4,15 @@
 //! memory table, vring setup) and requests good and bad, without a guest.
 
 use std::fs::File;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use basalt_bdev::Bdev;
+use basalt_bdev::file::{FileBdev, FileBdevError, FileBdevOptions};
+use basalt_bdev::io_stats::Counted;
 use basalt_bdev::malloc::MallocBdev;
+use basalt_io::OpenError;
 use basalt_io::Reactors;
 use basalt_vhost::VhostServer;
 use basalt_vhost::backend::BlkOptions;
@@ -129,16 +133,53 @@ fn vring_thread_cpus() -> Vec<String> {
     cpus
 }
 
+/// A 1 MiB file bdev of 512-byte blocks (O_DIRECT where the filesystem allows), counted.
+fn file_bdev(path: &Path) -> Arc<dyn Bdev> {
+    std::fs::write(path, vec![0u8; 1 << 20]).expect("bdev file");
+    let options = FileBdevOptions {
+        block_size: 512,
+        buffered: false,
+        queue_depth: 16,
+    };
+    let open = |options: &FileBdevOptions| FileBdev::open(path, "m".into(), String::new(), options);
+    let bdev = match open(&options) {
+        Err(FileBdevError::Open(OpenError::DirectRefused { .. })) => open(&FileBdevOptions {
+            buffered: true,
+            ..options
+        }),
+        other => other,
+    };
+    Arc::new(Counted::new(Box::new(bdev.expect("file bdev"))))
+}
+
 #[test]
 fn a_frontend_of_our_own_drives_the_device() {
-    let reactors = Arc::new(Reactors::start(1, "vhost-test").expect("reactors"));
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("vhost-frontend-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
+    // RAM: every request through the bdev, on the reactor.
+    drive(&dir, Arc::new(MallocBdev::new_named("m", 512, 2048)), None);
+    // A file: reads and writes from the vring thread straight into and out of guest
+    // memory, the others through the bdev.
+    let path = dir.join("bdev");
+    drive(&dir, file_bdev(&path), Some(&path));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Drives a controller over `bdev` (1 MiB, 512-byte blocks), whose file is `file` if it
+/// has one, through the message flow and good and bad requests.
+fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
+    let reactors = Arc::new(Reactors::start(1, "vhost-test").expect("reactors"));
     let reactor_cpu = reactors.cpus()[0];
-    let server = VhostServer::new(reactors, dir.clone());
-    let bdev: Arc<dyn Bdev> = Arc::new(MallocBdev::new_named("m", 512, 2048)); // 1 MiB
+    let server = VhostServer::new(reactors, dir.to_path_buf());
+    let in_place = |server: &VhostServer| server.list()[0].in_place_requests;
+    let alignment = bdev.in_place().map(|in_place| in_place.alignment);
+    assert_eq!(
+        alignment.is_some(),
+        bdev_file.is_some(),
+        "only a file is lent"
+    );
     let options = BlkOptions {
         bdev,
         readonly: false,
@@ -146,7 +187,9 @@ fn a_frontend_of_our_own_drives_the_device() {
         serial: "frontend-test-serial".into(),
         reactors: vec![0],
     };
-    let socket = server.create("t", "m", None, options).expect("controller");
+    let socket = server
+        .create("t", "m", None, options.clone())
+        .expect("controller");
 
     // Guest memory: a file both sides map.
     let file = File::options()
@@ -259,8 +302,43 @@ fn a_frontend_of_our_own_drives_the_device() {
         .read_slice(&mut back[1024..], GuestAddress(0x21000))
         .expect("read");
     assert_eq!(back, data);
-    // The vring thread has moved to the CPU of the reactor that runs its requests.
-    if let Some(cpu) = reactor_cpu {
+    if let Some(path) = bdev_file {
+        // Both went in place, and the data is in the file where sector 8 is.
+        assert_eq!(in_place(&server), 2);
+        let on_disk = std::fs::read(path).expect("bdev file");
+        assert_eq!(&on_disk[4096..8192], &data[..]);
+        let stats = options.bdev.io_stats().expect("counted");
+        assert_eq!((stats.num_write_ops, stats.bytes_written), (1, 4096));
+        assert_eq!((stats.num_read_ops, stats.bytes_read), (1, 4096));
+
+        // A buffer not aligned as O_DIRECT asks goes through the bdev, and reads back.
+        let moved: Vec<u8> = data.iter().rev().copied().collect();
+        guest
+            .memory
+            .write_slice(&moved[..512], GuestAddress(0x10100))
+            .expect("data");
+        guest.header(0x8000, TYPE_OUT, 16);
+        let used = guest.submit(&[
+            (0x8000, 16, false),
+            (0x10100, 512, false),
+            (0x9000, 1, true),
+        ]);
+        assert_eq!((used, guest.status(0x9000)), (1, STATUS_OK));
+        let expected = if alignment > Some(256) { 2 } else { 3 };
+        assert_eq!(in_place(&server), expected, "by the bdev when unaligned");
+        guest.header(0x8000, TYPE_IN, 16);
+        let used = guest.submit(&[(0x8000, 16, false), (0x20100, 512, true), (0x9000, 1, true)]);
+        assert_eq!((used, guest.status(0x9000)), (513, STATUS_OK));
+        let mut back = [0u8; 512];
+        guest
+            .memory
+            .read_slice(&mut back, GuestAddress(0x20100))
+            .expect("read");
+        assert_eq!(&back[..], &moved[..512]);
+        let on_disk = std::fs::read(path).expect("bdev file");
+        assert_eq!(&on_disk[8192..8704], &moved[..512]);
+    } else if let Some(cpu) = reactor_cpu {
+        // The vring thread has moved to the CPU of the reactor that runs its requests.
         assert_eq!(vring_thread_cpus(), [cpu.to_string()]);
     }
 
@@ -337,5 +415,4 @@ fn a_frontend_of_our_own_drives_the_device() {
     }
     assert!(!socket.exists(), "the socket is removed");
     let _ = call;
-    let _ = std::fs::remove_dir_all(&dir);
 }
