@@ -274,10 +274,23 @@ pub fn qemu_io_ok(uri: &str, readonly: bool, commands: &[&str]) -> String {
     text
 }
 
-/// A free TCP port on loopback (bound, then released).
+/// A free TCP port on loopback (bound, then released), for a server started later. Taken
+/// below Linux's ephemeral range (32768 and up by default): a port the kernel hands out
+/// for `bind(0)` may meanwhile become the local port of some test's outgoing connection,
+/// and the server then fails with "address in use".
 pub fn free_port() -> u16 {
-    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
-    probe.local_addr().expect("addr").port()
+    use std::hash::{BuildHasher, Hasher};
+    const FIRST: u16 = 10_000;
+    const COUNT: u64 = 22_000;
+    for _ in 0..1000 {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        let port = FIRST + (hasher.finish() % COUNT) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below the ephemeral range");
 }
 
 /// A cluster of processes: one `basalt mon` and `basalt osd`s, each with its data and log in
