@@ -11,7 +11,10 @@
 #
 # Usage: bench/nvmf-vs-kernel.sh [REPORT.md]
 # Environment: SIZE_MIB (namespace size, default 256), RUNTIME (seconds per run, default
-# 10), BASALT (default target/release/basalt, built if absent).
+# 10), BASALT (default target/release/basalt, built if absent), DEPTHS (queue depths,
+# default "1 32"), TARGET_ARGS (more arguments for `basalt target`, e.g. "-m 1
+# --poll-us 1000"), TARGET_CPUS (CPUs the target runs on, `taskset -c` form), FIO_CPUS
+# (CPUs fio runs on, for both targets).
 set -euo pipefail
 
 if [ "${1:-}" != "--guest" ]; then
@@ -27,10 +30,11 @@ if [ "${1:-}" != "--guest" ]; then
     cp "$BASALT" "$share/basalt"
     console=$share/console.log
     BASALT_GUEST_MEMORY=${BASALT_GUEST_MEMORY:-2G} BASALT_GUEST_TIMEOUT=1200 \
-        "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "${SIZE_MIB:-256}" "${RUNTIME:-10}" -- \
+        "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "${SIZE_MIB:-256}" "${RUNTIME:-10}" \
+        "${DEPTHS:-1 32}" "${TARGET_ARGS:-}" "${TARGET_CPUS:-}" "${FIO_CPUS:-}" -- \
         -virtfs "local,path=$share,mount_tag=host,security_model=none,id=host" | tee "$console" >&2
     {
-        echo "# NVMe/TCP: Basalt vs the Linux kernel target in one guest ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME:-10}s per run, TCG)"
+        echo "# NVMe/TCP: Basalt vs the Linux kernel target in one guest ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME:-10}s per run${TARGET_ARGS:+, target $TARGET_ARGS}${TARGET_CPUS:+ on CPUs $TARGET_CPUS}${FIO_CPUS:+, fio on CPUs $FIO_CPUS}, TCG)"
         echo
         echo "| case | kernel IOPS | kernel mean µs | Basalt IOPS | Basalt mean µs | Basalt / kernel |"
         echo "|---|---:|---:|---:|---:|---:|"
@@ -42,6 +46,14 @@ fi
 # --- inside the guest -------------------------------------------------------------------
 size_mib=$2
 runtime=$3
+depths=${4:-1 32}
+target_args=${5:-}
+target_cpus=${6:-}
+fio_cpus=${7:-}
+pin_target=()
+[ -z "$target_cpus" ] || pin_target=(taskset -c "$target_cpus")
+pin_fio=()
+[ -z "$fio_cpus" ] || pin_fio=(--cpus_allowed="$fio_cpus")
 kernel_nqn=nqn.2014-08.io.basalt:kernel
 basalt_nqn=nqn.2016-06.io.basalt:guest
 
@@ -63,7 +75,8 @@ echo 127.0.0.1 >"$cfs/ports/1/addr_traddr"
 echo 4420 >"$cfs/ports/1/addr_trsvcid"
 ln -s "$cfs/subsystems/$kernel_nqn" "$cfs/ports/1/subsystems/$kernel_nqn"
 
-/mnt/host/basalt target -r /tmp/rpc.sock >/tmp/basalt.log 2>&1 &
+# shellcheck disable=SC2086 # the target's extra arguments are words
+${pin_target[@]+"${pin_target[@]}"} /mnt/host/basalt target -r /tmp/rpc.sock $target_args >/tmp/basalt.log 2>&1 &
 for _ in $(seq 100); do [ -S /tmp/rpc.sock ] && break; sleep 0.1; done
 rpc() { /mnt/host/basalt rpc -s /tmp/rpc.sock "$@" >/dev/null; }
 rpc bdev_malloc_create "{\"name\":\"m0\",\"num_blocks\":$((size_mib * 2048)),\"block_size\":512}"
@@ -102,11 +115,11 @@ done
 # Terse output (version 3): read IOPS in field 8, read mean latency (µs) in 40; write
 # IOPS in 49, write mean latency in 81.
 for rw in randread randwrite; do
-  for qd in 1 32; do
+  for qd in $depths; do
     for who in kernel basalt; do
       device=$kernel_device
       [ "$who" = basalt ] && device=$basalt_device
-      line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 --ioengine=libaio --iodepth="$qd" \
+      line=$(timeout $((runtime * 3 + 60)) fio --name=bench ${pin_fio[@]+"${pin_fio[@]}"} --filename="$device" --direct=1 --ioengine=libaio --iodepth="$qd" \
         --rw="$rw" --bs=4k --runtime="$runtime" --time_based --ramp_time=2 --minimal)
       if [ "$rw" = randread ]; then
         echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $8, $40 }'

@@ -32,6 +32,11 @@ pub struct TargetArgs {
     /// the first reactor twice the connections of the second).
     #[arg(long, value_delimiter = ',')]
     pub reactor_weights: Vec<u32>,
+    /// Microseconds an idle NVMe/TCP queue pair polls its socket before its reactor
+    /// sleeps (0: no polling). Pays when the reactors have CPUs of their own (`-m` and
+    /// `taskset`); on a machine shared with the clients it takes CPU they need.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub poll_us: u64,
 }
 
 pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
@@ -58,6 +63,9 @@ async fn serve(args: TargetArgs) -> anyhow::Result<()> {
             .set_weights(&args.reactor_weights)
             .context("--reactor-weights")?;
     }
+    target
+        .reactors
+        .set_poll(std::time::Duration::from_micros(args.poll_us));
     if let Some(path) = &args.config {
         config::load(&target, path)
             .await

@@ -13,7 +13,7 @@ use std::future::Future;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use tokio::runtime::Handle;
@@ -61,6 +61,9 @@ pub struct Reactors {
     /// Weight of each reactor, and its running credit for smooth weighted round robin.
     weights: Mutex<Vec<(u32, i64)>>,
     threads: Mutex<Vec<(oneshot::Sender<()>, JoinHandle<()>)>>,
+    /// How long an idle connection polls its socket before its reactor sleeps, in
+    /// microseconds (0: it does not).
+    poll_us: AtomicU64,
 }
 
 impl Reactors {
@@ -112,6 +115,7 @@ impl Reactors {
             next: AtomicUsize::new(0),
             weights: Mutex::new(vec![(1, 0); count]),
             threads: Mutex::new(threads),
+            poll_us: AtomicU64::new(0),
         })
     }
 
@@ -138,6 +142,20 @@ impl Reactors {
             }
             None => self.spawn(task),
         }
+    }
+
+    /// Lets a connection with nothing to do poll its socket for up to `poll` before its
+    /// reactor goes to sleep (zero: never). Off by default: on a small machine a polling
+    /// thread takes CPU the other processes need. It pays where the reactor has a CPU of
+    /// its own and waking a sleeping CPU is dear (docs/benchmarks.md).
+    pub fn set_poll(&self, poll: std::time::Duration) {
+        let micros = u64::try_from(poll.as_micros()).unwrap_or(u64::MAX);
+        self.poll_us.store(micros, Ordering::Relaxed);
+    }
+
+    /// How long an idle connection polls before sleeping (see [`Reactors::set_poll`]).
+    pub fn poll(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.poll_us.load(Ordering::Relaxed))
     }
 
     /// Sets the reactors' weights for [`Placement::WeightedRoundRobin`]: one per reactor,

@@ -109,6 +109,7 @@ pub async fn serve(
         terminating: false,
     };
     let connect_deadline = Instant::now() + CONNECT_TIMEOUT;
+    let poll = connection.target.poll();
     let result = loop {
         connection.process_input();
         if connection.is_finished() {
@@ -122,6 +123,13 @@ pub async fn serve(
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
         let reading = connection.reading;
+        if can_read && !has_output && !has_in_flight && !poll.is_zero() {
+            // Idle: look for the next command for a while before the reactor sleeps.
+            let started = connection.poll_for_input(&mut reader, poll).await;
+            if started {
+                continue;
+            }
+        }
         let closed = &mut connection.closed;
         tokio::select! {
             biased;
@@ -206,6 +214,28 @@ fn ready(response: Response) -> ResponseFuture {
 }
 
 impl Connection {
+    /// Tries to read for up to `poll`, letting the reactor's other tasks run between tries
+    /// (each yield also has the reactor look at its other sockets); whether input came.
+    async fn poll_for_input(
+        &mut self,
+        reader: &mut tokio::net::tcp::OwnedReadHalf,
+        poll: std::time::Duration,
+    ) -> bool {
+        let start = std::time::Instant::now();
+        loop {
+            match reader.try_read_buf(&mut self.input) {
+                Ok(read) => return read > 0,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                // The read in the loop's select meets it again and handles it.
+                Err(_) => return false,
+            }
+            if start.elapsed() >= poll {
+                return false;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     fn is_finished(&self) -> bool {
         !self.reading
             && self.output_start == self.output.len()

@@ -153,6 +153,12 @@ impl NvmfTarget {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// How long an idle connection polls its socket before sleeping (`basalt target
+    /// --poll-us`).
+    pub(crate) fn poll(&self) -> std::time::Duration {
+        self.reactors.poll()
+    }
+
     /// The TCP transport's options, once created.
     pub fn transport(&self) -> Option<TransportOptions> {
         *self

@@ -885,3 +885,50 @@ async fn bad_digests_and_oversized_data_pdus() {
     stream.write_all(&data).await.expect("send");
     expect_term_req(&mut stream, 0x05, "data transfer limit exceeded").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_queue_pair_leaves_its_reactor_to_the_others() {
+    // One reactor, and idle queue pairs poll for up to a second before it sleeps.
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    fixture._reactors.set_poll(Duration::from_secs(1));
+    let connect = || async {
+        let options = HostOptions {
+            io_queues: 1,
+            ..HostOptions::default()
+        };
+        Host::connect(fixture.address, NQN, options)
+            .await
+            .expect("connect")
+    };
+    let (sparse, busy) = (connect().await, connect().await);
+    // One host reads every 20 ms, so its queue pair polls between its commands; the other
+    // runs write-read cycles back to back on the same reactor meanwhile.
+    let window = Duration::from_secs(2);
+    let sparse_task = async {
+        let start = std::time::Instant::now();
+        let mut commands = 0;
+        while start.elapsed() < window {
+            sparse.read(1, 1, 0, 1, BLOCK).await.expect("read");
+            commands += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        commands
+    };
+    let busy_task = async {
+        let start = std::time::Instant::now();
+        let mut cycles = 0u64;
+        while start.elapsed() < window {
+            read_write_cycle(&busy, 1, 64 + cycles % 64 * 8, 4096, cycles as u8).await;
+            cycles += 1;
+        }
+        cycles
+    };
+    let (commands, cycles) = tokio::join!(sparse_task, busy_task);
+    assert!(commands >= 10, "{commands} sparse commands");
+    // Were the reactor held while a queue pair polls, the busy host would get a command
+    // in between the sparse host's only.
+    assert!(
+        cycles >= 200,
+        "{cycles} cycles in {window:?} beside a polling queue pair"
+    );
+}
