@@ -26,21 +26,29 @@ fn a_guest_uses_vhost_user_blk_controllers() {
     let sockets = dir.join("sockets");
     std::fs::create_dir_all(&sockets).expect("socket dir");
     let target = TargetProcess::start(&dir.path, &["-S", sockets.to_str().expect("utf8")]);
-    for (name, blocks) in [("Malloc0", 131_072u64), ("Malloc1", 8192)] {
-        target.rpc_ok(
-            "bdev_malloc_create",
-            json!({"name": name, "num_blocks": blocks, "block_size": 512}),
-        );
-    }
+    // vhost.0 on a file (reads and writes in place, on two queues), vhost.ro on RAM
+    // (every request through a reactor).
+    let disk = dir.join("disk.img");
+    std::fs::File::create(&disk)
+        .and_then(|file| file.set_len(64 << 20))
+        .expect("disk file");
+    target.rpc_ok(
+        "bdev_uring_create",
+        json!({"name": "Disk0", "filename": disk, "block_size": 512}),
+    );
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"name": "Malloc1", "num_blocks": 8192, "block_size": 512}),
+    );
     target.rpc_ok(
         "vhost_create_blk_controller",
-        json!({"ctrlr": "vhost.0", "dev_name": "Malloc0", "max_queues": 2}),
+        json!({"ctrlr": "vhost.0", "dev_name": "Disk0", "max_queues": 2}),
     );
     target.rpc_ok(
         "vhost_create_blk_controller",
         json!({"ctrlr": "vhost.ro", "dev_name": "Malloc1", "readonly": true, "max_queues": 1}),
     );
-    let bdevs = target.rpc_ok("bdev_get_bdevs", json!({"name": "Malloc0"}));
+    let bdevs = target.rpc_ok("bdev_get_bdevs", json!({"name": "Disk0"}));
     let serial: String = bdevs[0]["uuid"]
         .as_str()
         .expect("uuid")
@@ -101,6 +109,16 @@ fn a_guest_uses_vhost_user_blk_controllers() {
                 .is_some_and(|l| l.iter().all(|c| c["attached"] == json!(false)))
         },
     );
+    let controllers = target.rpc_ok("vhost_get_controllers", Value::Null);
+    let in_place = |name: &str| {
+        controllers
+            .as_array()
+            .and_then(|list| list.iter().find(|c| c["ctrlr"] == json!(name)))
+            .and_then(|c| c["in_place_requests"].as_u64())
+            .expect("a count")
+    };
+    assert!(in_place("vhost.0") > 1000, "{controllers}");
+    assert_eq!(in_place("vhost.ro"), 0, "RAM goes through the reactors");
     let config = target.rpc_ok("save_config", Value::Null);
     assert!(
         config.to_string().contains("vhost_create_blk_controller"),
@@ -108,7 +126,7 @@ fn a_guest_uses_vhost_user_blk_controllers() {
     );
     target.rpc_ok("vhost_delete_controller", json!({"ctrlr": "vhost.0"}));
     assert!(!sockets.join("vhost.0").exists(), "its socket is gone");
-    target.rpc_ok("bdev_malloc_delete", json!({"name": "Malloc0"}));
+    target.rpc_ok("bdev_uring_delete", json!({"name": "Disk0"}));
     target.stop();
 }
 
