@@ -2,7 +2,8 @@
 # Basalt's vhost-user-blk controller against qemu-storage-daemon's vhost-user-blk export,
 # both serving a file on the host (O_DIRECT, io_uring) to one guest (scripts/guest, QEMU
 # TCG) that sees them as /dev/vda (Basalt) and /dev/vdb (qemu-storage-daemon); fio in
-# the guest (libaio, direct, one job) measures each, Basalt first, case by case. Issue #5
+# the guest (libaio, direct, one job) measures each, case by case (Basalt first unless
+# FIRST=qsd). Issue #5
 # aims at >= 1.0x qemu-storage-daemon.
 #
 # Usage: bench/vhost-vs-qsd.sh [REPORT.md]
@@ -20,6 +21,7 @@ if [ "${1:-}" != "--guest" ]; then
     RUNTIME=${RUNTIME:-10}
     BASALT=${BASALT:-$REPO_ROOT/target/release/basalt}
     [ -x "$BASALT" ] || (cd "$REPO_ROOT" && cargo build --release -p basalt) >&2
+    case "${FIRST:-basalt}" in basalt | qsd) ;; *) echo "FIRST must be basalt or qsd" >&2; exit 2 ;; esac
     command -v qemu-storage-daemon >/dev/null || { echo "qemu-storage-daemon not found (apt-get install qemu-system-common)" >&2; exit 1; }
     work=$(mktemp -d "${TMPDIR:-/var/tmp}/basalt-vhost-bench.XXXXXX")
     pids=()

@@ -123,10 +123,20 @@ pub async fn serve(
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
         let reading = connection.reading;
-        if can_read && !has_output && !has_in_flight && !poll.is_zero() {
-            // Idle: look for the next command for a while before the reactor sleeps.
-            let started = connection.poll_for_input(&mut reader, poll).await;
-            if started {
+        // Idle: look for the next command for a while before the reactor sleeps. Not when
+        // the controller is gone or a deadline has come: the select below sees to those.
+        let now = Instant::now();
+        let due = deadline.is_some_and(|deadline| deadline <= now);
+        if can_read
+            && !has_output
+            && !has_in_flight
+            && !poll.is_zero()
+            && !due
+            && !connection.is_closed()
+        {
+            let poll = deadline.map_or(poll, |deadline| poll.min(deadline - now));
+            if let Some(read) = connection.poll_for_input(&mut reader, poll).await {
+                connection.on_read(read);
                 continue;
             }
         }
@@ -149,15 +159,7 @@ pub async fn serve(
                 }
             }
             read = reader.read_buf(&mut connection.input), if can_read => {
-                match read {
-                    Ok(0) => connection.stop_reading(),
-                    Ok(_) => {}
-                    Err(error) => {
-                        connection.stop_reading();
-                        connection.terminating = true;
-                        tracing::debug!(%error, "nvmf connection read failed");
-                    }
-                }
+                connection.on_read(read);
             }
             _ = wait_closed(closed), if reading => {
                 connection.stop_reading();
@@ -215,25 +217,41 @@ fn ready(response: Response) -> ResponseFuture {
 
 impl Connection {
     /// Tries to read for up to `poll`, letting the reactor's other tasks run between tries
-    /// (each yield also has the reactor look at its other sockets); whether input came.
+    /// (each yield also has the reactor look at its other sockets). `None`: nothing came.
     async fn poll_for_input(
         &mut self,
         reader: &mut tokio::net::tcp::OwnedReadHalf,
         poll: std::time::Duration,
-    ) -> bool {
+    ) -> Option<io::Result<usize>> {
         let start = std::time::Instant::now();
         loop {
             match reader.try_read_buf(&mut self.input) {
-                Ok(read) => return read > 0,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                // The read in the loop's select meets it again and handles it.
-                Err(_) => return false,
+                read => return Some(read),
             }
             if start.elapsed() >= poll {
-                return false;
+                return None;
             }
             tokio::task::yield_now().await;
         }
+    }
+
+    /// Takes the outcome of a read into `input`: more bytes, the end, or an error.
+    fn on_read(&mut self, read: io::Result<usize>) {
+        match read {
+            Ok(0) => self.stop_reading(),
+            Ok(_) => {}
+            Err(error) => {
+                self.stop_reading();
+                self.terminating = true;
+                tracing::debug!(%error, "nvmf connection read failed");
+            }
+        }
+    }
+
+    /// Whether the controller this connection belongs to has been torn down.
+    fn is_closed(&self) -> bool {
+        self.closed.as_ref().is_some_and(|closed| *closed.borrow())
     }
 
     fn is_finished(&self) -> bool {

@@ -931,4 +931,25 @@ async fn a_polling_queue_pair_leaves_its_reactor_to_the_others() {
         cycles >= 200,
         "{cycles} cycles in {window:?} beside a polling queue pair"
     );
+
+    // A queue pair whose next command always comes within the poll still notices that
+    // its controller is gone: reads back to back, then the subsystem is deleted.
+    let reads = async {
+        let start = std::time::Instant::now();
+        while busy.read(1, 1, 0, 1, BLOCK).await.is_ok() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "still served long after the subsystem was deleted"
+            );
+        }
+        start.elapsed()
+    };
+    let delete = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        rpc(&fixture, "nvmf_delete_subsystem", json!({"nqn": NQN}))
+            .await
+            .expect("delete");
+    };
+    let (served_for, ()) = tokio::join!(reads, delete);
+    assert!(served_for < Duration::from_secs(5), "{served_for:?}");
 }

@@ -275,22 +275,38 @@ pub fn qemu_io_ok(uri: &str, readonly: bool, commands: &[&str]) -> String {
 }
 
 /// A free TCP port on loopback (bound, then released), for a server started later. Taken
-/// below Linux's ephemeral range (32768 and up by default): a port the kernel hands out
-/// for `bind(0)` may meanwhile become the local port of some test's outgoing connection,
-/// and the server then fails with "address in use".
+/// below Linux's ephemeral range (`ip_local_port_range`, 32768 and up by default): a port
+/// the kernel hands out for `bind(0)` may meanwhile become the local port of some test's
+/// outgoing connection, and the server then fails with "address in use". Never the same
+/// port twice in one test process. Where the ephemeral range leaves too little room below
+/// it, any port the kernel gives.
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     const FIRST: u16 = 10_000;
-    const COUNT: u64 = 22_000;
-    for _ in 0..1000 {
-        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-        hasher.write_u32(std::process::id());
-        let port = FIRST + (hasher.finish() % COUNT) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
+    let ephemeral_first = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if ephemeral_first > FIRST + 1_000 {
+        let count = u64::from(ephemeral_first - FIRST);
+        for _ in 0..1000 {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u32(std::process::id());
+            let port = FIRST + (hasher.finish() % count) as u16;
+            if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return port;
+            }
         }
     }
-    panic!("no free port below the ephemeral range");
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+    let port = probe.local_addr().expect("addr").port();
+    given.push(port);
+    port
 }
 
 /// A cluster of processes: one `basalt mon` and `basalt osd`s, each with its data and log in
