@@ -70,6 +70,8 @@ args=()
 chmod +x /basalt/script
 cd /tmp || true
 echo "init: running the script after $(cut -d' ' -f1 /proc/uptime) s of uptime"
+# run.sh's boot watchdog waits for this.
+echo "BASALT-GUEST-BOOTED" >/dev/ttyS1
 # A script with a #! line picks its interpreter; one without runs under bash.
 if [ "$(head -c2 /basalt/script)" = "#!" ]; then
   /basalt/script "${args[@]}" </dev/null

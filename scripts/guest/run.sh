@@ -77,9 +77,33 @@ machine+=(-append "$append")
 # stdin from /dev/null: QEMU would otherwise put a terminal into raw mode and forward
 # keystrokes to the guest console. In the background so that a test harness stopping
 # run.sh stops QEMU too, instead of leaving it running until the timeout.
-env ${qemu_env[@]+"${qemu_env[@]}"} timeout -k 10 "$timeout_s" "$qemu" "${machine[@]}" ${qemu_args[@]+"${qemu_args[@]}"} </dev/null &
-qemu_pid=$!
+#
+# Boot watchdog: rarely, a guest under TCG never reaches init (no console output at all,
+# both vCPUs busy, until the timeout). When init has not said so on the status port
+# within $BASALT_GUEST_BOOT_TIMEOUT seconds (default 180; a boot takes about 4), QEMU is
+# stopped and started again, up to $BASALT_GUEST_BOOT_TRIES times in all (default 2).
+boot_timeout_s="${BASALT_GUEST_BOOT_TIMEOUT:-180}"
+boot_tries="${BASALT_GUEST_BOOT_TRIES:-2}"
 trap 'kill -TERM "$qemu_pid" 2>/dev/null' INT TERM HUP
+for try in $(seq "$boot_tries"); do
+  : >"$work/status"
+  env ${qemu_env[@]+"${qemu_env[@]}"} timeout -k 10 "$timeout_s" "$qemu" "${machine[@]}" ${qemu_args[@]+"${qemu_args[@]}"} </dev/null &
+  qemu_pid=$!
+  booted=""
+  for _ in $(seq "$boot_timeout_s"); do
+    if grep -q BASALT-GUEST-BOOTED "$work/status" 2>/dev/null || ! kill -0 "$qemu_pid" 2>/dev/null; then
+      booted=1
+      break
+    fi
+    sleep 1
+  done
+  if [ -n "$booted" ] || [ "$try" -eq "$boot_tries" ]; then
+    break
+  fi
+  echo "guest/run.sh: the guest did not reach init within $boot_timeout_s s; starting it again" >&2
+  kill -TERM "$qemu_pid" 2>/dev/null
+  wait "$qemu_pid" 2>/dev/null || true
+done
 qemu_status=0
 wait "$qemu_pid" || qemu_status=$?
 # A signal interrupts wait before QEMU is gone; wait for it so the status file is final.
