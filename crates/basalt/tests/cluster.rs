@@ -297,6 +297,7 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
 #[test]
 fn an_exported_image_follows_a_resize() {
     require("qemu-io");
+    require("qemu-img");
     let dir = ScratchDir::new("cluster-resize");
     let cluster = small_osd_cluster(&dir.path, "96MiB", None, "16MiB");
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
@@ -309,8 +310,8 @@ fn an_exported_image_follows_a_resize() {
         blocks() == Some(65536)
     });
     // A new connection sees the new size and uses all of it.
-    let info = run(Command::new("qemu-img").args(["info", "--output=json", &uri]));
-    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("qemu-img json");
+    let info = run_ok(Command::new("qemu-img").args(["info", "--output=json", &uri]));
+    let info: serde_json::Value = serde_json::from_str(&info).expect("qemu-img json");
     assert_eq!(info["virtual-size"], 32u64 << 20);
     qemu_io_ok(&uri, false, &["write -P 0x3c 31M 1M"]);
     qemu_io_ok(&uri, true, &["read -P 0x3c 31M 1M", "read -P 0xa1 0 1M"]);

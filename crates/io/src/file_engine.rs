@@ -534,7 +534,9 @@ impl Drop for UringHandle {
     }
 }
 
-fn eventfd() -> io::Result<OwnedFd> {
+/// A new non-blocking, close-on-exec eventfd (an io_uring's completion bell, or a bell
+/// rung to wake a thread).
+pub fn eventfd() -> io::Result<OwnedFd> {
     // SAFETY: eventfd takes two integers and returns a new descriptor or -1.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {

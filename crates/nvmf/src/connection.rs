@@ -123,19 +123,17 @@ pub async fn serve(
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
         let reading = connection.reading;
-        // Idle: look for the next command for a while before the reactor sleeps. Not when
-        // the controller is gone or a deadline has come: the select below sees to those.
-        let now = Instant::now();
-        let due = deadline.is_some_and(|deadline| deadline <= now);
-        if can_read
-            && !has_output
-            && !has_in_flight
-            && !poll.is_zero()
-            && !due
-            && !connection.is_closed()
-        {
-            let poll = deadline.map_or(poll, |deadline| poll.min(deadline - now));
-            if let Some(read) = connection.poll_for_input(&mut reader, poll).await {
+        // Idle: look for the next command for a while before the reactor sleeps, never past
+        // the next deadline. Not when the controller is gone or a deadline has come: the
+        // select below sees to those.
+        if !poll.is_zero() && can_read && !has_output && !has_in_flight && !connection.is_closed() {
+            let now = Instant::now();
+            let poll = deadline.map_or(poll, |deadline| {
+                poll.min(deadline.saturating_duration_since(now))
+            });
+            if !poll.is_zero()
+                && let Some(read) = connection.poll_for_input(&mut reader, poll).await
+            {
                 connection.on_read(read);
                 continue;
             }

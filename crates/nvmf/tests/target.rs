@@ -23,7 +23,7 @@ struct Fixture {
     target: Arc<NvmfTarget>,
     registry: BdevRegistry,
     address: SocketAddr,
-    _reactors: Arc<Reactors>,
+    reactors: Arc<Reactors>,
 }
 
 async fn rpc(
@@ -62,7 +62,7 @@ async fn fixture_on(reactors: Reactors, transport: Value) -> Fixture {
         target,
         registry,
         address: "127.0.0.1:0".parse().expect("address"),
-        _reactors: reactors,
+        reactors,
     };
     rpc(&fixture, "nvmf_create_transport", transport)
         .await
@@ -890,7 +890,7 @@ async fn bad_digests_and_oversized_data_pdus() {
 async fn a_polling_queue_pair_leaves_its_reactor_to_the_others() {
     // One reactor, and idle queue pairs poll for up to a second before it sleeps.
     let fixture = fixture(json!({"trtype": "TCP"})).await;
-    fixture._reactors.set_poll(Duration::from_secs(1));
+    fixture.reactors.set_poll(Duration::from_secs(1));
     let connect = || async {
         let options = HostOptions {
             io_queues: 1,

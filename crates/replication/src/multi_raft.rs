@@ -610,11 +610,16 @@ impl MultiRaft {
         if let (Some((_, until)), Some(lease)) = (held, lease) {
             // One renewal at a time, unless the one out is older than a lease (raft dropped
             // it, or it is stuck).
-            let renewing = group
-                .asked
-                .range(vec![RENEWAL_CONTEXT]..)
-                .any(|(_, (_, asked))| now.duration_since(*asked) < lease);
-            if until - now < lease / 2 && !renewing {
+            let renewing = |group: &Group| {
+                group
+                    .asked
+                    .range::<[u8], _>((
+                        std::ops::Bound::Included(&[RENEWAL_CONTEXT][..]),
+                        std::ops::Bound::Unbounded,
+                    ))
+                    .any(|(_, (_, asked))| now.duration_since(*asked) < lease)
+            };
+            if until - now < lease / 2 && !renewing(group) {
                 group.renewals += 1;
                 let mut renewal = vec![RENEWAL_CONTEXT];
                 renewal.extend_from_slice(&group.renewals.to_le_bytes());

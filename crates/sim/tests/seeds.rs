@@ -8,7 +8,7 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(32);
     let mut acknowledged = 0;
-    let mut crashes = 0;
+    let (mut crashes, mut pauses) = (0, 0);
     let mut reconfigurations = 0;
     let (mut reads, mut lease_reads) = (0, 0);
     for seed in 0..seeds {
@@ -16,6 +16,7 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
             .unwrap_or_else(|failure| panic!("{failure}"));
         acknowledged += outcome.acknowledged;
         crashes += outcome.crashes;
+        pauses += outcome.pauses;
         reconfigurations += outcome.reconfigurations;
         reads += outcome.reads;
         lease_reads += outcome.lease_reads;
@@ -25,6 +26,8 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         "the runs must do real work: {acknowledged} acknowledged writes"
     );
     assert!(crashes > 0, "the runs must crash osds");
+    // A paused leader that still believes it leads is what leases must get right.
+    assert!(pauses > 0, "the runs must pause osds");
     assert!(
         lease_reads > seeds * 50 && reads > lease_reads + seeds * 10,
         "the runs must read, under leases and not: {reads} reads, {lease_reads} under a lease"

@@ -190,6 +190,11 @@ impl BlkBackend {
         u64::from(self.options.queues) + 1 + thread as u64
     }
 
+    /// The vring thread whose ring's event `event` is, if it is one (see `ring_event`).
+    fn ring_thread(&self, event: u16) -> Option<usize> {
+        usize::from(event).checked_sub(usize::from(self.options.queues) + 1)
+    }
+
     /// Gives each vring thread of a new session (one per `handlers`) an io_uring on the
     /// bdev's file, when it has one to lend. Without, requests take the bdev path.
     pub fn open_rings(&self, handlers: &[Arc<VringEpollHandler<Arc<Self>>>]) {
@@ -305,7 +310,7 @@ impl BlkBackend {
         // Reads and writes of a file go straight between guest memory and the file.
         let completer = match ring {
             Some(ring) if !(self.options.readonly && request.kind == TYPE_OUT) => {
-                match ring.start(completer, head, &request, &guest.clone().into_inner()) {
+                match ring.start(completer, head, &request, guest.clone().into_inner()) {
                     Ok(()) => {
                         self.in_place_requests.fetch_add(1, Ordering::Relaxed);
                         return;
@@ -542,16 +547,16 @@ impl VhostUserBackend for BlkBackend {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected events {evset:?}")));
         }
-        // vhost-user-backend starts a thread per vring (again after each reconnect); on
-        // its first event it moves to the CPUs of the reactors that run its requests, so
-        // that handing a request over stays on those CPUs.
-        if u64::from(device_event) > u64::from(self.options.queues) {
-            let thread = usize::from(device_event) - usize::from(self.options.queues) - 1;
+        // Above the queues and the exit event: a vring thread's io_uring has completions.
+        if let Some(thread) = self.ring_thread(device_event) {
             if let Some(ring) = self.ring(thread) {
                 ring.reap();
             }
             return Ok(());
         }
+        // vhost-user-backend starts a thread per vring (again after each reconnect); on
+        // its first event it moves to the CPUs of the reactors that run its requests, so
+        // that handing a request over stays on those CPUs.
         if !self.vring_cpus.is_empty() && !PLACED.get() {
             PLACED.set(true);
             if let Err(error) = basalt_io::pin_current_thread(&self.vring_cpus) {

@@ -11,7 +11,7 @@
 #![allow(unsafe_code)]
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -34,6 +34,8 @@ pub(crate) struct DirectRing {
     /// The bdev, which keeps the file open while requests are in the ring.
     bdev: Arc<dyn Bdev>,
     fd: RawFd,
+    /// Every buffer's address and length must be a multiple of this (O_DIRECT).
+    alignment: usize,
     state: Mutex<State>,
     /// Signalled by the kernel when completions are posted.
     completions: OwnedFd,
@@ -115,21 +117,21 @@ fn skip(iovecs: &mut Vec<libc::iovec>, mut bytes: usize) {
 impl DirectRing {
     /// A ring on `bdev`'s file, or `None` when it has none to lend.
     pub(crate) fn new(bdev: Arc<dyn Bdev>) -> io::Result<Option<Self>> {
-        let Some(fd) = bdev.in_place().map(|in_place| in_place.file.as_raw_fd()) else {
+        let Some((fd, alignment)) = bdev.in_place().map(|in_place| {
+            (
+                in_place.file.as_raw_fd(),
+                in_place.alignment.max(1) as usize,
+            )
+        }) else {
             return Ok(None);
         };
         let ring = IoUring::new(ENTRIES)?;
-        // SAFETY: eventfd returns a new descriptor or -1.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a descriptor just created and owned by nothing else.
-        let completions = unsafe { OwnedFd::from_raw_fd(raw) };
-        ring.submitter().register_eventfd(raw)?;
+        let completions = basalt_io::file_engine::eventfd()?;
+        ring.submitter().register_eventfd(completions.as_raw_fd())?;
         Ok(Some(Self {
             bdev,
             fd,
+            alignment,
             state: Mutex::new(State {
                 ring,
                 slots: Vec::new(),
@@ -157,15 +159,12 @@ impl DirectRing {
         completer: Completer,
         head: u16,
         request: &Request,
-        memory: &Arc<GuestMemoryMmap<()>>,
+        memory: Arc<GuestMemoryMmap<()>>,
     ) -> Result<(), Completer> {
         let write = match request.kind {
             TYPE_IN => false,
             TYPE_OUT => true,
             _ => return Err(completer),
-        };
-        let Some(in_place) = self.bdev.in_place() else {
-            return Err(completer);
         };
         let runs = if write {
             &request.readable
@@ -182,10 +181,10 @@ impl DirectRing {
             // The bdev path answers with the error.
             return Err(completer);
         };
-        let alignment = in_place.alignment.max(1) as usize;
+        let alignment = self.alignment;
         let mut iovecs = Vec::with_capacity(runs.len());
         for run in runs {
-            for slice in GuestMemoryBackend::get_slices(&**memory, run.address, run.len as usize) {
+            for slice in GuestMemoryBackend::get_slices(&*memory, run.address, run.len as usize) {
                 let Ok(slice) = slice else {
                     return Err(completer);
                 };
@@ -223,22 +222,18 @@ impl DirectRing {
             left: len,
             len,
             iovecs,
-            memory: memory.clone(),
+            memory,
             started: Instant::now(),
         };
         let entry = pending.entry(self.fd, slot);
         state.slots[slot] = Some(pending);
+        // The submission queue holds at most one entry per slot in use (a slot is freed only
+        // once its entry was submitted and completed), and a slot was free: there is room.
         // SAFETY: the entry's buffers and iovec array live in the slot until it completes.
-        let pushed = unsafe { state.ring.submission().push(&entry) };
-        if pushed.is_err() {
-            // The queue is full of unsubmitted entries: submit them and push again.
-            let _ = state.ring.submit();
-            // SAFETY: as above.
-            if unsafe { state.ring.submission().push(&entry) }.is_err() {
-                let pending = state.slots[slot].take().expect("just put");
-                state.free.push(slot);
-                return Err(pending.completer);
-            }
+        if unsafe { state.ring.submission().push(&entry) }.is_err() {
+            let pending = state.slots[slot].take().expect("just put");
+            state.free.push(slot);
+            return Err(pending.completer);
         }
         Ok(())
     }

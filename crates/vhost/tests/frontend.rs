@@ -106,6 +106,40 @@ impl Guest {
     fn status(&self, at: u64) -> u8 {
         self.memory.read_obj(GuestAddress(at)).expect("status")
     }
+
+    /// Writes `data`, put in guest memory at `at`, to `sector` (header at 0x8000, status
+    /// at 0x9000); the used length and the status.
+    fn write(&mut self, sector: u64, at: u64, data: &[u8]) -> (u32, u8) {
+        self.memory
+            .write_slice(data, GuestAddress(at))
+            .expect("data");
+        self.header(0x8000, TYPE_OUT, sector);
+        let used = self.submit(&[
+            (0x8000, 16, false),
+            (at, data.len() as u32, false),
+            (0x9000, 1, true),
+        ]);
+        (used, self.status(0x9000))
+    }
+
+    /// Reads from `sector` into the guest buffers `runs` (address, length); the used
+    /// length, the status, and the bytes the buffers hold then.
+    fn read(&mut self, sector: u64, runs: &[(u64, u32)]) -> (u32, u8, Vec<u8>) {
+        self.header(0x8000, TYPE_IN, sector);
+        let mut chain = vec![(0x8000, 16, false)];
+        chain.extend(runs.iter().map(|&(at, len)| (at, len, true)));
+        chain.push((0x9000, 1, true));
+        let used = self.submit(&chain);
+        let mut back = Vec::new();
+        for &(at, len) in runs {
+            let mut run = vec![0u8; len as usize];
+            self.memory
+                .read_slice(&mut run, GuestAddress(at))
+                .expect("read");
+            back.extend(run);
+        }
+        (used, self.status(0x9000), back)
+    }
 }
 
 use vm_memory::Address;
@@ -273,34 +307,9 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
 
     // A write, then a read of it into two buffers.
     let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
-    guest
-        .memory
-        .write_slice(&data, GuestAddress(0x10000))
-        .expect("data");
-    guest.header(0x8000, TYPE_OUT, 8);
-    let used = guest.submit(&[
-        (0x8000, 16, false),
-        (0x10000, 4096, false),
-        (0x9000, 1, true),
-    ]);
-    assert_eq!((used, guest.status(0x9000)), (1, STATUS_OK));
-    guest.header(0x8000, TYPE_IN, 8);
-    let used = guest.submit(&[
-        (0x8000, 16, false),
-        (0x20000, 1024, true),
-        (0x21000, 3072, true),
-        (0x9000, 1, true),
-    ]);
-    assert_eq!((used, guest.status(0x9000)), (4097, STATUS_OK));
-    let mut back = vec![0u8; 4096];
-    guest
-        .memory
-        .read_slice(&mut back[..1024], GuestAddress(0x20000))
-        .expect("read");
-    guest
-        .memory
-        .read_slice(&mut back[1024..], GuestAddress(0x21000))
-        .expect("read");
+    assert_eq!(guest.write(8, 0x10000, &data), (1, STATUS_OK));
+    let (used, status, back) = guest.read(8, &[(0x20000, 1024), (0x21000, 3072)]);
+    assert_eq!((used, status), (4097, STATUS_OK));
     assert_eq!(back, data);
     if let Some(path) = bdev_file {
         // Both went in place, and the data is in the file where sector 8 is.
@@ -313,27 +322,11 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
 
         // A buffer not aligned as O_DIRECT asks goes through the bdev, and reads back.
         let moved: Vec<u8> = data.iter().rev().copied().collect();
-        guest
-            .memory
-            .write_slice(&moved[..512], GuestAddress(0x10100))
-            .expect("data");
-        guest.header(0x8000, TYPE_OUT, 16);
-        let used = guest.submit(&[
-            (0x8000, 16, false),
-            (0x10100, 512, false),
-            (0x9000, 1, true),
-        ]);
-        assert_eq!((used, guest.status(0x9000)), (1, STATUS_OK));
+        assert_eq!(guest.write(16, 0x10100, &moved[..512]), (1, STATUS_OK));
         let expected = if alignment > Some(256) { 2 } else { 3 };
         assert_eq!(in_place(&server), expected, "by the bdev when unaligned");
-        guest.header(0x8000, TYPE_IN, 16);
-        let used = guest.submit(&[(0x8000, 16, false), (0x20100, 512, true), (0x9000, 1, true)]);
-        assert_eq!((used, guest.status(0x9000)), (513, STATUS_OK));
-        let mut back = [0u8; 512];
-        guest
-            .memory
-            .read_slice(&mut back, GuestAddress(0x20100))
-            .expect("read");
+        let (used, status, back) = guest.read(16, &[(0x20100, 512)]);
+        assert_eq!((used, status), (513, STATUS_OK));
         assert_eq!(&back[..], &moved[..512]);
         let on_disk = std::fs::read(path).expect("bdev file");
         assert_eq!(&on_disk[8192..8704], &moved[..512]);

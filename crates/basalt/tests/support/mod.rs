@@ -294,9 +294,11 @@ pub fn free_port() -> u16 {
     if ephemeral_first > FIRST + 1_000 {
         let count = u64::from(ephemeral_first - FIRST);
         for _ in 0..1000 {
-            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-            hasher.write_u32(std::process::id());
-            let port = FIRST + (hasher.finish() % count) as u16;
+            // A new RandomState is seeded afresh: a random number without a crate.
+            let random = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish();
+            let port = FIRST + (random % count) as u16;
             if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
                 given.push(port);
                 return port;
