@@ -53,7 +53,7 @@ use basalt_wire::tcp::{Client, Handler, Server};
 use basalt_wire::{Message, ObjectRange, Status};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::log_device::{Appended, LogDevice, LogDeviceError};
+use crate::log_device::{Appended, LogDevice, LogDeviceError, ReadPin};
 use crate::pg_log::{self, RestoredPgs};
 use crate::reclaim::{self, Durable, Move, Retention};
 use crate::snapshot::{self, Chunk, Cursor};
@@ -925,9 +925,15 @@ impl Core {
                 (key, runs)
             })
             .collect();
+        let pin = self.pin_reads(
+            reads
+                .iter()
+                .flat_map(|(_, runs)| runs.iter().flat_map(|(_, _, pieces)| pieces)),
+        );
         let engine = self.engine.clone();
         let counters = self.counters.clone();
         tokio::spawn(async move {
+            let _pin = pin;
             let mut chunk = Chunk {
                 objects: Vec::with_capacity(reads.len()),
                 next,
@@ -1460,8 +1466,10 @@ impl Core {
                 plans.push((key, objects.plan_read(key, 0, u64::from(u32::MAX))));
             }
         }
+        let pin = self.pin_reads(plans.iter().flat_map(|(_, pieces)| pieces));
         let engine = self.engine.clone();
         tokio::spawn(async move {
+            let _pin = pin;
             let mut digest = 0u32;
             for (key, pieces) in plans {
                 digest = crc32c::crc32c_append(digest, &key.image.0.to_le_bytes());
@@ -1500,15 +1508,32 @@ impl Core {
         });
     }
 
+    /// Keeps the log from being reused under the device reads of these pieces until the
+    /// pin is dropped (a read planned now may run after the cleaner moved its data and a
+    /// checkpoint freed the old place).
+    fn pin_reads<'a>(&self, pieces: impl IntoIterator<Item = &'a Piece>) -> Option<ReadPin> {
+        let block = BLOCK_SIZE as u64;
+        self.log
+            .pin(pieces.into_iter().filter_map(|piece| match *piece {
+                Piece::Mapped {
+                    device_offset_bytes,
+                    ..
+                } => Some(device_offset_bytes / block * block),
+                Piece::Hole { .. } => None,
+            }))
+    }
+
     fn serve_read(&self, pg: PgId, read: ReadRequest) {
         let pieces = self
             .objects
             .get(&pg)
             .map(|objects| objects.plan_read(read.object, read.offset_bytes, read.len_bytes))
             .unwrap_or_default();
+        let pin = self.pin_reads(&pieces);
         let engine = self.engine.clone();
         let counters = self.counters.clone();
         tokio::spawn(async move {
+            let _pin = pin;
             let answer =
                 match read_pieces(&engine, read.offset_bytes, read.len_bytes, &pieces).await {
                     Ok(data) => {

@@ -8,7 +8,8 @@
 //!
 //! The log region is a ring (`basalt_store::log`): the OSD frees its tail
 //! ([`LogDevice::set_tail`]) once a checkpoint no longer needs it and the cleaner moved its
-//! live data. Appends wait while the ring is full. The last [`FLOOR_BYTES`] of free space
+//! live data, and the writer reuses it only behind the reads still in flight there
+//! ([`LogDevice::pin`]). Appends wait while the ring is full. The last [`FLOOR_BYTES`] of free space
 //! are kept for the cleaner's relocations ([`LogDevice::submit_relocation`]), which may
 //! overtake waiting appends: they free space, and their order does not matter.
 //!
@@ -18,10 +19,10 @@
 //! A failed write leaves the device in an unknown state: the log device then refuses every
 //! later append rather than guess (the OSD must restart and replay).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use basalt_common::Lsn;
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
@@ -156,8 +157,70 @@ struct Counters {
     data_bytes: AtomicU64,
     /// The position after the last batch placed.
     head_position: AtomicU64,
-    /// The ring is free before this position.
+    /// The writer may reuse the ring before this position: the tail the checkpoints
+    /// freed, or the first position a read in flight still needs if that is lower.
     tail_position: AtomicU64,
+}
+
+/// What the writer may reuse: the tail the checkpoints freed, held back by reads in flight.
+struct Tail {
+    state: Mutex<TailState>,
+    counters: Arc<Counters>,
+    moved: Arc<Notify>,
+}
+
+#[derive(Default)]
+struct TailState {
+    /// The ring before this position is free as far as checkpoints go.
+    freed: u64,
+    /// Positions reads in flight start at, each with its number of reads.
+    pins: BTreeMap<u64, usize>,
+}
+
+impl Tail {
+    fn lock(&self) -> std::sync::MutexGuard<'_, TailState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Tells the writer where it may reuse the ring up to, waking it if that moved on.
+    fn publish(&self, state: &TailState) {
+        let reusable = state
+            .pins
+            .keys()
+            .next()
+            .map_or(state.freed, |&pinned| pinned.min(state.freed));
+        let before = self
+            .counters
+            .tail_position
+            .swap(reusable, Ordering::Relaxed);
+        debug_assert!(reusable >= before, "the reusable tail went back");
+        if reusable > before {
+            self.moved.notify_one();
+        }
+    }
+}
+
+/// A read in flight on the log device: until it is dropped, the ring from its position on
+/// is not reused (see [`LogDevice::pin`]).
+#[must_use = "the read is protected only while its pin lives"]
+pub struct ReadPin {
+    tail: Arc<Tail>,
+    position: u64,
+}
+
+impl Drop for ReadPin {
+    fn drop(&mut self) {
+        let mut state = self.tail.lock();
+        if let Some(count) = state.pins.get_mut(&self.position) {
+            *count -= 1;
+            if *count == 0 {
+                state.pins.remove(&self.position);
+            }
+        }
+        self.tail.publish(&state);
+    }
 }
 
 struct Append {
@@ -171,7 +234,7 @@ struct Append {
 pub struct LogDevice {
     queue: mpsc::UnboundedSender<Append>,
     counters: Arc<Counters>,
-    tail_moved: Arc<Notify>,
+    tail: Arc<Tail>,
     ring: Ring,
     reserve_bytes: u64,
     superblock: Superblock,
@@ -326,11 +389,19 @@ impl LogDevice {
             tail_moved.clone(),
             FLOOR_BYTES,
         ));
+        let tail = Arc::new(Tail {
+            state: Mutex::new(TailState {
+                freed: tail,
+                pins: BTreeMap::new(),
+            }),
+            counters: counters.clone(),
+            moved: tail_moved,
+        });
         Ok(Opened {
             device: LogDevice {
                 queue,
                 counters,
-                tail_moved,
+                tail,
                 ring,
                 reserve_bytes,
                 superblock,
@@ -391,22 +462,45 @@ impl LogDevice {
         self.enqueue(entries, true)
     }
 
-    /// Frees the ring before `position` (it only moves forward).
+    /// Frees the ring before `position` (it only moves forward): the writer reuses it
+    /// behind the reads still in flight there.
     pub fn set_tail(&self, position: u64) {
-        self.counters
-            .tail_position
-            .fetch_max(position, Ordering::Relaxed);
-        self.tail_moved.notify_one();
+        let mut state = self.tail.lock();
+        state.freed = state.freed.max(position);
+        self.tail.publish(&state);
     }
 
-    /// The ring is free before this position.
+    /// The ring is free before this position as far as checkpoints go (reads in flight
+    /// may hold its reuse back a little longer).
     pub fn tail_position(&self) -> u64 {
-        self.counters.tail_position.load(Ordering::Relaxed)
+        self.tail.lock().freed
+    }
+
+    /// Keeps the ring from being reused under a read of the log region at these device
+    /// offsets (each at the start of a block it reads, in data the index or a retained
+    /// entry still refers to, so at or after the tail): until the pin is dropped, however
+    /// far checkpoints free the ring, the writer stops before the first of them. Without
+    /// it, a read planned before the cleaner moved its data could find it overwritten by a
+    /// later lap. `None` when there is no offset.
+    pub fn pin(&self, device_offsets: impl IntoIterator<Item = u64>) -> Option<ReadPin> {
+        let mut state = self.tail.lock();
+        let from = self.counters.tail_position.load(Ordering::Relaxed);
+        let region = self.ring.start_bytes..self.ring.start_bytes + self.ring.len_bytes;
+        let position = device_offsets
+            .into_iter()
+            .filter(|offset| region.contains(offset))
+            .map(|offset| self.ring.position_at(offset, from))
+            .min()?;
+        *state.pins.entry(position).or_default() += 1;
+        Some(ReadPin {
+            tail: self.tail.clone(),
+            position,
+        })
     }
 
     /// Bytes of the ring not in use (the reserve included).
     pub fn free_bytes(&self) -> u64 {
-        (self.tail_position() + self.ring.len_bytes)
+        (self.counters.tail_position.load(Ordering::Relaxed) + self.ring.len_bytes)
             .saturating_sub(self.counters.head_position.load(Ordering::Relaxed))
     }
 

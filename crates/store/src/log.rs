@@ -32,6 +32,19 @@ impl Ring {
         self.start_bytes + position % self.len_bytes
     }
 
+    /// The position at `device_offset` in the lap-long window that starts at `from`: the
+    /// one position among those the ring holds (from its tail up to a lap further) that
+    /// lies there.
+    pub fn position_at(&self, device_offset: u64, from: u64) -> u64 {
+        let in_lap = (device_offset - self.start_bytes) % self.len_bytes;
+        let position = from - from % self.len_bytes + in_lap;
+        if position < from {
+            position + self.len_bytes
+        } else {
+            position
+        }
+    }
+
     /// Where a batch of `size` bytes goes if the head is at `position`: there, or at the
     /// start of the next lap if it would cross the end of the region.
     pub fn place(&self, position: u64, size: u64) -> u64 {
@@ -331,6 +344,22 @@ mod tests {
     use super::*;
     use crate::batch::tests::arbitrary_entry;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_device_offset_maps_back_to_its_position_in_the_window() {
+        let ring = Ring {
+            start_bytes: 8192,
+            len_bytes: 10 * 4096,
+        };
+        for from in [0, 4096, 39 * 4096, 40 * 4096, 41 * 4096, 123 * 4096 + 512] {
+            for position in from..from + ring.len_bytes {
+                if position % 512 == 0 {
+                    let offset = ring.device_offset(position);
+                    assert_eq!(ring.position_at(offset, from), position, "from {from}");
+                }
+            }
+        }
+    }
 
     /// A device in memory.
     struct Disk {
