@@ -255,8 +255,12 @@ enum Event {
     },
     /// The log device failed: stop.
     Failed(String),
-    /// The cleaner read batches from the tail, up to (position, LSN).
-    Cleaned(std::io::Result<Replayed>),
+    /// The cleaner read batches from where it got to.
+    Cleaned {
+        result: std::io::Result<Replayed>,
+        /// How far the step read.
+        limit: u64,
+    },
     /// The cleaner's relocations are durable: each move's new device offset. The cleaner
     /// has then gone through the ring up to `next`.
     Relocated {
@@ -336,6 +340,9 @@ struct Reclaim {
     durable_end: (u64, Lsn),
     /// The cleaner has gone through the ring up to here.
     cleaned_to: (u64, Lsn),
+    /// The last step found no batch before the end of its lap: the next one reads on in
+    /// the next lap ([`reclaim::step_limit`]).
+    across_lap: bool,
     /// A cleaner step is under way.
     cleaning: bool,
     /// Free space fell below the low mark: the cleaner runs until it is above the high one.
@@ -602,7 +609,7 @@ impl Core {
             Event::MembershipChecked { pg } => {
                 self.membership_checks.remove(&pg);
             }
-            Event::Cleaned(result) => self.cleaned(result),
+            Event::Cleaned { result, limit } => self.cleaned(result, limit),
             Event::Relocated { moves, next } => {
                 let mut bytes = 0;
                 for (moved, to) in &moves {
@@ -613,6 +620,7 @@ impl Core {
                     .fetch_add(bytes, Ordering::Relaxed);
                 tracing::debug!(bytes, to = next.0, "relocated");
                 self.reclaim.cleaned_to = next;
+                self.reclaim.across_lap = false;
                 self.reclaim.cleaning = false;
             }
             Event::Checkpointed { result, checkpoint } => {
@@ -1181,12 +1189,6 @@ impl Core {
         used.saturating_sub(self.reclaim.live_bytes + self.reclaim.retained_bytes + ring / 32)
     }
 
-    /// Bytes of log one cleaner step reads (besides one batch past them): the largest
-    /// batch, so that its moves fit the log device's floor.
-    fn clean_step_bytes(&self) -> u64 {
-        crate::log_device::MAX_BATCH_BYTES
-    }
-
     /// Free space below which the cleaner runs.
     fn clean_low_mark(&self) -> u64 {
         self.log.reserve_bytes() + self.headroom() + self.log.ring().len_bytes / 16
@@ -1225,13 +1227,15 @@ impl Core {
         // it moved is freed only by the next one.
         let tail = self.log.tail_position();
         let (from, lsn) = reclaim.cleaned_to;
-        // One largest batch more than the step: the writer may have skipped the end of a
-        // lap (less than a batch), and the batch after the skip must be read whole.
-        let step = self.clean_step_bytes() + crate::log_device::MAX_BATCH_BYTES;
+        // A step's moves must fit the floor, whatever the free space.
         let limit = reclaim
             .durable_end
             .0
-            .min(from + step)
+            .min(reclaim::step_limit(
+                self.log.ring(),
+                from,
+                reclaim.across_lap,
+            ))
             .min(tail + ring / 4 + crate::log_device::MAX_BATCH_BYTES);
         if limit <= from {
             return;
@@ -1241,12 +1245,15 @@ impl Core {
         let read = self.log.read_batches(from, lsn, limit);
         let events = self.events.clone();
         tokio::spawn(async move {
-            let _ = events.send(Event::Cleaned(read.await));
+            let _ = events.send(Event::Cleaned {
+                result: read.await,
+                limit,
+            });
         });
     }
 
     /// The batches a cleaner step read: relocate what is live.
-    fn cleaned(&mut self, result: std::io::Result<Replayed>) {
+    fn cleaned(&mut self, result: std::io::Result<Replayed>, limit: u64) {
         let replayed = match result {
             Ok(replayed) => replayed,
             Err(error) => {
@@ -1257,6 +1264,16 @@ impl Core {
             }
         };
         let next = (replayed.next_position, replayed.next_lsn);
+        let from = self.reclaim.cleaned_to.0;
+        if replayed.batches.is_empty()
+            && !self.reclaim.across_lap
+            && reclaim::stopped_at_lap_end(self.log.ring(), from, limit)
+        {
+            // The writer skipped the rest of this lap: read on in the next, at once.
+            self.reclaim.across_lap = true;
+            self.reclaim.cleaning = false;
+            return;
+        }
         if replayed.batches.is_empty() {
             if let Some(error) = &replayed.stopped_by {
                 tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
@@ -1275,6 +1292,7 @@ impl Core {
         );
         if appends.is_empty() {
             self.reclaim.cleaned_to = next;
+            self.reclaim.across_lap = false;
             self.reclaim.cleaning = false;
             return;
         }
@@ -2647,6 +2665,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         reclaim: Reclaim {
             durable_end: replay_end,
             cleaned_to: tail,
+            across_lap: false,
             cleaning: false,
             pressed: false,
             progress_at: std::time::Instant::now(),

@@ -37,8 +37,9 @@ use crate::superblock::{Superblock, SuperblockError};
 
 /// The largest batch: a header block and the most data.
 pub const MAX_BATCH_BYTES: u64 = (BLOCK_SIZE + DATA_SIZE_MAX) as u64;
-/// Free space only the cleaner's relocations may use: what one cleaner step moves (at most
-/// two of the largest batches: see the OSD's cleaner).
+/// Free space only the cleaner's relocations may use: what one cleaner step moves (a
+/// largest batch and a block) and one skipped lap end (less than a batch); see
+/// [`crate::reclaim::step_limit`].
 pub const FLOOR_BYTES: u64 = 2 * MAX_BATCH_BYTES + BLOCK_SIZE as u64;
 
 /// Bytes zeroed per write while formatting.

@@ -19,12 +19,43 @@ use std::collections::{HashMap, VecDeque};
 
 use basalt_common::PgId;
 use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry};
+use basalt_store::batch::BLOCK_SIZE;
 use basalt_store::batch::{self, Entry};
 use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
-use basalt_store::log::ReplayedBatch;
+use basalt_store::log::{ReplayedBatch, Ring};
 use basalt_store::object_op::{PayloadRef, PgObjects, kind};
 
-use crate::log_device::RELOCATE;
+use crate::log_device::{MAX_BATCH_BYTES, RELOCATE};
+
+/// How far a cleaner step from `from` reads (whole batches below it): so that what it
+/// moves fits the log device's floor (`FLOOR_BYTES`, two largest batches and a block),
+/// however the relocations fall.
+///
+/// The relocations take at most the bytes of the batches read (they carry a subset of
+/// their entries, split as greedily), and the writer may skip the end of a lap before one
+/// of them (less than a batch). So a step reads at most a largest batch and a block:
+/// - within a lap, up to a largest batch and a block further, or to the end of the lap if
+///   that comes first (a batch never crosses it);
+/// - `across_lap`, when that read found no batch at the end of a lap (the writer skipped
+///   it), from the start of the next lap on as far.
+///
+/// At least one batch is always within reach: a batch is at most a largest batch.
+pub fn step_limit(ring: Ring, from: u64, across_lap: bool) -> u64 {
+    let step = MAX_BATCH_BYTES + BLOCK_SIZE as u64;
+    let lap_end = from - from % ring.len_bytes + ring.len_bytes;
+    if across_lap {
+        lap_end + step
+    } else {
+        (from + step).min(lap_end)
+    }
+}
+
+/// Whether a step from `from` that found no batch ended at the end of a lap: the writer
+/// skipped what was left of it, and the next step must look in the next lap
+/// ([`step_limit`] with `across_lap`).
+pub fn stopped_at_lap_end(ring: Ring, from: u64, limit: u64) -> bool {
+    step_limit(ring, from, false) == limit && limit.is_multiple_of(ring.len_bytes)
+}
 
 /// What of a PG's raft log is known durable here.
 #[derive(Debug, Clone, Default)]
@@ -258,6 +289,127 @@ pub fn apply_move(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::log_device::FLOOR_BYTES;
+    use basalt_common::{Lsn, PoolId};
+    use basalt_store::batch::DATA_SIZE_MAX;
+    use basalt_store::log::{LogWriter, replay_trimmed};
+    use proptest::prelude::*;
+
+    fn entries(sizes: &[usize]) -> Vec<Entry> {
+        sizes
+            .iter()
+            .map(|&len| Entry {
+                kind: kind::WRITE,
+                pg: PgId {
+                    pool: PoolId(1),
+                    index: 0,
+                },
+                term: 1,
+                index: 1,
+                meta: [0; 24],
+                data: vec![0; len],
+            })
+            .collect()
+    }
+
+    /// A step that meets a skipped lap end finds no batch, then finds the next lap's first.
+    #[test]
+    fn a_step_goes_on_past_a_skipped_lap_end() {
+        let largest = || entries(&[DATA_SIZE_MAX]);
+        let ring = Ring {
+            start_bytes: 0,
+            len_bytes: 2 * MAX_BATCH_BYTES + 3 * BLOCK_SIZE as u64,
+        };
+        let mut disk = vec![0u8; ring.len_bytes as usize];
+        let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
+        let mut last = None;
+        for _ in 0..3 {
+            let placed = writer.append(&largest()).expect("room");
+            let at = placed.offset_bytes as usize;
+            disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+            writer.set_tail(placed.position);
+            last = Some(placed);
+        }
+        let last = last.expect("placed");
+        assert_eq!(
+            last.position, ring.len_bytes,
+            "the third skipped the end of the lap"
+        );
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            Ok(disk[offset as usize..offset as usize + len].to_vec())
+        };
+        let from = 2 * MAX_BATCH_BYTES;
+        let limit = step_limit(ring, from, false);
+        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_| {}).expect("read");
+        assert!(found.batches.is_empty());
+        assert!(stopped_at_lap_end(ring, from, limit));
+        let limit = step_limit(ring, from, true);
+        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_| {}).expect("read");
+        assert_eq!(found.batches.len(), 1);
+        assert_eq!(found.batches[0].position, ring.len_bytes);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+
+        /// Over batches of any sizes written around a ring, a cleaner step from wherever
+        /// one can start (the end of a batch) reads at least one batch, and never more
+        /// bytes of batches than leave room in the floor for their relocations and one
+        /// skipped lap end.
+        #[test]
+        fn a_cleaner_step_reads_a_batch_and_fits_the_floor(
+            batches in proptest::collection::vec(
+                proptest::collection::vec(
+                    prop_oneof![1..=8192usize, 1..=DATA_SIZE_MAX / 2, Just(DATA_SIZE_MAX)],
+                    1..3,
+                ),
+                20..40,
+            ),
+        ) {
+            let ring = Ring { start_bytes: 0, len_bytes: 5 * MAX_BATCH_BYTES + 3 * BLOCK_SIZE as u64 };
+            let mut disk = vec![0u8; ring.len_bytes as usize];
+            let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
+            // (position after the batch, LSN after it): where a step can start.
+            let mut starts = vec![(0, Lsn(1))];
+            let mut tail = 0;
+            for sizes in &batches {
+                let mut sizes = sizes.clone();
+                while batch::batch_size(&entries(&sizes)) - BLOCK_SIZE > DATA_SIZE_MAX {
+                    sizes.pop();
+                }
+                // Keep the last three batches (the ring holds at least four of any size).
+                tail = starts[starts.len().saturating_sub(3)].0;
+                writer.set_tail(tail);
+                let placed = writer.append(&entries(&sizes)).expect("room");
+                let at = placed.offset_bytes as usize;
+                disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+                starts.push((placed.position + placed.bytes.len() as u64, placed.lsn.next()));
+            }
+            let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+                Ok(disk[offset as usize..offset as usize + len].to_vec())
+            };
+            let (durable_end, _) = *starts.last().expect("batches");
+            for &(from, lsn) in starts.iter().filter(|(from, _)| *from >= tail && *from < durable_end) {
+                let mut limit = step_limit(ring, from, false).min(durable_end);
+                let mut found = replay_trimmed(read, ring, from, lsn, limit, |_| {}).expect("read");
+                if found.batches.is_empty() {
+                    prop_assert!(stopped_at_lap_end(ring, from, limit), "no batch from {from} to {limit}");
+                    limit = step_limit(ring, from, true).min(durable_end);
+                    found = replay_trimmed(read, ring, from, lsn, limit, |_| {}).expect("read");
+                }
+                prop_assert!(!found.batches.is_empty(), "no batch from {from} to {limit}");
+                let bytes: u64 = found
+                    .batches
+                    .iter()
+                    .map(|b| batch::batch_size(&b.entries.iter().map(|(e, _)| e.clone()).collect::<Vec<_>>()) as u64)
+                    .sum();
+                prop_assert!(
+                    bytes + MAX_BATCH_BYTES - BLOCK_SIZE as u64 <= FLOOR_BYTES,
+                    "a step of {bytes} bytes from {from}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn the_durable_bound_stops_before_a_persist_in_flight() {
