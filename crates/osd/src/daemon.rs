@@ -1481,15 +1481,17 @@ impl Core {
             state.mapped_bytes = objects.mapped_bytes();
             for key in objects.keys() {
                 // Offsets in an object fit a u32: this spans any object, as metadata only.
-                plans.push((key, objects.plan_read(key, 0, u64::from(u32::MAX))));
+                let pieces = objects.plan_read(key, 0, u64::from(u32::MAX));
+                // A pin per object, dropped once it is read: the PG's whole read does not
+                // hold the log's reuse back.
+                let pin = self.pin_reads(&pieces);
+                plans.push((key, pieces, pin));
             }
         }
-        let pin = self.pin_reads(plans.iter().flat_map(|(_, pieces)| pieces));
         let engine = self.engine.clone();
         tokio::spawn(async move {
-            let _pin = pin;
             let mut digest = 0u32;
-            for (key, pieces) in plans {
+            for (key, pieces, _pin) in plans {
                 digest = crc32c::crc32c_append(digest, &key.image.0.to_le_bytes());
                 digest = crc32c::crc32c_append(digest, &key.number.to_le_bytes());
                 // Where each mapped stretch starts, whatever pieces it is made of: replicas

@@ -484,14 +484,23 @@ impl LogDevice {
     /// it, a read planned before the cleaner moved its data could find it overwritten by a
     /// later lap. `None` when there is no offset.
     pub fn pin(&self, device_offsets: impl IntoIterator<Item = u64>) -> Option<ReadPin> {
-        let mut state = self.tail.lock();
-        let from = self.counters.tail_position.load(Ordering::Relaxed);
         let region = self.ring.start_bytes..self.ring.start_bytes + self.ring.len_bytes;
-        let position = device_offsets
+        let offsets: Vec<u64> = device_offsets
             .into_iter()
             .filter(|offset| region.contains(offset))
+            .collect();
+        let mut state = self.tail.lock();
+        // The window starts at the tail the writer goes by, read under the lock: every
+        // pin is at or after it, so it never moves back.
+        let from = self.counters.tail_position.load(Ordering::Relaxed);
+        let position = offsets
+            .into_iter()
             .map(|offset| self.ring.position_at(offset, from))
             .min()?;
+        debug_assert!(
+            position < self.counters.head_position.load(Ordering::Relaxed),
+            "a read of the log beyond its head"
+        );
         *state.pins.entry(position).or_default() += 1;
         Some(ReadPin {
             tail: self.tail.clone(),
@@ -499,9 +508,11 @@ impl LogDevice {
         })
     }
 
-    /// Bytes of the ring not in use (the reserve included).
+    /// Bytes of the ring not in use (the reserve included), as far as checkpoints go: what
+    /// the cleaner, checkpoints and write admission reason from. Reads in flight may hold
+    /// the writer back from the last of it for as long as they take (appends then wait).
     pub fn free_bytes(&self) -> u64 {
-        (self.counters.tail_position.load(Ordering::Relaxed) + self.ring.len_bytes)
+        (self.tail_position() + self.ring.len_bytes)
             .saturating_sub(self.counters.head_position.load(Ordering::Relaxed))
     }
 

@@ -193,21 +193,31 @@ async fn refusals_are_clear() {
 
 /// A read in flight keeps its place in the ring from reuse: with the ring full and a
 /// checkpoint's tail past that place, an append that the freed space would take waits
-/// until the read's pin is dropped, and the place still holds what was written there.
+/// until the read's pin is dropped; then the writer laps onto the place.
 #[tokio::test(flavor = "current_thread")]
 async fn a_read_in_flight_keeps_its_place_from_reuse() {
     use std::os::unix::fs::FileExt;
     let path = device_file("pin", 32 << 20);
     LogDevice::format(&path, [5; 16]).await.expect("format");
     let device = LogDevice::open(&path).await.expect("open").device;
+    let ring = device.ring();
     let first = device.submit(vec![entry(0, 1, 7)]).await.expect("room");
     let place = first.data_offsets_bytes[0];
+    let file = std::fs::File::open(&path).expect("open");
+    let read_place = || {
+        let mut data = vec![0u8; 4096];
+        file.read_exact_at(&mut data, place).expect("read");
+        data
+    };
     assert!(device.pin([]).is_none(), "nothing to pin");
     assert!(
         device.pin([0]).is_none(),
         "the superblock is not in the ring"
     );
-    let pin = device.pin([place]).expect("a place in the ring");
+    // The read starts at the batch's first block.
+    let pin = device
+        .pin([ring.device_offset(first.position)])
+        .expect("a place in the ring");
     let mut index = 1;
     let mut last_end = first.end_position;
     while device.free_bytes() >= basalt_osd::log_device::FLOOR_BYTES + 8192 {
@@ -221,23 +231,34 @@ async fn a_read_in_flight_keeps_its_place_from_reuse() {
     let freed = last_end - (1 << 20);
     device.set_tail(freed);
     assert_eq!(device.tail_position(), freed);
+    assert!(
+        device.free_bytes() > 1 << 20,
+        "free as far as checkpoints go"
+    );
     let waiting = tokio::spawn(device.submit(vec![entry(0, index + 1, 2)]));
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert!(
         !waiting.is_finished(),
         "the ring is not reused under a read in flight"
     );
-    let file = std::fs::File::open(&path).expect("open");
-    let mut data = vec![0u8; 4096];
-    file.read_exact_at(&mut data, place).expect("read");
-    assert_eq!(data, vec![7u8; 4096]);
     drop(pin);
-    let appended = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+    let mut appended = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
         .await
         .expect("the append goes once the read is done")
         .expect("task")
         .expect("durable");
-    assert!(appended.end_position > last_end);
+    assert_eq!(read_place(), vec![7u8; 4096], "not lapped yet");
+    // Free on: the writer laps onto the place the read had.
+    while appended.position < ring.len_bytes {
+        index += 1;
+        device.set_tail(appended.end_position - (1 << 20));
+        appended = device.submit(vec![entry(0, index, 9)]).await.expect("room");
+    }
+    assert_eq!(
+        appended.position, ring.len_bytes,
+        "the next lap starts there"
+    );
+    assert_eq!(read_place(), vec![9u8; 4096], "the place is reused");
     std::fs::remove_file(path).expect("remove");
 }
 
