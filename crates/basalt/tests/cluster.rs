@@ -294,6 +294,87 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     );
 }
 
+/// One OSD's device is smaller than its peers': it fills first. Once it reports itself
+/// full the map says so, and the leaders of its PGs (on the larger OSDs too) refuse writes
+/// with ENOSPC instead of going on without it; the replicas stay equal, every acknowledged
+/// write reads back, and discards make it writable again.
+#[test]
+fn a_full_replica_stops_the_writes_of_its_pgs() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-full-replica");
+    let device = |size: &str| (None, vec!["--device-size".to_string(), size.to_string()]);
+    let cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![device("192MiB"), device("192MiB"), device("64MiB")],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "128MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let small = cluster.osd_id(2);
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let write = |mib: u64| {
+        let command = format!("write -P {} {mib}M 1M", mib % 250 + 1);
+        let output = run(Command::new("qemu-io").args(["-f", "raw", &uri, "-c", &command]));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        if text.contains("No space left on device") {
+            false
+        } else {
+            assert!(output.status.success() && text.contains("wrote"), "{text}");
+            true
+        }
+    };
+    let flagged = || {
+        cluster
+            .cli_json(&["osd", "ls"])
+            .as_array()
+            .expect("osds")
+            .iter()
+            .any(|osd| osd["id"] == small && osd["full"] == true)
+    };
+    let mut written = Vec::new();
+    let mut next = 0;
+    while !flagged() {
+        assert!(next < 96, "osd.{small} never reported full");
+        if write(next) {
+            written.push(next);
+        }
+        next += 1;
+    }
+    assert!(
+        written.len() >= 8,
+        "some writes went before it filled: {written:?}"
+    );
+    eprintln!(
+        "osd.{small} full after {next} MiB, {} written",
+        written.len()
+    );
+    // Every PG has the small OSD as a replica: no write goes now, whichever OSD leads.
+    for mib in next..next + 8 {
+        assert!(
+            !write(mib),
+            "a write at {mib} MiB went with osd.{small} full"
+        );
+    }
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    let reads: Vec<String> = written
+        .iter()
+        .map(|mib| format!("read -P {} {mib}M 1M", mib % 250 + 1))
+        .collect();
+    qemu_io_ok(&uri, true, &args(&reads));
+    // Discarding frees the log: the cleaner makes room, the flag goes, writes go again.
+    qemu_io_ok(&uri, false, &["discard 0 128M"]);
+    wait_for("the full flag to clear", Duration::from_secs(60), || {
+        !flagged()
+    });
+    assert!(write(0), "a write after the discard");
+    qemu_io_ok(&uri, true, &["read -P 1 0 1M"]);
+}
+
 #[test]
 fn an_exported_image_follows_a_resize() {
     require("qemu-io");

@@ -50,6 +50,11 @@ pub struct OsdEntry {
     /// when it boots.
     #[serde(default)]
     pub auto_out: bool,
+    /// Its log is full of live data: the leaders of its PGs refuse writes (ENOSPC at the
+    /// client) rather than go on without it, as a replica that cannot persist would fall
+    /// behind for good. Reported by the OSD, set by the monitors.
+    #[serde(default)]
+    pub full: bool,
 }
 
 /// One PG's members and the epoch they were last changed in.
@@ -180,6 +185,13 @@ pub enum Command {
     OsdIn {
         /// The OSD.
         id: OsdId,
+    },
+    /// The OSD reports its log full, or no longer full.
+    OsdFull {
+        /// The OSD.
+        id: OsdId,
+        /// Full.
+        full: bool,
     },
     /// Create a pool.
     PoolCreate {
@@ -328,6 +340,10 @@ impl ClusterMap {
                 osd.auto_out = false;
                 osd.set_in(true)
             }
+            Command::OsdFull { id, full } => {
+                let osd = self.osd_mut(*id)?;
+                std::mem::replace(&mut osd.full, *full) != *full
+            }
             Command::PoolCreate {
                 name,
                 pg_count,
@@ -416,6 +432,8 @@ impl ClusterMap {
             up: true,
             is_in,
             auto_out: false,
+            // Full until it reports otherwise: it held the same log before it restarted.
+            full: self.osds.get(&id).is_some_and(|known| known.full),
         };
         let changed = self.osds.get(&id) != Some(&entry);
         self.osds.insert(id, entry);
@@ -639,6 +657,34 @@ fn unknown_image(pool: &str, name: &str) -> MapError {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
+
+    /// The full flag follows the OSD's reports, bumps the epoch only when it changes, and
+    /// stays across a reboot until the OSD reports otherwise.
+    #[test]
+    fn the_full_flag_follows_reports_and_survives_a_boot() {
+        let mut map = ClusterMap::new();
+        let id = boot(&mut map, "u1", "host0");
+        assert!(!map.osds[&id].full);
+        let epoch = map.epoch;
+        assert_eq!(map.apply(&Command::OsdFull { id, full: true }), Ok(true));
+        assert!(map.osds[&id].full);
+        assert!(map.epoch > epoch);
+        let epoch = map.epoch;
+        assert_eq!(map.apply(&Command::OsdFull { id, full: true }), Ok(false));
+        assert_eq!(map.epoch, epoch, "no change, no epoch");
+        boot(&mut map, "u1", "host0");
+        assert!(map.osds[&id].full, "still full after a boot");
+        assert_eq!(map.apply(&Command::OsdFull { id, full: false }), Ok(true));
+        assert!(!map.osds[&id].full);
+        assert!(
+            map.apply(&Command::OsdFull {
+                id: OsdId(99),
+                full: true
+            })
+            .is_err(),
+            "an unknown osd"
+        );
+    }
 
     fn boot(map: &mut ClusterMap, uuid: &str, host: &str) -> OsdId {
         let address = format!("127.0.0.1:7000/{uuid}");

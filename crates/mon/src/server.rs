@@ -305,7 +305,8 @@ impl Monitor {
     }
 
     async fn heartbeat(&self, osd: OsdId, report: OsdReport) -> MonReply {
-        let back_up = {
+        let full = report.full;
+        let (back_up, full_changed) = {
             let mut state = self.lock();
             let Some(entry) = state.map.osds.get(&osd).cloned() else {
                 return MonReply::Error(format!("{osd} is not in the map; boot first"));
@@ -324,7 +325,8 @@ impl Monitor {
                     previous,
                 },
             );
-            (!entry.up).then_some(entry)
+            let full_changed = entry.full != full;
+            ((!entry.up).then_some(entry), full_changed)
         };
         if let Some(entry) = back_up {
             // Back from down: marked up (and in) again, as a boot would.
@@ -335,6 +337,16 @@ impl Monitor {
                 weight: entry.weight,
             };
             if let MonReply::Error(error) = self.propose(command).await {
+                return MonReply::Error(error);
+            }
+        }
+        if full_changed {
+            if full {
+                tracing::warn!(%osd, "osd full: the leaders of its pgs refuse writes");
+            } else {
+                tracing::info!(%osd, "osd no longer full");
+            }
+            if let MonReply::Error(error) = self.propose(Command::OsdFull { id: osd, full }).await {
                 return MonReply::Error(error);
             }
         }

@@ -419,6 +419,8 @@ struct Core {
     id: OsdId,
     raft: MultiRaft,
     map: Arc<ClusterMap>,
+    /// The OSDs the map says are full (usually none).
+    full_osds: Vec<OsdId>,
     /// Raft state replayed from the log for PGs whose groups are not created yet.
     restored: BTreeMap<PgId, Restored>,
     objects: HashMap<PgId, PgObjects>,
@@ -504,6 +506,12 @@ impl Core {
             }
         }
         self.map = map.clone();
+        self.full_osds = map
+            .osds
+            .values()
+            .filter(|osd| osd.full)
+            .map(|osd| osd.id)
+            .collect();
         // Durable state of pools removed since: forgotten, so that the log can be reused.
         let gone: Vec<PgId> = self
             .restored
@@ -1107,7 +1115,9 @@ impl Core {
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;
         if write_bytes > 0
-            && let Err(status) = self.space_for(log_bytes)
+            && let Err(status) = self
+                .full_replica(pg)
+                .map_or_else(|| self.space_for(log_bytes), Err)
         {
             let _ = reply_to.send(reply(status));
             return;
@@ -1136,6 +1146,42 @@ impl Core {
                 tracing::debug!(%error, "proposal refused");
             }
         }
+    }
+
+    /// The refusal of a write to `pg` while the map says one of its voters is full: a
+    /// replica that cannot persist would fall behind for good, and the PG go on with one
+    /// copy fewer. Discards still go (they free space).
+    fn full_replica(&self, pg: PgId) -> Option<Status> {
+        if self.full_osds.is_empty() {
+            return None;
+        }
+        let members = self.raft.members(pg)?;
+        let full = members
+            .voters
+            .iter()
+            .chain(&members.voters_outgoing)
+            .find(|osd| self.full_osds.contains(osd))?;
+        Some(Status::NoSpace {
+            message: format!("{full}, a replica of pg {pg}, is full"),
+        })
+    }
+
+    /// Whether this OSD is full, for the map: once everything else were cleaned, the live
+    /// data and the payloads of retained raft entries would leave less free than the
+    /// reserve, the headroom and a margin. It does not wait for the cleaner to find out
+    /// (writes get `Busy` meanwhile): the leaders of its PGs, told by the map, must stop
+    /// while the reserve, which a follower may fill with raft's entries, can still take
+    /// what they accept until they hear of it.
+    fn is_full(&self) -> bool {
+        let ring = self.log.ring().len_bytes;
+        let margin = (ring / 16).max(1 << 20);
+        let free_at_best = if self.reuse_allowed() {
+            ring.saturating_sub(self.reclaim.live_bytes + self.reclaim.retained_bytes + ring / 32)
+        } else {
+            self.log.free_bytes()
+        }
+        .saturating_sub(self.pending_bytes);
+        free_at_best < self.log.reserve_bytes() + self.headroom() + margin
     }
 
     /// Log space kept free besides the cleaner's reserve.
@@ -1975,9 +2021,7 @@ impl Core {
             })
             .collect();
         let c = &self.counters;
-        // Full exactly when writes are refused with "no space" (not while they wait for
-        // the cleaner): the same test as theirs.
-        let full = matches!(self.space_for(1 << 20), Err(Status::NoSpace { .. }));
+        let full = self.is_full();
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = OsdReport {
             capacity_bytes,
             used_bytes: self.reclaim.live_bytes,
@@ -2646,6 +2690,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         id,
         raft,
         map: Arc::new(ClusterMap::new()),
+        full_osds: Vec::new(),
         restored: groups,
         objects: HashMap::new(),
         applied: HashMap::new(),
