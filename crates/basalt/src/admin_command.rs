@@ -489,11 +489,13 @@ fn health(
             warnings.push(format!("{count} pgs {state}"));
         }
     }
+    // From the map: the flag is what makes leaders refuse writes.
     let full: Vec<String> = status
-        .reports
-        .iter()
-        .filter(|(_, r)| r.full)
-        .map(|(osd, _)| osd.to_string())
+        .map
+        .osds
+        .values()
+        .filter(|osd| osd.full && osd.up)
+        .map(|osd| osd.id.to_string())
         .collect();
     if !full.is_empty() {
         warnings.push(format!(

@@ -353,8 +353,13 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
         "osd.{small} full after {next} MiB, {} written",
         written.len()
     );
-    // Every PG has the small OSD as a replica: no write goes now, whichever OSD leads.
-    for mib in next..next + 8 {
+    // Maps reach the OSDs by long poll, within milliseconds; this leaves room for a loaded
+    // machine.
+    std::thread::sleep(Duration::from_secs(2));
+    // Every PG has the small OSD as a replica: no write goes now, whichever OSD leads
+    // (one write into each of the image's 32 objects, over its 8 PGs).
+    for object in 0..32 {
+        let mib = object * 4 + 2;
         assert!(
             !write(mib),
             "a write at {mib} MiB went with osd.{small} full"
@@ -371,7 +376,12 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
     wait_for("the full flag to clear", Duration::from_secs(60), || {
         !flagged()
     });
-    assert!(write(0), "a write after the discard");
+    // The leaders hear of it a moment later.
+    wait_for(
+        "a write to go after the discard",
+        Duration::from_secs(10),
+        || write(0),
+    );
     qemu_io_ok(&uri, true, &["read -P 1 0 1M"]);
 }
 

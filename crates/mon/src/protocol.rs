@@ -29,7 +29,9 @@ pub struct OsdReport {
     pub leading: Vec<PgId>,
     /// The map epoch it runs.
     pub epoch: Epoch,
-    /// Its log is too full to take writes (they are refused with "no space").
+    /// Its log is full: its live data leaves less than the reserve, headroom and a margin
+    /// free even once cleaned (the monitors flag it in the map, and the leaders of its PGs
+    /// refuse writes).
     #[serde(default)]
     pub full: bool,
     /// PG replicas it hosts.

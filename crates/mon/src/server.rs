@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use basalt_common::{OsdId, PgId, PoolId};
+use basalt_common::{Epoch, OsdId, PgId, PoolId};
 use basalt_replication::{
     Action, MultiRaft, RaftMessage, Restored, decode_message, encode_message,
 };
@@ -325,7 +325,9 @@ impl Monitor {
                     previous,
                 },
             );
-            let full_changed = entry.full != full;
+            // An OSD's first heartbeats, before its core has looked at its log (epoch 0),
+            // say nothing of it.
+            let full_changed = state.reports[&osd].report.epoch != Epoch(0) && entry.full != full;
             ((!entry.up).then_some(entry), full_changed)
         };
         if let Some(entry) = back_up {

@@ -506,10 +506,12 @@ impl Core {
             }
         }
         self.map = map.clone();
+        // A full OSD that is down holds nothing back: it is not a copy meanwhile, and it
+        // reports again (still full, or not) when it comes back.
         self.full_osds = map
             .osds
             .values()
-            .filter(|osd| osd.full)
+            .filter(|osd| osd.full && osd.up)
             .map(|osd| osd.id)
             .collect();
         // Durable state of pools removed since: forgotten, so that the log can be reused.
@@ -1152,7 +1154,8 @@ impl Core {
     /// replica that cannot persist would fall behind for good, and the PG go on with one
     /// copy fewer. Discards still go (they free space).
     fn full_replica(&self, pg: PgId) -> Option<Status> {
-        if self.full_osds.is_empty() {
+        // A follower answers as without the flag (NotLeader), its map may be older.
+        if self.full_osds.is_empty() || !self.raft.is_leader(pg) {
             return None;
         }
         let members = self.raft.members(pg)?;
@@ -1166,22 +1169,25 @@ impl Core {
         })
     }
 
-    /// Whether this OSD is full, for the map: once everything else were cleaned, the live
-    /// data and the payloads of retained raft entries would leave less free than the
-    /// reserve, the headroom and a margin. It does not wait for the cleaner to find out
-    /// (writes get `Busy` meanwhile): the leaders of its PGs, told by the map, must stop
-    /// while the reserve, which a follower may fill with raft's entries, can still take
-    /// what they accept until they hear of it.
+    /// Whether this OSD is full, for the map: once everything else were cleaned, its live
+    /// data would leave less free than the reserve, the headroom and a margin. It does not
+    /// wait for the cleaner to find out (writes get `Busy` meanwhile): the leaders of its
+    /// PGs, told by the map, must stop while the reserve, which a follower may fill with
+    /// raft's entries, can still take what they accept until they hear of it. Retained
+    /// raft payloads are not counted: most are live data too, and the rest goes at the
+    /// next checkpoint. Once the map says full, it stays so until a thirty-second of the
+    /// ring more is free, so that the flag does not flap.
     fn is_full(&self) -> bool {
         let ring = self.log.ring().len_bytes;
-        let margin = (ring / 16).max(1 << 20);
+        let margin = (ring / 16).clamp(1 << 20, 256 << 20);
         let free_at_best = if self.reuse_allowed() {
-            ring.saturating_sub(self.reclaim.live_bytes + self.reclaim.retained_bytes + ring / 32)
+            ring.saturating_sub(self.reclaim.live_bytes + ring / 32)
         } else {
             self.log.free_bytes()
-        }
-        .saturating_sub(self.pending_bytes);
-        free_at_best < self.log.reserve_bytes() + self.headroom() + margin
+        };
+        let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
+        let hysteresis = if flagged { ring / 32 } else { 0 };
+        free_at_best < self.log.reserve_bytes() + self.headroom() + margin + hysteresis
     }
 
     /// Log space kept free besides the cleaner's reserve.
