@@ -349,18 +349,19 @@ pub fn run_osd_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
             )?);
         } else {
             println!(
-                "{:<8} {:<16} {:<22} {:<5} {:<4} {:>6}",
+                "{:<8} {:<16} {:<22} {:<5} {:<4} {:>6}  SPACE",
                 "ID", "HOST", "ADDRESS", "UP", "IN", "WEIGHT"
             );
             for osd in map.osds.values() {
                 println!(
-                    "{:<8} {:<16} {:<22} {:<5} {:<4} {:>6.2}",
+                    "{:<8} {:<16} {:<22} {:<5} {:<4} {:>6.2}  {}",
                     osd.id.to_string(),
                     osd.host,
                     osd.address,
                     if osd.up { "up" } else { "down" },
                     if osd.is_in { "in" } else { "out" },
-                    osd.weight
+                    osd.weight,
+                    if osd.full { "full" } else { "ok" }
                 );
             }
         }

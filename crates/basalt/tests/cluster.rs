@@ -353,6 +353,18 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
         "osd.{small} full after {next} MiB, {} written",
         written.len()
     );
+    let table = cluster.cli_ok(&["osd", "ls"]);
+    assert!(
+        table
+            .lines()
+            .any(|line| line.starts_with(&format!("osd.{small} ")) && line.ends_with("full")),
+        "{table}"
+    );
+    let status = cluster.cli_ok(&["status"]);
+    assert!(
+        status.contains(&format!("1 osds full, writes refused: osd.{small}")),
+        "{status}"
+    );
     // Maps reach the OSDs by long poll, within milliseconds; this leaves room for a loaded
     // machine.
     std::thread::sleep(Duration::from_secs(2));
