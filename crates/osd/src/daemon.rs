@@ -695,7 +695,7 @@ impl Core {
             .and_then(|osd| osd.address.parse::<SocketAddr>().ok());
         let Some(address) = address else {
             tracing::warn!(%pg, %leader, "a snapshot from an osd with no known address; refused");
-            let refusal = self.raft.snapshot_refusal(leader);
+            let refusal = self.raft.snapshot_refusal(leader, index);
             self.send(leader, pg, refusal);
             return;
         };
@@ -895,7 +895,9 @@ impl Core {
                     .leader(pg)
                     .filter(|leader| *leader != self.id)
                     .unwrap_or(installing.leader);
-                let refusal = self.raft.snapshot_refusal(leader);
+                let index =
+                    MultiRaft::snapshot_of(&installing.message).map_or(0, |(index, _)| index);
+                let refusal = self.raft.snapshot_refusal(leader, index);
                 self.send(leader, pg, refusal);
             }
         }

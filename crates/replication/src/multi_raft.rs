@@ -524,14 +524,17 @@ impl MultiRaft {
         })
     }
 
-    /// The message a follower sends to tell the leader (`to`) that it could not install a
-    /// snapshot of a PG ([`MultiRaft::step`] on the leader's side handles it).
-    pub fn snapshot_refusal(&self, to: OsdId) -> Message {
+    /// The message a follower sends to tell the leader (`to`) that it could not install
+    /// the snapshot of a PG at `index` ([`MultiRaft::step`] on the leader's side handles
+    /// it: a refusal of another snapshot than the one it is sending, a late one, is
+    /// ignored).
+    pub fn snapshot_refusal(&self, to: OsdId, index: u64) -> Message {
         let mut message = Message::default();
         message.set_msg_type(MessageType::MsgSnapStatus);
         message.from = raft_id(self.osd);
         message.to = raft_id(to);
         message.reject = true;
+        message.index = index;
         message
     }
 
@@ -688,7 +691,20 @@ impl MultiRaft {
     pub fn step(&mut self, pg: PgId, message: Message) {
         if let Some(group) = self.groups.get_mut(&pg) {
             if message.get_msg_type() == MessageType::MsgSnapStatus {
-                // A follower's word on a snapshot (raft-rs takes it as a local report).
+                // A follower's word on a snapshot (raft-rs takes it as a local report), if
+                // it is about the one being sent to it (an index of 0 names none).
+                let current = group
+                    .node
+                    .raft
+                    .prs()
+                    .get(message.from)
+                    .is_some_and(|progress| {
+                        progress.state == ProgressState::Snapshot
+                            && (message.index == 0 || progress.pending_snapshot == message.index)
+                    });
+                if !current {
+                    return;
+                }
                 let status = if message.reject {
                     SnapshotStatus::Failure
                 } else {
@@ -1071,6 +1087,15 @@ mod tests {
         /// Delivers everything the replicas have to say until they fall silent; returns
         /// the messages sent, as (from, message).
         fn settle(&mut self) -> Vec<(usize, Message)> {
+            self.settle_where(|_, _, _| true)
+        }
+
+        /// [`Trio::settle`], delivering only the messages `deliver` (from, to, message)
+        /// lets through; the others are lost.
+        fn settle_where(
+            &mut self,
+            deliver: impl Fn(usize, usize, &Message) -> bool,
+        ) -> Vec<(usize, Message)> {
             let mut sent = Vec::new();
             let mut actions = Vec::new();
             loop {
@@ -1096,7 +1121,9 @@ mod tests {
                     return sent;
                 }
                 for (from, to, message) in messages {
-                    self.replicas[to.0 as usize].step(PG, message.clone());
+                    if deliver(from, to.0 as usize, &message) {
+                        self.replicas[to.0 as usize].step(PG, message.clone());
+                    }
                     sent.push((from, message));
                 }
             }
@@ -1116,6 +1143,48 @@ mod tests {
             }
             panic!("no leader");
         }
+    }
+
+    /// A refusal names the snapshot it refuses: a late one, of an earlier snapshot, leaves
+    /// the one being sent alone; a refusal of that one sends raft back to probing.
+    #[test]
+    fn a_late_snapshot_refusal_is_ignored() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let lagging = (leader + 1) % 3;
+        let cut = |from: usize, to: usize, _: &Message| from != lagging && to != lagging;
+        for n in 0..20u8 {
+            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+            trio.settle_where(cut);
+        }
+        let committed = trio.replicas[leader].committed(PG).expect("hosted");
+        trio.replicas[leader].compact(PG, committed);
+        // Healed, the leader sends a snapshot, which is lost.
+        let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
+        let mut index = None;
+        for _ in 0..4 * ELECTION_TICKS {
+            trio.replicas[leader].tick();
+            let sent = trio.settle_where(|_, _, m| !is_snapshot(m));
+            index = index.or_else(|| {
+                sent.iter()
+                    .find_map(|(_, m)| MultiRaft::snapshot_of(m).map(|(index, _)| index))
+            });
+            if index.is_some() {
+                break;
+            }
+        }
+        let index = index.expect("a snapshot was sent");
+        let follower = OsdId(lagging as u32);
+        assert!(trio.replicas[leader].sending_snapshot(PG, follower));
+        let late = trio.replicas[lagging].snapshot_refusal(OsdId(leader as u32), index - 1);
+        trio.replicas[leader].step(PG, late);
+        assert!(
+            trio.replicas[leader].sending_snapshot(PG, follower),
+            "a refusal of another snapshot changes nothing"
+        );
+        let refusal = trio.replicas[lagging].snapshot_refusal(OsdId(leader as u32), index);
+        trio.replicas[leader].step(PG, refusal);
+        assert!(!trio.replicas[leader].sending_snapshot(PG, follower));
     }
 
     #[test]
