@@ -495,7 +495,7 @@ fn health(
         .map
         .osds
         .values()
-        .filter(|osd| osd.full && osd.up)
+        .filter(|osd| osd.holds_writes_back())
         .map(|osd| osd.id.to_string())
         .collect();
     if !full.is_empty() {

@@ -266,13 +266,7 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     qemu_io_ok(&uri, false, &["write -P 0xab 0 8M"]);
 
     // More than the devices can take: refused with ENOSPC, not an OSD crash.
-    let output =
-        run(Command::new("qemu-io").args(["-f", "raw", &uri, "-c", "write -P 0xcd 8M 56M"]));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let (_, text) = qemu_io(&uri, false, &["write -P 0xcd 8M 56M"]);
     assert!(text.contains("No space left on device"), "{text}");
     let osds = cluster.cli_json(&["osd", "ls"]);
     assert!(
@@ -315,16 +309,11 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     let write = |mib: u64| {
         let command = format!("write -P {} {mib}M 1M", mib % 250 + 1);
-        let output = run(Command::new("qemu-io").args(["-f", "raw", &uri, "-c", &command]));
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let (success, text) = qemu_io(&uri, false, &[&command]);
         if text.contains("No space left on device") {
             false
         } else {
-            assert!(output.status.success() && text.contains("wrote"), "{text}");
+            assert!(success && text.contains("wrote"), "{text}");
             true
         }
     };

@@ -145,9 +145,10 @@ impl Reactors {
     }
 
     /// Lets a connection with nothing to do poll its socket for up to `poll` before its
-    /// reactor goes to sleep (zero: never). Only NVMe/TCP queue pairs read it so far. Off by default: on a small machine a polling
-    /// thread takes CPU the other processes need. It pays where the reactor has a CPU of
-    /// its own and waking a sleeping CPU is dear (docs/benchmarks.md).
+    /// reactor goes to sleep (zero: never). Only NVMe/TCP queue pairs read it so far. Off
+    /// by default: on a small machine a polling thread takes CPU the other processes need.
+    /// It pays where the reactor has a CPU of its own and waking a sleeping CPU is dear
+    /// (docs/benchmarks.md).
     pub fn set_poll(&self, poll: std::time::Duration) {
         let micros = u64::try_from(poll.as_micros()).unwrap_or(u64::MAX);
         self.poll_us.store(micros, Ordering::Relaxed);

@@ -610,6 +610,13 @@ impl ClusterMap {
 }
 
 impl OsdEntry {
+    /// Whether the leaders of its PGs refuse writes for it: full and up. A full OSD that
+    /// is down holds nothing back (it is not a copy meanwhile, and it reports again when
+    /// it comes back).
+    pub fn holds_writes_back(&self) -> bool {
+        self.full && self.up
+    }
+
     fn set_up(&mut self, up: bool) -> bool {
         std::mem::replace(&mut self.up, up) != up
     }

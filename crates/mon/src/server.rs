@@ -305,7 +305,9 @@ impl Monitor {
     }
 
     async fn heartbeat(&self, osd: OsdId, report: OsdReport) -> MonReply {
-        let full = report.full;
+        // An OSD's first heartbeats, before its core has looked at its log (epoch 0), say
+        // nothing of it.
+        let full = (report.epoch != Epoch(0)).then_some(report.full);
         let (back_up, full_changed) = {
             let mut state = self.lock();
             let Some(entry) = state.map.osds.get(&osd).cloned() else {
@@ -325,9 +327,7 @@ impl Monitor {
                     previous,
                 },
             );
-            // An OSD's first heartbeats, before its core has looked at its log (epoch 0),
-            // say nothing of it.
-            let full_changed = state.reports[&osd].report.epoch != Epoch(0) && entry.full != full;
+            let full_changed = full.filter(|full| *full != entry.full);
             ((!entry.up).then_some(entry), full_changed)
         };
         if let Some(entry) = back_up {
@@ -342,7 +342,7 @@ impl Monitor {
                 return MonReply::Error(error);
             }
         }
-        if full_changed {
+        if let Some(full) = full_changed {
             if full {
                 tracing::warn!(%osd, "osd full: the leaders of its pgs refuse writes");
             } else {

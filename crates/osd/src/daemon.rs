@@ -340,9 +340,9 @@ struct Reclaim {
     durable_end: (u64, Lsn),
     /// The cleaner has gone through the ring up to here.
     cleaned_to: (u64, Lsn),
-    /// The last step found no batch before the end of its lap: the next one reads on in
-    /// the next lap ([`reclaim::step_limit`]).
-    across_lap: bool,
+    /// Where a step found no batch before the end of its lap (the writer skipped the rest
+    /// of it): a step from there reads on in the next lap ([`reclaim::step_limit`]).
+    skipped_lap_end: Option<u64>,
     /// A cleaner step is under way.
     cleaning: bool,
     /// Free space fell below the low mark: the cleaner runs until it is above the high one.
@@ -506,12 +506,10 @@ impl Core {
             }
         }
         self.map = map.clone();
-        // A full OSD that is down holds nothing back: it is not a copy meanwhile, and it
-        // reports again (still full, or not) when it comes back.
         self.full_osds = map
             .osds
             .values()
-            .filter(|osd| osd.full && osd.up)
+            .filter(|osd| osd.holds_writes_back())
             .map(|osd| osd.id)
             .collect();
         // Durable state of pools removed since: forgotten, so that the log can be reused.
@@ -630,7 +628,6 @@ impl Core {
                     .fetch_add(bytes, Ordering::Relaxed);
                 tracing::debug!(bytes, to = next.0, "relocated");
                 self.reclaim.cleaned_to = next;
-                self.reclaim.across_lap = false;
                 self.reclaim.cleaning = false;
             }
             Event::Checkpointed { result, checkpoint } => {
@@ -1120,8 +1117,8 @@ impl Core {
             + batch::DESCRIPTOR_SIZE as u64;
         if write_bytes > 0
             && let Err(status) = self
-                .full_replica(pg)
-                .map_or_else(|| self.space_for(log_bytes), Err)
+                .replicas_not_full(pg)
+                .and_then(|()| self.space_for(log_bytes))
         {
             let _ = reply_to.send(reply(status));
             return;
@@ -1152,23 +1149,28 @@ impl Core {
         }
     }
 
-    /// The refusal of a write to `pg` while the map says one of its voters is full: a
-    /// replica that cannot persist would fall behind for good, and the PG go on with one
-    /// copy fewer. Discards still go (they free space).
-    fn full_replica(&self, pg: PgId) -> Option<Status> {
+    /// Refuses a write to `pg` while the map says one of its voters is full: a replica
+    /// that cannot persist would fall behind for good, and the PG go on with one copy
+    /// fewer. Discards still go (they free space).
+    fn replicas_not_full(&self, pg: PgId) -> Result<(), Status> {
         // A follower answers as without the flag (NotLeader), its map may be older.
         if self.full_osds.is_empty() || !self.raft.is_leader(pg) {
-            return None;
+            return Ok(());
         }
-        let members = self.raft.members(pg)?;
-        let full = members
+        let Some(members) = self.raft.members(pg) else {
+            return Ok(());
+        };
+        match members
             .voters
             .iter()
             .chain(&members.voters_outgoing)
-            .find(|osd| self.full_osds.contains(osd))?;
-        Some(Status::NoSpace {
-            message: format!("{full}, a replica of pg {pg}, is full"),
-        })
+            .find(|osd| self.full_osds.contains(osd))
+        {
+            Some(full) => Err(Status::NoSpace {
+                message: format!("{full}, a replica of pg {pg}, is full"),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Whether this OSD is full, for the map: once everything else were cleaned, its live
@@ -1288,7 +1290,7 @@ impl Core {
             .min(reclaim::step_limit(
                 self.log.ring(),
                 from,
-                reclaim.across_lap,
+                reclaim.skipped_lap_end == Some(from),
             ))
             .min(tail + ring / 4 + crate::log_device::MAX_BATCH_BYTES);
         if limit <= from {
@@ -1318,17 +1320,16 @@ impl Core {
             }
         };
         let next = (replayed.next_position, replayed.next_lsn);
-        let from = self.reclaim.cleaned_to.0;
-        if replayed.batches.is_empty()
-            && !self.reclaim.across_lap
-            && reclaim::stopped_at_lap_end(self.log.ring(), from, limit)
-        {
-            // The writer skipped the rest of this lap: read on in the next, at once.
-            self.reclaim.across_lap = true;
-            self.reclaim.cleaning = false;
-            return;
-        }
         if replayed.batches.is_empty() {
+            let from = self.reclaim.cleaned_to.0;
+            if self.reclaim.skipped_lap_end != Some(from)
+                && reclaim::stopped_at_lap_end(self.log.ring(), from, limit)
+            {
+                // The writer skipped the rest of this lap: read on in the next, at once.
+                self.reclaim.skipped_lap_end = Some(from);
+                self.reclaim.cleaning = false;
+                return;
+            }
             if let Some(error) = &replayed.stopped_by {
                 tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
             }
@@ -1346,7 +1347,6 @@ impl Core {
         );
         if appends.is_empty() {
             self.reclaim.cleaned_to = next;
-            self.reclaim.across_lap = false;
             self.reclaim.cleaning = false;
             return;
         }
@@ -2720,7 +2720,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         reclaim: Reclaim {
             durable_end: replay_end,
             cleaned_to: tail,
-            across_lap: false,
+            skipped_lap_end: None,
             cleaning: false,
             pressed: false,
             progress_at: std::time::Instant::now(),

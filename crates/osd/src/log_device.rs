@@ -9,9 +9,9 @@
 //! The log region is a ring (`basalt_store::log`): the OSD frees its tail
 //! ([`LogDevice::set_tail`]) once a checkpoint no longer needs it and the cleaner moved its
 //! live data, and the writer reuses it only behind the reads still in flight there
-//! ([`LogDevice::pin`]). Appends wait while the ring is full. The last [`FLOOR_BYTES`] of free space
-//! are kept for the cleaner's relocations ([`LogDevice::submit_relocation`]), which may
-//! overtake waiting appends: they free space, and their order does not matter.
+//! ([`LogDevice::pin`]). Appends wait while the ring is full. The last [`FLOOR_BYTES`] of
+//! free space are kept for the cleaner's relocations ([`LogDevice::submit_relocation`]),
+//! which may overtake waiting appends: they free space, and their order does not matter.
 //!
 //! Two checkpoint areas sit between the superblock and the log; [`LogDevice::open`] takes
 //! the newest valid checkpoint and replays the log from where it says.
@@ -485,16 +485,13 @@ impl LogDevice {
     /// later lap. `None` when there is no offset.
     pub fn pin(&self, device_offsets: impl IntoIterator<Item = u64>) -> Option<ReadPin> {
         let region = self.ring.start_bytes..self.ring.start_bytes + self.ring.len_bytes;
-        let offsets: Vec<u64> = device_offsets
-            .into_iter()
-            .filter(|offset| region.contains(offset))
-            .collect();
         let mut state = self.tail.lock();
         // The window starts at the tail the writer goes by, read under the lock: every
         // pin is at or after it, so it never moves back.
         let from = self.counters.tail_position.load(Ordering::Relaxed);
-        let position = offsets
+        let position = device_offsets
             .into_iter()
+            .filter(|offset| region.contains(offset))
             .map(|offset| self.ring.position_at(offset, from))
             .min()?;
         debug_assert!(

@@ -691,18 +691,17 @@ impl MultiRaft {
     pub fn step(&mut self, pg: PgId, message: Message) {
         if let Some(group) = self.groups.get_mut(&pg) {
             if message.get_msg_type() == MessageType::MsgSnapStatus {
-                // A follower's word on a snapshot (raft-rs takes it as a local report), if
-                // it is about the one being sent to it (an index of 0 names none).
-                let current = group
-                    .node
-                    .raft
-                    .prs()
-                    .get(message.from)
-                    .is_some_and(|progress| {
-                        progress.state == ProgressState::Snapshot
-                            && (message.index == 0 || progress.pending_snapshot == message.index)
-                    });
-                if !current {
+                // A follower's word on a snapshot (raft-rs takes it as a local report, and
+                // ignores it unless a snapshot is being sent): nothing, if it names another
+                // snapshot than that one (a late word; an index of 0 names none).
+                let another = message.index != 0
+                    && group
+                        .node
+                        .raft
+                        .prs()
+                        .get(message.from)
+                        .is_some_and(|progress| progress.pending_snapshot != message.index);
+                if another {
                     return;
                 }
                 let status = if message.reject {

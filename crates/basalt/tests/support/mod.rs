@@ -248,9 +248,9 @@ pub fn sha256(path: &Path) -> String {
     out.split_whitespace().next().expect("digest").to_string()
 }
 
-/// Runs qemu-io commands on a raw NBD URI; fails if qemu-io fails or reports a pattern
-/// mismatch (qemu-io exits 0 after "Pattern verification failed", so the output is read).
-pub fn qemu_io_ok(uri: &str, readonly: bool, commands: &[&str]) -> String {
+/// Runs qemu-io commands on a raw NBD URI: whether it exited 0, and what it printed
+/// (stdout, then stderr).
+pub fn qemu_io(uri: &str, readonly: bool, commands: &[&str]) -> (bool, String) {
     let mut command = Command::new("qemu-io");
     command.args(["-f", "raw"]);
     if readonly {
@@ -266,7 +266,14 @@ pub fn qemu_io_ok(uri: &str, readonly: bool, commands: &[&str]) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "qemu-io failed: {text}");
+    (out.status.success(), text)
+}
+
+/// Runs qemu-io commands on a raw NBD URI; fails if qemu-io fails or reports a pattern
+/// mismatch (qemu-io exits 0 after "Pattern verification failed", so the output is read).
+pub fn qemu_io_ok(uri: &str, readonly: bool, commands: &[&str]) -> String {
+    let (success, text) = qemu_io(uri, readonly, commands);
+    assert!(success, "qemu-io failed: {text}");
     assert!(
         !text.contains("verification failed") && !text.contains("failed:"),
         "qemu-io: {text}"
