@@ -380,33 +380,83 @@ async fn run_queue(
                     accepting = false;
                     continue;
                 };
-                while pending.contains_key(&next_id) {
-                    next_id = next_id.wrapping_add(1);
+                // Take every request queued (up to the depth) before writing, so one
+                // socket write carries many capsules. The tasks that completions just
+                // woke run first: a yield lets them queue their next requests, where
+                // waking this task at the first one would make one write per request.
+                let mut next = Some(request);
+                let mut yielded = false;
+                loop {
+                    while let Some(request) = next.take() {
+                        send_command(
+                            request,
+                            &mut pending,
+                            &mut next_id,
+                            &negotiated,
+                            in_capsule_max,
+                            &mut output,
+                        );
+                        if pending.len() < usize::from(depth) {
+                            next = requests.try_recv().ok();
+                        }
+                    }
+                    if yielded || pending.len() >= usize::from(depth) {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                    yielded = true;
+                    next = requests.try_recv().ok();
                 }
-                let id = next_id;
-                next_id = next_id.wrapping_add(1);
-                let mut sqe = request.sqe;
-                sqe.command_id = id;
-                sqe.flags = (sqe.flags & !(0b11 << FLAGS_PSDT_SHIFT)) | (PSDT_SGL << FLAGS_PSDT_SHIFT);
-                let out_len = u32::try_from(request.data_out.len()).unwrap_or(u32::MAX);
-                // Connect's data always travels in the capsule.
-                let in_capsule = !request.data_out.is_empty()
-                    && (out_len <= in_capsule_max || sqe.opcode == FABRICS);
-                sqe.data_pointer = if in_capsule {
-                    SglDescriptor::in_capsule(out_len)
-                } else {
-                    SglDescriptor::transport(out_len.max(request.data_in_len))
-                };
-                let data: &[u8] = if in_capsule { &request.data_out } else { &[] };
-                encode(&Pdu::CapsuleCmd(CapsuleCmd { sqe, data }), &negotiated, &mut output);
-                pending.insert(id, Pending {
-                    reply: request.reply,
-                    data_out: if in_capsule { Vec::new() } else { request.data_out },
-                    data_in: Vec::new(),
-                });
             }
         }
     }
+}
+
+/// Encodes `request`'s command capsule into `output` under a free command id and keeps
+/// it as pending.
+fn send_command(
+    request: Request,
+    pending: &mut HashMap<u16, Pending>,
+    next_id: &mut u16,
+    negotiated: &Negotiated,
+    in_capsule_max: u32,
+    output: &mut Vec<u8>,
+) {
+    while pending.contains_key(next_id) {
+        *next_id = next_id.wrapping_add(1);
+    }
+    let id = *next_id;
+    *next_id = next_id.wrapping_add(1);
+    let mut sqe = request.sqe;
+    sqe.command_id = id;
+    sqe.flags = (sqe.flags & !(0b11 << FLAGS_PSDT_SHIFT)) | (PSDT_SGL << FLAGS_PSDT_SHIFT);
+    let out_len = u32::try_from(request.data_out.len()).unwrap_or(u32::MAX);
+    // Connect's data always travels in the capsule.
+    let in_capsule =
+        !request.data_out.is_empty() && (out_len <= in_capsule_max || sqe.opcode == FABRICS);
+    sqe.data_pointer = if in_capsule {
+        SglDescriptor::in_capsule(out_len)
+    } else {
+        SglDescriptor::transport(out_len.max(request.data_in_len))
+    };
+    let data: &[u8] = if in_capsule { &request.data_out } else { &[] };
+    encode(
+        &Pdu::CapsuleCmd(CapsuleCmd { sqe, data }),
+        negotiated,
+        output,
+    );
+    pending.insert(
+        id,
+        Pending {
+            reply: request.reply,
+            data_out: if in_capsule {
+                Vec::new()
+            } else {
+                request.data_out
+            },
+            data_in: Vec::new(),
+        },
+    );
 }
 
 fn handle_pdu(
