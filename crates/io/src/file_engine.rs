@@ -10,7 +10,10 @@
 //! [`OpenOptions::inline`] drops the thread: callers submit their entries themselves and a
 //! task on the opening runtime reaps completions when the ring's eventfd fires. An I/O then
 //! wakes one thread (the caller's, through its epoll) instead of three, which on a small VM
-//! is most of what a lone durable write costs beyond the disk.
+//! is most of what a lone durable write costs beyond the disk. An operation that finds the
+//! ring idle is submitted at once; one that finds others in flight is left for the reaper
+//! task, which lets the tasks already woken queue theirs first, so a burst of reads costs
+//! one `io_uring_enter` (and one doorbell of a virtio disk) instead of one each.
 //!
 //! Invariant: an operation (and so its buffer) stays in a slot table from the moment its
 //! entry is pushed until its completion is reaped; the kernel never writes into memory we
@@ -549,6 +552,8 @@ pub fn eventfd() -> io::Result<OwnedFd> {
 /// An io_uring submitted to by its callers and reaped by a task ([`OpenOptions::inline`]).
 struct InlineRing {
     state: Arc<Mutex<InlineState>>,
+    /// Wakes the reaper to submit what callers queued.
+    submit: Arc<tokio::sync::Notify>,
     reaper: tokio::task::JoinHandle<()>,
 }
 
@@ -560,6 +565,8 @@ struct InlineState {
     slots: Vec<Option<Op>>,
     free: Vec<usize>,
     backlog: VecDeque<Op>,
+    /// The reaper was asked to submit the backlog.
+    submit_asked: bool,
     _file: File,
 }
 
@@ -596,10 +603,16 @@ impl InlineRing {
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth).rev().collect(),
             backlog: VecDeque::new(),
+            submit_asked: false,
             _file: file,
         }));
-        let reaper = runtime.spawn(reap_inline(state.clone(), completions));
-        Ok(Self { state, reaper })
+        let submit = Arc::new(tokio::sync::Notify::new());
+        let reaper = runtime.spawn(reap_inline(state.clone(), completions, submit.clone()));
+        Ok(Self {
+            state,
+            submit,
+            reaper,
+        })
     }
 
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> io::Result<T> {
@@ -607,7 +620,12 @@ impl InlineRing {
         {
             let mut state = self.state.lock().expect("inline ring lock poisoned");
             state.backlog.push_back(make(reply));
-            state.fill_and_submit();
+            if state.in_flight() == 0 {
+                state.fill_and_submit();
+            } else if !state.submit_asked {
+                state.submit_asked = true;
+                self.submit.notify_one();
+            }
         }
         answer
             .await
@@ -644,6 +662,10 @@ impl InlineState {
                 break;
             }
             self.slots[slot] = Some(op);
+        }
+        // Nothing new to hand over: no system call (a reap calls this after every wake).
+        if self.ring.submission().is_empty() {
+            return;
         }
         loop {
             match self.ring.submit() {
@@ -704,11 +726,27 @@ impl Drop for InlineState {
     }
 }
 
-/// Reaps an inline ring's completions whenever its eventfd fires.
-async fn reap_inline(state: Arc<Mutex<InlineState>>, completions: AsyncFd<File>) {
+/// Reaps an inline ring's completions whenever its eventfd fires, and submits what callers
+/// left to it.
+async fn reap_inline(
+    state: Arc<Mutex<InlineState>>,
+    completions: AsyncFd<File>,
+    submit: Arc<tokio::sync::Notify>,
+) {
     let mut counter = [0u8; 8];
     loop {
-        let Ok(mut ready) = completions.readable().await else {
+        let readable = tokio::select! {
+            readable = completions.readable() => readable,
+            () = submit.notified() => {
+                // The tasks woken with the caller queue their operations first.
+                tokio::task::yield_now().await;
+                let mut state = state.lock().expect("inline ring lock poisoned");
+                state.submit_asked = false;
+                state.fill_and_submit();
+                continue;
+            }
+        };
+        let Ok(mut ready) = readable else {
             return;
         };
         match completions.get_ref().read(&mut counter) {
@@ -725,6 +763,7 @@ async fn reap_inline(state: Arc<Mutex<InlineState>>, completions: AsyncFd<File>)
         }
         let mut state = state.lock().expect("inline ring lock poisoned");
         state.reap();
+        state.submit_asked = false;
         state.fill_and_submit();
     }
 }
