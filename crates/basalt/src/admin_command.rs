@@ -505,10 +505,19 @@ fn health(
             full.join(", ")
         ));
     }
-    let used: u64 = status.reports.iter().map(|(_, r)| r.used_bytes).sum();
-    let capacity: u64 = status.reports.iter().map(|(_, r)| r.capacity_bytes).sum();
-    if capacity > 0 && used * 100 >= capacity * 85 {
-        warnings.push(format!("osds nearly full: {}% used", used * 100 / capacity));
+    // From the reports: an OSD's own fill, so that one small OSD is seen before the
+    // others' free space hides it.
+    let nearly_full: Vec<String> = status
+        .reports
+        .iter()
+        .filter_map(|(id, report)| Some(format!("{id} {}%", report.nearly_full_percent()?)))
+        .collect();
+    if !nearly_full.is_empty() {
+        warnings.push(format!(
+            "{} osds nearly full: {}",
+            nearly_full.len(),
+            nearly_full.join(", ")
+        ));
     }
     warnings
 }

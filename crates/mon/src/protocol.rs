@@ -41,6 +41,32 @@ pub struct OsdReport {
     /// catching up, a joint configuration, or old members still voting).
     #[serde(default)]
     pub moving: Vec<PgId>,
+    /// The live bytes it can hold before it reports itself full (0 from an OSD that does
+    /// not say; its capacity counts then).
+    #[serde(default)]
+    pub writable_bytes: u64,
+}
+
+/// An OSD whose live data passes this share of what it can hold is nearly full: a health
+/// warning before writes to its PGs are refused.
+pub const NEARFULL_PERCENT: u64 = 85;
+
+impl OsdReport {
+    /// How full it is, in percent of the live bytes it can hold, once that reaches
+    /// [`NEARFULL_PERCENT`] and while it is not full yet.
+    pub fn nearly_full_percent(&self) -> Option<u64> {
+        let limit = if self.writable_bytes > 0 {
+            self.writable_bytes
+        } else {
+            self.capacity_bytes
+        };
+        if self.full || limit == 0 {
+            return None;
+        }
+        let percent = u128::from(self.used_bytes) * 100 / u128::from(limit);
+        (percent >= u128::from(NEARFULL_PERCENT))
+            .then(|| u64::try_from(percent).unwrap_or(u64::MAX))
+    }
 }
 
 /// A request to the monitor.
@@ -155,6 +181,38 @@ pub fn decode<T: for<'de> Deserialize<'de>>(message: &Message) -> Result<T, Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_osd_is_nearly_full_from_its_own_limit_until_it_is_full() {
+        let report = |used_bytes, writable_bytes, full| OsdReport {
+            capacity_bytes: 1000,
+            used_bytes,
+            writable_bytes,
+            full,
+            ..OsdReport::default()
+        };
+        assert_eq!(report(500, 600, false).nearly_full_percent(), None);
+        assert_eq!(report(509, 600, false).nearly_full_percent(), None);
+        assert_eq!(report(510, 600, false).nearly_full_percent(), Some(85));
+        assert_eq!(report(599, 600, false).nearly_full_percent(), Some(99));
+        // Full is its own warning.
+        assert_eq!(report(599, 600, true).nearly_full_percent(), None);
+        // Without a limit reported, the capacity counts.
+        assert_eq!(report(849, 0, false).nearly_full_percent(), None);
+        assert_eq!(report(900, 0, false).nearly_full_percent(), Some(90));
+        assert_eq!(
+            OsdReport::default().nearly_full_percent(),
+            None,
+            "an empty report"
+        );
+        // An old report without the field decodes with the capacity as the limit.
+        let old: OsdReport = serde_json::from_str(
+            r#"{"capacity_bytes":100,"used_bytes":95,"reads":0,"writes":0,"read_bytes":0,
+                "write_bytes":0,"leading":[],"epoch":1}"#,
+        )
+        .expect("old report");
+        assert_eq!(old.nearly_full_percent(), Some(95));
+    }
 
     #[test]
     fn a_map_round_trips_through_json() {

@@ -83,6 +83,13 @@ pub const LEASE: Duration = Duration::from_millis(
 );
 /// Between heartbeats to the monitor.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Free log space an OSD keeps beyond the reserve and headroom before it reports itself
+/// full: a sixteenth of the ring, between 1 and 256 MiB.
+fn full_margin(ring_bytes: u64) -> u64 {
+    (ring_bytes / 16).clamp(1 << 20, 256 << 20)
+}
+
 /// The most raft message bytes put in one frame to a peer (frames carry 4 MiB at most).
 const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
 /// How long a map subscription waits per request.
@@ -1183,7 +1190,7 @@ impl Core {
     /// ring more is free, so that the flag does not flap.
     fn is_full(&self) -> bool {
         let ring = self.log.ring().len_bytes;
-        let margin = (ring / 16).clamp(1 << 20, 256 << 20);
+        let margin = full_margin(ring);
         let free_at_best = if self.reuse_allowed() {
             ring.saturating_sub(self.reclaim.live_bytes + ring / 32)
         } else {
@@ -1192,6 +1199,14 @@ impl Core {
         let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
         let hysteresis = if flagged { ring / 32 } else { 0 };
         free_at_best < self.log.reserve_bytes() + self.headroom() + margin + hysteresis
+    }
+
+    /// The live bytes this OSD holds at most before [`Core::is_full`] (once the log is a
+    /// ring): what the health check's nearly-full warning counts from.
+    fn writable_bytes(&self) -> u64 {
+        let ring = self.log.ring().len_bytes;
+        let kept = ring / 32 + self.log.reserve_bytes() + self.headroom() + full_margin(ring);
+        ring.saturating_sub(kept)
     }
 
     /// Log space kept free besides the cleaner's reserve.
@@ -2042,6 +2057,7 @@ impl Core {
             full,
             hosted: self.raft.pgs().count() as u32,
             moving,
+            writable_bytes: self.writable_bytes(),
         };
     }
 }
