@@ -8,12 +8,13 @@
 //! burst of requests or replies costs one system call. `TCP_NODELAY` is set: a frame is
 //! never held back waiting for more data from the network.
 //!
-//! A connection may instead gather its frames ([`Sending::Gathered`]): a frame then always
-//! goes through the writer task, which first lets the tasks already woken run, so the
-//! requests that a burst of replies sets off (or the replies that a burst of completions
-//! makes) leave in one write instead of one each. It costs a task switch per frame at low
-//! load. A server's replies gather, and so do clients that keep many requests in flight
-//! (the block client); raft traffic, one-way from a client connection, does not.
+//! A connection may instead gather its frames ([`Sending::Gathered`]): a frame sent while
+//! other requests are in flight on the connection goes through the writer task, which
+//! first lets the tasks already woken run, so the requests that a burst of replies sets off
+//! (or the replies that a burst of completions makes) leave in one write instead of one
+//! each. A frame with nothing else in flight still goes out at once: a lone request pays no
+//! task switch. A server's replies gather, and so do clients that keep many requests in
+//! flight (the block client); raft traffic, one-way from a client connection, does not.
 //!
 //! This is the only module of `wire` that does I/O; the codecs stay pure.
 
@@ -149,13 +150,16 @@ impl Outgoing {
     }
 
     /// Sends `frame` after every frame sent before it; `Err` once a write has failed.
-    fn send(&self, frame: &[u8]) -> Result<(), ()> {
+    /// `alone`: nothing else is in flight on the connection, so a gathering connection
+    /// has nothing to wait for either.
+    fn send(&self, frame: &[u8], alone: bool) -> Result<(), ()> {
         let mut state = self.shared.state();
         if state.failed {
             return Err(());
         }
         let mut rest = frame;
-        if state.queued.is_empty() && !state.writing && self.shared.sending == Sending::Immediate {
+        let at_once = alone || self.shared.sending == Sending::Immediate;
+        if state.queued.is_empty() && !state.writing && at_once {
             match self.shared.socket.try_write(frame) {
                 Ok(written) if written == frame.len() => return Ok(()),
                 Ok(written) => rest = &frame[written..],
@@ -322,14 +326,15 @@ impl Client {
     pub async fn call(&self, message: &Message) -> Result<Message, TransportError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
-        {
+        let alone = {
             let mut state = lock(&self.pending);
             if let Some(reason) = &state.closed {
                 return Err(self.closed(Some(reason.clone())));
             }
             state.calls.insert(id, reply);
-        }
-        if self.outgoing.send(&message.encode(id)).is_err() {
+            state.calls.len() == 1
+        };
+        if self.outgoing.send(&message.encode(id), alone).is_err() {
             lock(&self.pending).calls.remove(&id);
             return Err(self.closed(None));
         }
@@ -344,7 +349,7 @@ impl Client {
             return Err(self.closed(Some(reason)));
         }
         self.outgoing
-            .send(&message.encode(ONE_WAY))
+            .send(&message.encode(ONE_WAY), true)
             .map_err(|_| self.closed(None))
     }
 }
@@ -401,14 +406,23 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
     let (reader, writer) = stream.into_split();
     // Replies gather: those of requests completed together leave in one write.
     let (outgoing, writer_task) = Outgoing::new(writer, Sending::Gathered);
+    // Requests of this connection not answered yet.
+    let unanswered = Arc::new(AtomicU64::new(0));
     let result = read_frames(reader, |id, message| {
         let reply = handler(message);
         let outgoing = outgoing.clone();
+        if id != ONE_WAY {
+            unanswered.fetch_add(1, Ordering::Relaxed);
+        }
+        let unanswered = unanswered.clone();
         tokio::spawn(async move {
-            if let Some(reply) = reply.await
-                && id != ONE_WAY
-            {
-                let _ = outgoing.send(&reply.encode(id));
+            let reply = reply.await;
+            if id == ONE_WAY {
+                return;
+            }
+            let alone = unanswered.fetch_sub(1, Ordering::Relaxed) == 1;
+            if let Some(reply) = reply {
+                let _ = outgoing.send(&reply.encode(id), alone);
             }
         });
     })
