@@ -255,7 +255,9 @@ fn lock(pending: &PendingMap) -> std::sync::MutexGuard<'_, PendingState> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-async fn read_replies(mut reader: OwnedReadHalf, pending: PendingMap) {
+async fn read_replies(reader: OwnedReadHalf, pending: PendingMap) {
+    // Replies arrive back to back at depth: one receive takes many of them.
+    let mut reader = tokio::io::BufReader::with_capacity(256 << 10, reader);
     let error = loop {
         let mut header = [0u8; SIMPLE_REPLY_SIZE];
         if let Err(error) = reader.read_exact(&mut header).await {
