@@ -257,6 +257,44 @@ pub enum Sending {
     Gathered,
 }
 
+/// Removes a call from the pending set when dropped (once answered, it is already gone).
+struct Forget<'a> {
+    pending: &'a Pending,
+    id: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        lock(self.pending).calls.remove(&self.id);
+    }
+}
+
+/// Counts a request as unanswered until it is answered or its task ends otherwise (a
+/// handler that panics or never replies does not leave the count high).
+struct Unanswered(Option<Arc<AtomicU64>>);
+
+impl Unanswered {
+    fn new(count: &Arc<AtomicU64>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(Some(count.clone()))
+    }
+
+    /// Counts it answered; whether it was the only one unanswered.
+    fn answered(mut self) -> bool {
+        self.0
+            .take()
+            .is_some_and(|count| count.fetch_sub(1, Ordering::Relaxed) == 1)
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(count) = self.0.take() {
+            count.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// A client connection: calls with replies, and one-way messages.
 pub struct Client {
     peer: SocketAddr,
@@ -334,8 +372,13 @@ impl Client {
             state.calls.insert(id, reply);
             state.calls.len() == 1
         };
+        // A call given up (its future dropped by a timeout) leaves the pending set, or it
+        // would count as in flight for good and keep later calls from going out at once.
+        let _forget = Forget {
+            pending: &self.pending,
+            id,
+        };
         if self.outgoing.send(&message.encode(id), alone).is_err() {
-            lock(&self.pending).calls.remove(&id);
             return Err(self.closed(None));
         }
         answer
@@ -411,16 +454,13 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
     let result = read_frames(reader, |id, message| {
         let reply = handler(message);
         let outgoing = outgoing.clone();
-        if id != ONE_WAY {
-            unanswered.fetch_add(1, Ordering::Relaxed);
-        }
-        let unanswered = unanswered.clone();
+        let counted = (id != ONE_WAY).then(|| Unanswered::new(&unanswered));
         tokio::spawn(async move {
             let reply = reply.await;
-            if id == ONE_WAY {
+            let Some(counted) = counted else {
                 return;
-            }
-            let alone = unanswered.fetch_sub(1, Ordering::Relaxed) == 1;
+            };
+            let alone = counted.answered();
             if let Some(reply) = reply {
                 let _ = outgoing.send(&reply.encode(id), alone);
             }
@@ -505,6 +545,45 @@ mod tests {
         for call in calls {
             call.await.expect("call task");
         }
+    }
+
+    #[tokio::test]
+    async fn a_call_given_up_leaves_nothing_pending_and_gathered_calls_get_replies() {
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), echo(Arc::default()))
+            .await
+            .expect("bind");
+        let client = Arc::new(
+            Client::connect_with(server.address(), Sending::Gathered)
+                .await
+                .expect("connect"),
+        );
+        // The echo answers after 200 ms; the caller gives up after 10.
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(10),
+            client.call(&echo_request(200, b"x")),
+        )
+        .await;
+        assert!(given_up.is_err(), "the call should have timed out");
+        assert!(
+            lock(&client.pending).calls.is_empty(),
+            "a call given up stays pending"
+        );
+        // Many calls at once on the gathering connection, then a lone one.
+        let mut calls = Vec::new();
+        for n in 0..50u8 {
+            let client = client.clone();
+            calls.push(tokio::spawn(async move {
+                client
+                    .call(&echo_request(n % 5, &[n]))
+                    .await
+                    .expect("reply")
+            }));
+        }
+        for (n, call) in (0..50u8).zip(calls) {
+            assert_eq!(call.await.expect("call task"), echo_reply(&[n]));
+        }
+        let reply = client.call(&echo_request(0, b"lone")).await.expect("reply");
+        assert_eq!(reply, echo_reply(b"lone"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
