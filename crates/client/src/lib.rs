@@ -18,7 +18,7 @@ use std::time::Duration;
 use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 use basalt_mon::map::ClusterMap;
 use basalt_mon::{MonClient, MonClientError};
-use basalt_wire::tcp::{Client, Sending};
+use basalt_wire::tcp::Client;
 use basalt_wire::{Message, Status};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -160,7 +160,7 @@ impl Cluster {
         if let Some(client) = lock(&self.connections).get(&address) {
             return Ok(client.clone());
         }
-        let connect = Client::connect_with(address, Sending::Gathered);
+        let connect = Client::connect(address);
         let client = match tokio::time::timeout(Duration::from_secs(1), connect).await {
             Ok(Ok(client)) => Arc::new(client),
             Ok(Err(error)) => return Err(error.to_string()),

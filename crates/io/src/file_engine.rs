@@ -565,8 +565,6 @@ struct InlineState {
     slots: Vec<Option<Op>>,
     free: Vec<usize>,
     backlog: VecDeque<Op>,
-    /// The reaper was asked to submit the backlog.
-    submit_asked: bool,
     _file: File,
 }
 
@@ -603,7 +601,6 @@ impl InlineRing {
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth).rev().collect(),
             backlog: VecDeque::new(),
-            submit_asked: false,
             _file: file,
         }));
         let submit = Arc::new(tokio::sync::Notify::new());
@@ -622,8 +619,8 @@ impl InlineRing {
             state.backlog.push_back(make(reply));
             if state.in_flight() == 0 {
                 state.fill_and_submit();
-            } else if !state.submit_asked {
-                state.submit_asked = true;
+            } else {
+                // A burst's notifications fold into one wake-up of the reaper.
                 self.submit.notify_one();
             }
         }
@@ -740,9 +737,7 @@ async fn reap_inline(
             () = submit.notified() => {
                 // The tasks woken with the caller queue their operations first.
                 tokio::task::yield_now().await;
-                let mut state = state.lock().expect("inline ring lock poisoned");
-                state.submit_asked = false;
-                state.fill_and_submit();
+                state.lock().expect("inline ring lock poisoned").fill_and_submit();
                 continue;
             }
         };
@@ -763,7 +758,6 @@ async fn reap_inline(
         }
         let mut state = state.lock().expect("inline ring lock poisoned");
         state.reap();
-        state.submit_asked = false;
         state.fill_and_submit();
     }
 }

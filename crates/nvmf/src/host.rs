@@ -384,10 +384,12 @@ async fn run_queue(
                 // socket write carries many capsules. The tasks that completions just
                 // woke run first: a yield lets them queue their next requests, where
                 // waking this task at the first one would make one write per request.
-                let mut next = Some(request);
-                let mut yielded = false;
-                loop {
-                    while let Some(request) = next.take() {
+                let mut first = Some(request);
+                // Whether there is room for more once the queued requests are taken.
+                let mut take_queued = || {
+                    while pending.len() < usize::from(depth)
+                        && let Some(request) = first.take().or_else(|| requests.try_recv().ok())
+                    {
                         send_command(
                             request,
                             &mut pending,
@@ -396,16 +398,12 @@ async fn run_queue(
                             in_capsule_max,
                             &mut output,
                         );
-                        if pending.len() < usize::from(depth) {
-                            next = requests.try_recv().ok();
-                        }
                     }
-                    if yielded || pending.len() >= usize::from(depth) {
-                        break;
-                    }
+                    pending.len() < usize::from(depth)
+                };
+                if take_queued() {
                     tokio::task::yield_now().await;
-                    yielded = true;
-                    next = requests.try_recv().ok();
+                    take_queued();
                 }
             }
         }

@@ -84,12 +84,6 @@ pub const LEASE: Duration = Duration::from_millis(
 /// Between heartbeats to the monitor.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Free log space an OSD keeps beyond the reserve and headroom before it reports itself
-/// full: a sixteenth of the ring, between 1 and 256 MiB.
-fn full_margin(ring_bytes: u64) -> u64 {
-    (ring_bytes / 16).clamp(1 << 20, 256 << 20)
-}
-
 /// The most raft message bytes put in one frame to a peer (frames carry 4 MiB at most).
 const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
 /// How long a map subscription waits per request.
@@ -426,8 +420,6 @@ struct Core {
     id: OsdId,
     raft: MultiRaft,
     map: Arc<ClusterMap>,
-    /// The OSDs the map says are full (usually none).
-    full_osds: Vec<OsdId>,
     /// Raft state replayed from the log for PGs whose groups are not created yet.
     restored: BTreeMap<PgId, Restored>,
     objects: HashMap<PgId, PgObjects>,
@@ -513,12 +505,6 @@ impl Core {
             }
         }
         self.map = map.clone();
-        self.full_osds = map
-            .osds
-            .values()
-            .filter(|osd| osd.holds_writes_back())
-            .map(|osd| osd.id)
-            .collect();
         // Durable state of pools removed since: forgotten, so that the log can be reused.
         let gone: Vec<PgId> = self
             .restored
@@ -1161,17 +1147,23 @@ impl Core {
     /// fewer. Discards still go (they free space).
     fn replicas_not_full(&self, pg: PgId) -> Result<(), Status> {
         // A follower answers as without the flag (NotLeader), its map may be older.
-        if self.full_osds.is_empty() || !self.raft.is_leader(pg) {
+        if !self.raft.is_leader(pg) {
             return Ok(());
         }
         let Some(members) = self.raft.members(pg) else {
             return Ok(());
         };
+        let full = |osd: &&OsdId| {
+            self.map
+                .osds
+                .get(osd)
+                .is_some_and(|entry| entry.holds_writes_back())
+        };
         match members
             .voters
             .iter()
             .chain(&members.voters_outgoing)
-            .find(|osd| self.full_osds.contains(osd))
+            .find(full)
         {
             Some(full) => Err(Status::NoSpace {
                 message: format!("{full}, a replica of pg {pg}, is full"),
@@ -1190,23 +1182,29 @@ impl Core {
     /// ring more is free, so that the flag does not flap.
     fn is_full(&self) -> bool {
         let ring = self.log.ring().len_bytes;
-        let margin = full_margin(ring);
-        let free_at_best = if self.reuse_allowed() {
-            ring.saturating_sub(self.reclaim.live_bytes + ring / 32)
-        } else {
-            self.log.free_bytes()
-        };
         let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
         let hysteresis = if flagged { ring / 32 } else { 0 };
-        free_at_best < self.log.reserve_bytes() + self.headroom() + margin + hysteresis
+        if self.reuse_allowed() {
+            let writable = self.writable_bytes();
+            writable == 0 || self.reclaim.live_bytes + hysteresis > writable
+        } else {
+            self.log.free_bytes() < self.kept_free_bytes() + hysteresis
+        }
     }
 
     /// The live bytes this OSD holds at most before [`Core::is_full`] (once the log is a
-    /// ring): what the health check's nearly-full warning counts from.
+    /// ring; a thirty-second of it is left for what cleaning cannot pack): what the health
+    /// check's nearly-full warning counts from.
     fn writable_bytes(&self) -> u64 {
         let ring = self.log.ring().len_bytes;
-        let kept = ring / 32 + self.log.reserve_bytes() + self.headroom() + full_margin(ring);
-        ring.saturating_sub(kept)
+        ring.saturating_sub(ring / 32 + self.kept_free_bytes())
+    }
+
+    /// Free log space an OSD keeps before it reports itself full: the cleaner's reserve,
+    /// the headroom and a margin of a sixteenth of the ring, between 1 and 256 MiB.
+    fn kept_free_bytes(&self) -> u64 {
+        let margin = (self.log.ring().len_bytes / 16).clamp(1 << 20, 256 << 20);
+        self.log.reserve_bytes() + self.headroom() + margin
     }
 
     /// Log space kept free besides the cleaner's reserve.
@@ -2714,7 +2712,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         id,
         raft,
         map: Arc::new(ClusterMap::new()),
-        full_osds: Vec::new(),
         restored: groups,
         objects: HashMap::new(),
         applied: HashMap::new(),

@@ -1,20 +1,15 @@
 //! Frames over TCP: a client that pipelines requests and matches replies by request id, and
 //! a server that answers each request with a handler, in any order.
 //!
-//! A frame goes onto the socket at once, from the task that sends it, when nothing is queued
-//! ahead of it and the socket takes it whole: a raft append then leaves before the sender's
-//! next task (its own log write, say) runs. Otherwise it waits for the connection's writer
-//! task, and frames queued while that task writes go out together in its next write, so a
-//! burst of requests or replies costs one system call. `TCP_NODELAY` is set: a frame is
-//! never held back waiting for more data from the network.
-//!
-//! A connection may instead gather its frames ([`Sending::Gathered`]): a frame sent while
-//! other requests are in flight on the connection goes through the writer task, which
+//! A frame goes onto the socket at once, from the task that sends it, when it is alone (a
+//! one-way message, or a request or reply with no other request in flight on the
+//! connection), nothing is queued ahead of it and the socket takes it whole: a raft append
+//! then leaves before the sender's next task (its own log write, say) runs, and a lone
+//! request pays no task switch. Otherwise it waits for the connection's writer task, which
 //! first lets the tasks already woken run, so the requests that a burst of replies sets off
-//! (or the replies that a burst of completions makes) leave in one write instead of one
-//! each. A frame with nothing else in flight still goes out at once: a lone request pays no
-//! task switch. A server's replies gather, and so do clients that keep many requests in
-//! flight (the block client); raft traffic, one-way from a client connection, does not.
+//! (or the replies that a burst of completions makes) leave together in one write, as do
+//! frames queued while it writes. `TCP_NODELAY` is set: a frame is never held back
+//! waiting for more data from the network.
 //!
 //! This is the only module of `wire` that does I/O; the codecs stay pure.
 
@@ -110,7 +105,6 @@ struct Outgoing {
 
 struct OutgoingShared {
     socket: OwnedWriteHalf,
-    sending: Sending,
     state: Mutex<OutgoingState>,
     wake: Notify,
 }
@@ -129,10 +123,9 @@ struct OutgoingState {
 
 impl Outgoing {
     /// The sending side of `socket`, and its writer task.
-    fn new(socket: OwnedWriteHalf, sending: Sending) -> (Self, JoinHandle<()>) {
+    fn new(socket: OwnedWriteHalf) -> (Self, JoinHandle<()>) {
         let shared = Arc::new(OutgoingShared {
             socket,
-            sending,
             state: Mutex::new(OutgoingState {
                 senders: 1,
                 ..OutgoingState::default()
@@ -150,16 +143,15 @@ impl Outgoing {
     }
 
     /// Sends `frame` after every frame sent before it; `Err` once a write has failed.
-    /// `alone`: nothing else is in flight on the connection, so a gathering connection
-    /// has nothing to wait for either.
+    /// `alone`: nothing else is in flight on the connection, so there is nothing to
+    /// gather it with.
     fn send(&self, frame: &[u8], alone: bool) -> Result<(), ()> {
         let mut state = self.shared.state();
         if state.failed {
             return Err(());
         }
         let mut rest = frame;
-        let at_once = alone || self.shared.sending == Sending::Immediate;
-        if state.queued.is_empty() && !state.writing && at_once {
+        if state.queued.is_empty() && !state.writing && alone {
             match self.shared.socket.try_write(frame) {
                 Ok(written) if written == frame.len() => return Ok(()),
                 Ok(written) => rest = &frame[written..],
@@ -220,10 +212,8 @@ impl OutgoingShared {
             }
             if batch.is_empty() {
                 self.wake.notified().await;
-                if self.sending == Sending::Gathered {
-                    // The tasks woken with this one queue their frames first.
-                    tokio::task::yield_now().await;
-                }
+                // The tasks woken with this one queue their frames first.
+                tokio::task::yield_now().await;
                 continue;
             }
             let mut at = 0;
@@ -246,15 +236,6 @@ type Pending = Arc<Mutex<PendingCalls>>;
 struct PendingCalls {
     calls: HashMap<u64, oneshot::Sender<Message>>,
     closed: Option<String>,
-}
-
-/// How a connection's frames reach the socket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sending {
-    /// At once from the sending task when nothing is queued (the least latency).
-    Immediate,
-    /// Through the writer task after the tasks already woken ran (fewer writes).
-    Gathered,
 }
 
 /// Removes a call from the pending set when dropped (once answered, it is already gone).
@@ -311,13 +292,8 @@ fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingCalls> {
 }
 
 impl Client {
-    /// Connects to `peer`; frames are sent [`Sending::Immediate`]ly.
+    /// Connects to `peer`.
     pub async fn connect(peer: SocketAddr) -> Result<Self, TransportError> {
-        Self::connect_with(peer, Sending::Immediate).await
-    }
-
-    /// Connects to `peer`, sending frames as `sending` says.
-    pub async fn connect_with(peer: SocketAddr, sending: Sending) -> Result<Self, TransportError> {
         let stream = TcpStream::connect(peer)
             .await
             .map_err(|source| TransportError::Connect { peer, source })?;
@@ -325,7 +301,7 @@ impl Client {
             .set_nodelay(true)
             .map_err(|source| TransportError::Connect { peer, source })?;
         let (reader, writer) = stream.into_split();
-        let (outgoing, writer_task) = Outgoing::new(writer, sending);
+        let (outgoing, writer_task) = Outgoing::new(writer);
         let pending: Pending = Arc::default();
         let replies = pending.clone();
         let reader_task = tokio::spawn(async move {
@@ -447,8 +423,7 @@ impl Drop for Server {
 
 async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler) {
     let (reader, writer) = stream.into_split();
-    // Replies gather: those of requests completed together leave in one write.
-    let (outgoing, writer_task) = Outgoing::new(writer, Sending::Gathered);
+    let (outgoing, writer_task) = Outgoing::new(writer);
     // Requests of this connection not answered yet.
     let unanswered = Arc::new(AtomicU64::new(0));
     let result = read_frames(reader, |id, message| {
@@ -552,11 +527,7 @@ mod tests {
         let server = Server::bind("127.0.0.1:0".parse().expect("addr"), echo(Arc::default()))
             .await
             .expect("bind");
-        let client = Arc::new(
-            Client::connect_with(server.address(), Sending::Gathered)
-                .await
-                .expect("connect"),
-        );
+        let client = Arc::new(Client::connect(server.address()).await.expect("connect"));
         // The echo answers after 200 ms; the caller gives up after 10.
         let given_up = tokio::time::timeout(
             Duration::from_millis(10),
@@ -568,7 +539,7 @@ mod tests {
             lock(&client.pending).calls.is_empty(),
             "a call given up stays pending"
         );
-        // Many calls at once on the gathering connection, then a lone one.
+        // Many calls at once (they gather), then a lone one.
         let mut calls = Vec::new();
         for n in 0..50u8 {
             let client = client.clone();
