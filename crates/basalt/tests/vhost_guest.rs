@@ -131,8 +131,10 @@ fn a_guest_uses_vhost_user_blk_controllers() {
 }
 
 /// The life cycle under a running VM: the guest reboots (a device reset) and attaches
-/// again; then the target is killed (SIGKILL) and started again from its saved
-/// configuration while QEMU waits with `reconnect=1`, and the guest's I/O resumes; last,
+/// again; then the target is killed (SIGKILL) while fio writes at queue depth 32 and
+/// started again from its saved configuration while QEMU waits with `reconnect=1`: the
+/// requests in flight at the kill are replayed from the in-flight region, fio's verify
+/// passes and the guest's I/O goes on; last,
 /// the disk's file grows, `bdev_uring_rescan` takes it on, and the running guest sees the
 /// new size (the configuration change notice).
 #[test]
@@ -183,7 +185,7 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         .spawn()
         .expect("run the guest");
     let mut console = String::new();
-    let (mut grown, mut restarted) = (false, false);
+    let (mut grown, mut restarted, mut marked_at_kill) = (false, false, 0);
     for line in BufReader::new(guest.stdout.take().expect("stdout")).lines() {
         let line = line.expect("console");
         if line.contains("vhost_restart: grow the disk now") {
@@ -196,11 +198,10 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
             grown = true;
         }
         if line.contains("vhost_restart: restart the target now") {
-            target
-                .child
-                .kill()
-                .and_then(|()| target.child.wait())
-                .expect("SIGKILL the target");
+            // The guest's requests spend little time in the target (the guest under TCG is
+            // the slow side), so the kill waits for a moment the target holds some: the
+            // target is stopped, its in-flight region read, and killed while stopped.
+            marked_at_kill = kill_holding_requests(&mut target);
             std::thread::sleep(Duration::from_secs(1));
             target = TargetProcess::start(
                 &dir.path,
@@ -221,6 +222,12 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         target.log_text()
     );
     assert!(console.contains("vhost_restart: rebooting"), "{console}");
+    let log = without_colours(&target.log_text());
+    assert!(marked_at_kill > 0, "no request in flight at the kill");
+    assert!(
+        log.contains(&format!("requests={marked_at_kill}")),
+        "the restarted target did not replay the {marked_at_kill} requests in flight:\n{log}"
+    );
     // The guest's reads and writes of the file bdev went in place (guest memory to the
     // file from the vring thread), since the restart too.
     let controllers = target.rpc_ok("vhost_get_controllers", json!({"name": "vhost.r"}));
@@ -232,6 +239,74 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         "{in_place} requests in place: {controllers}"
     );
     target.stop();
+}
+
+/// `text` without its terminal colour sequences (ESC [ ... m).
+fn without_colours(text: &str) -> String {
+    let mut plain = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+/// Kills `target` (SIGKILL) at a moment it holds requests of the guest's, within 30 s:
+/// stopped (SIGSTOP), the marks of its in-flight region (one queue) counted, killed if
+/// there are any, else let go on for a moment. The number of requests marked.
+fn kill_holding_requests(target: &mut TargetProcess) -> usize {
+    let pid = target.child.id().to_string();
+    let signal = |name: &str| {
+        let status = Command::new("kill")
+            .args([name, &pid])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {name} {pid}");
+    };
+    let start = std::time::Instant::now();
+    let marked = loop {
+        signal("-STOP");
+        let marked = inflight_marks(&pid);
+        if marked > 0 || start.elapsed() > Duration::from_secs(30) {
+            break marked;
+        }
+        signal("-CONT");
+        std::thread::sleep(Duration::from_millis(3));
+    };
+    target
+        .child
+        .kill()
+        .and_then(|()| target.child.wait())
+        .expect("SIGKILL the target");
+    marked
+}
+
+/// The requests marked in flight in the in-flight region that process `pid` holds open
+/// (one queue: a 16-byte header, then 16 bytes per descriptor head, the mark first).
+fn inflight_marks(pid: &str) -> usize {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fds");
+    for fd in fds.flatten() {
+        let is_region = std::fs::read_link(fd.path())
+            .is_ok_and(|link| link.to_string_lossy().contains("basalt-vhost-inflight"));
+        if is_region {
+            let bytes = std::fs::read(fd.path()).expect("the in-flight region");
+            return bytes
+                .get(16..)
+                .unwrap_or_default()
+                .chunks_exact(16)
+                .filter(|state| state[0] == 1)
+                .count();
+        }
+    }
+    0
 }
 
 #[test]

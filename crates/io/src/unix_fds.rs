@@ -1,5 +1,6 @@
 //! File descriptors passed over a Unix stream socket (`SCM_RIGHTS`), as vhost-user does;
-//! and waking a thread blocked in a Unix listener's `accept`.
+//! waking a thread blocked in a Unix listener's `accept`; and the anonymous shared memory
+//! files such descriptors carry (`memfd_create`).
 #![allow(unsafe_code)]
 
 use std::io;
@@ -154,11 +155,43 @@ pub fn shut_down_listener(listener: &UnixListener) -> io::Result<()> {
     Ok(())
 }
 
+/// An anonymous file of `len` zero bytes in memory (`memfd_create`, close-on-exec), to
+/// share by passing its descriptor; `name` shows in `/proc/PID/fd`.
+pub fn memory_file(name: &str, len: u64) -> io::Result<std::fs::File> {
+    let name = std::ffi::CString::new(name)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+    // SAFETY: `name` is a NUL-terminated string that outlives the call.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a new descriptor that nothing else owns.
+    let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    file.set_len(len)?;
+    Ok(file)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsFd;
+
+    #[test]
+    fn a_memory_file_reads_as_zeroes_and_keeps_what_is_written() {
+        let mut file = memory_file("basalt-test", 8192).expect("memfd");
+        assert_eq!(file.metadata().expect("stat").len(), 8192);
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).expect("read");
+        assert_eq!(bytes, vec![0u8; 8192]);
+        file.rewind().expect("rewind");
+        file.write_all(b"kept").expect("write");
+        file.rewind().expect("rewind");
+        let mut head = [0u8; 4];
+        file.read_exact(&mut head).expect("read");
+        assert_eq!(&head, b"kept");
+        assert!(memory_file("a\0b", 1).is_err());
+    }
 
     #[test]
     fn descriptors_travel_with_their_bytes() {

@@ -16,7 +16,7 @@ use basalt_io::{DmaBuf, Reactors};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
 use virtio_bindings::{virtio_blk, virtio_config, virtio_ring};
-use virtio_queue::QueueOwnedT;
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -24,6 +24,8 @@ use vmm_sys_util::event::{
 };
 
 use crate::direct::DirectRing;
+use crate::inflight::{self, InflightRegion};
+use crate::relay::Session;
 use crate::request::*;
 
 /// Guest memory as the backend sees it.
@@ -58,12 +60,15 @@ pub struct BlkOptions {
     pub reactors: Vec<usize>,
 }
 
-/// Ends requests of one vring: puts them on its used ring, signals the guest when it
-/// asked, and counts them out of the vring's requests in flight.
+/// Ends requests of one vring: puts them on its used ring (unmarking them in the
+/// session's in-flight region, if it has one), signals the guest when it asked, and
+/// counts them out of the vring's requests in flight.
 #[derive(Clone)]
 pub(crate) struct Completer {
     vring: VringRwLock<Memory>,
     in_flight: Arc<AtomicUsize>,
+    queue: u16,
+    region: Option<Arc<InflightRegion>>,
 }
 
 impl Completer {
@@ -75,9 +80,21 @@ impl Completer {
 
     /// Puts a request on the used ring without signalling the guest (see `signal`).
     pub(crate) fn finish(&self, head: u16, used_len: u32) {
-        if let Err(error) = self.vring.add_used(head, used_len) {
-            tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
-        }
+        let Some(region) = &self.region else {
+            if let Err(error) = self.vring.add_used(head, used_len) {
+                tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
+            }
+            return;
+        };
+        // The region's bracket and the used ring change together, under the vring's lock.
+        let mut state = self.vring.get_mut();
+        region.finish(self.queue, head, || match state.add_used(head, used_len) {
+            Ok(()) => Some(state.get_queue().next_used()),
+            Err(error) => {
+                tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
+                None
+            }
+        });
     }
 
     /// Signals the guest if it asked to be, for what was put on the used ring.
@@ -121,6 +138,8 @@ pub struct BlkBackend {
     pub attached: AtomicBool,
     /// The size the frontend was last told of, in blocks.
     pub announced_blocks: AtomicU64,
+    /// The frontend's session now, whose in-flight region the vrings keep.
+    session: RwLock<Option<Arc<Session>>>,
 }
 
 thread_local! {
@@ -154,6 +173,7 @@ impl BlkBackend {
             in_place_requests: AtomicU64::new(0),
             attached: AtomicBool::new(false),
             announced_blocks: AtomicU64::new(block_count),
+            session: RwLock::new(None),
         })
     }
 
@@ -229,6 +249,17 @@ impl BlkBackend {
         drop(rings);
     }
 
+    /// The session whose vrings these are from now on (`None`: it has ended).
+    pub fn set_session(&self, session: Option<Arc<Session>>) {
+        *self.session.write().unwrap_or_else(|p| p.into_inner()) = session;
+    }
+
+    /// The session's in-flight region, if the frontend handed one over.
+    fn inflight_region(&self) -> Option<Arc<InflightRegion>> {
+        let session = self.session.read().unwrap_or_else(|p| p.into_inner());
+        session.as_ref().and_then(|session| session.inflight())
+    }
+
     fn ring(&self, thread: usize) -> Option<Arc<DirectRing>> {
         let rings = self.rings.read().unwrap_or_else(|p| p.into_inner());
         rings.get(thread).cloned()
@@ -249,6 +280,18 @@ impl BlkBackend {
         else {
             return Ok(());
         };
+        let region = self.inflight_region();
+        let completer = Completer {
+            vring: vring.clone(),
+            in_flight: self.in_flight[usize::from(queue)].clone(),
+            queue,
+            region: region.clone(),
+        };
+        if let Some(region) = &region
+            && region.take_recovery(queue)
+        {
+            self.replay(&completer, region, &memory, ring)?;
+        }
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         loop {
             if event_idx {
@@ -268,11 +311,12 @@ impl BlkBackend {
                     .clone()
                     .map(|d| (d.addr(), d.len(), d.is_write_only()))
                     .collect();
-                let completer = Completer {
-                    vring: vring.clone(),
-                    in_flight: self.in_flight[usize::from(queue)].clone(),
-                };
-                self.start(completer, head, &descriptors, &memory, ring);
+                // Marked in the order taken: after a crash, the next backend takes again
+                // from the available ring only what no mark covers.
+                if let Some(region) = &region {
+                    region.begin(queue, head);
+                }
+                self.start(completer.clone(), head, &descriptors, &memory, ring);
             }
             if let Some(ring) = ring {
                 ring.submit();
@@ -280,6 +324,55 @@ impl BlkBackend {
             if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
                 break;
             }
+        }
+        Ok(())
+    }
+
+    /// Starts again the requests of `completer`'s vring that a previous backend took and
+    /// did not complete (it crashed), oldest first, and moves the vring's next available
+    /// index past every request taken: the frontend, which could not ask the dead backend
+    /// where it was, resumes the vring at its used index.
+    fn replay(
+        &self,
+        completer: &Completer,
+        region: &InflightRegion,
+        memory: &Memory,
+        ring: Option<&DirectRing>,
+    ) -> io::Result<()> {
+        let guest = memory.memory();
+        let (table, size, used) = {
+            let state = completer.vring.get_ref();
+            let queue = state.get_queue();
+            let used = queue
+                .used_idx(&*guest, Ordering::Acquire)
+                .map_err(io::Error::other)?;
+            (queue.desc_table(), queue.size(), used.0)
+        };
+        let heads = region.recover(completer.queue, used, size);
+        let taken = used.wrapping_add(heads.len() as u16);
+        completer
+            .vring
+            .get_mut()
+            .get_queue_mut()
+            .set_next_avail(taken);
+        tracing::info!(
+            queue = completer.queue,
+            used,
+            requests = heads.len(),
+            "vring resumed; replaying requests in flight at the previous backend's end"
+        );
+        for head in heads {
+            match inflight::chain(&*guest, vm_memory::GuestAddress(table), size, head) {
+                Ok(descriptors) => self.start(completer.clone(), head, &descriptors, memory, ring),
+                Err(error) => {
+                    tracing::warn!(head, %error, "a request in flight cannot be replayed");
+                    completer.in_flight.fetch_add(1, Ordering::AcqRel);
+                    completer.complete(head, 0);
+                }
+            }
+        }
+        if let Some(ring) = ring {
+            ring.submit();
         }
         Ok(())
     }

@@ -382,6 +382,7 @@ fn serve(
         });
         let _ = std::fs::remove_file(relay_socket);
         let session = Arc::new(Session::default());
+        backend.set_session(Some(session.clone()));
         let pumps = match to_daemon.and_then(|to_daemon| relay(frontend, to_daemon, &session)) {
             Ok(pumps) => pumps,
             Err(error) => {
@@ -399,6 +400,7 @@ fn serve(
             handler.send_exit_event();
         }
         backend.close_rings();
+        backend.set_session(None);
         backend.attached.store(false, Ordering::Release);
         for pump in pumps {
             let _ = pump.join();

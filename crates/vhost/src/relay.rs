@@ -1,30 +1,51 @@
 //! A controller's socket sits between QEMU and vhost-user-backend: each message passes
-//! through unchanged, with its descriptors, in both directions. What the relay adds is the
-//! backend channel QEMU hands over (`SET_BACKEND_REQ_FD`): vhost-user-backend keeps its
-//! own copy but cannot send the configuration change notice on it, so the relay keeps a
-//! second one and sends the notice itself when the bdev grows.
+//! through unchanged, with its descriptors, in both directions, except for what the relay
+//! adds:
+//! - the backend channel QEMU hands over (`SET_BACKEND_REQ_FD`): vhost-user-backend keeps
+//!   its own copy but cannot send the configuration change notice on it, so the relay
+//!   keeps a second one and sends the notice itself when the bdev grows;
+//! - the in-flight region (`INFLIGHT_SHMFD`, see [`crate::inflight`]), which
+//!   vhost-user-backend does not handle: the relay offers the protocol feature, answers
+//!   `GET_INFLIGHT_FD` and `SET_INFLIGHT_FD` itself (the daemon never sees them nor the
+//!   feature). The requests to replay start when a vring is enabled, for which
+//!   vhost-user-backend raises the vring's event without waiting for a kick.
 
+use std::fs::File;
 use std::io::{self, Read};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use basalt_io::unix_fds::{recv_with_fds, send_with_fds};
+
+use crate::backend::QUEUE_SIZE_MAX;
+use crate::inflight::{self, InflightRegion};
 
 /// A vhost-user message header: request, flags, payload size (little-endian u32s).
 const HEADER_BYTES: usize = 12;
 /// Largest payload relayed (vhost-user's largest, a memory table or a configuration
 /// space, is a few hundred bytes); a larger one ends the session.
 const PAYLOAD_BYTES_MAX: usize = 64 << 10;
-/// `VHOST_USER_SET_BACKEND_REQ_FD`, from the frontend.
+/// Frontend requests the relay looks at.
+const GET_PROTOCOL_FEATURES: u32 = 15;
+const SET_PROTOCOL_FEATURES: u32 = 16;
 const SET_BACKEND_REQ_FD: u32 = 21;
+const GET_INFLIGHT_FD: u32 = 31;
+const SET_INFLIGHT_FD: u32 = 32;
 /// `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`, to the frontend on the backend channel.
 const BACKEND_CONFIG_CHANGE_MSG: u32 = 2;
-/// Header flags: protocol version 1.
+/// Header flags: protocol version 1; a reply; the sender asks for a reply.
 const VERSION_1: u32 = 1;
+const REPLY: u32 = 1 << 2;
+const NEED_REPLY: u32 = 1 << 3;
+/// `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`.
+const INFLIGHT_SHMFD: u64 = 1 << 12;
+/// The in-flight messages' payload: mmap_size u64, mmap_offset u64, num_queues u16,
+/// queue_size u16, padded to 24 bytes (struct VhostUserInflight).
+const INFLIGHT_PAYLOAD_BYTES: usize = 24;
 
 /// One frontend's session through the relay.
 #[derive(Default)]
@@ -33,12 +54,24 @@ pub struct Session {
     backend_channel: Mutex<Option<UnixStream>>,
     /// Either side has gone.
     ended: AtomicBool,
+    /// The in-flight region the frontend handed over, if it did.
+    inflight: RwLock<Option<Arc<InflightRegion>>>,
+    /// Held while a message goes to the frontend (both pumps answer it).
+    to_frontend: Mutex<()>,
 }
 
 impl Session {
     /// Whether either side has gone.
     pub fn ended(&self) -> bool {
         self.ended.load(Ordering::Acquire)
+    }
+
+    /// The in-flight region of this session, once the frontend has handed it over.
+    pub fn inflight(&self) -> Option<Arc<InflightRegion>> {
+        self.inflight
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Tells the frontend that the configuration space changed (it reads it again; QEMU
@@ -68,7 +101,7 @@ impl Session {
 pub fn relay(
     frontend: UnixStream,
     daemon: UnixStream,
-    session: &std::sync::Arc<Session>,
+    session: &Arc<Session>,
 ) -> io::Result<[JoinHandle<()>; 2]> {
     let (frontend2, daemon2) = (frontend.try_clone()?, daemon.try_clone()?);
     let (frontend3, daemon3) = (frontend.try_clone()?, daemon.try_clone()?);
@@ -95,27 +128,185 @@ pub fn relay(
 /// (which ends the other direction's pump too).
 fn pump(from: &UnixStream, to: &UnixStream, session: &Session, from_frontend: bool) {
     loop {
-        let Ok(Some((message, fds))) = read_message(from) else {
+        let Ok(Some((mut message, fds))) = read_message(from) else {
             break;
         };
-        if from_frontend
-            && request(&message) == SET_BACKEND_REQ_FD
-            && let [fd] = fds.as_slice()
-            && let Ok(copy) = fd.try_clone()
-        {
-            *session
-                .backend_channel
+        let passed = if from_frontend {
+            from_the_frontend(&mut message, &fds, from, to, session)
+        } else {
+            if request(&message) == GET_PROTOCOL_FEATURES && flags(&message) & REPLY != 0 {
+                // The daemon's answer, and the in-flight region the relay handles.
+                or_u64_payload(&mut message, INFLIGHT_SHMFD);
+            }
+            let _sending = session
+                .to_frontend
                 .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Some(UnixStream::from(copy));
-        }
-        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
-        if send_with_fds(to, &message, &borrowed).is_err() {
+                .unwrap_or_else(|p| p.into_inner());
+            forward(to, &message, &fds)
+        };
+        if passed.is_err() {
             break;
         }
     }
     session.ended.store(true, Ordering::Release);
     let _ = from.shutdown(Shutdown::Both);
     let _ = to.shutdown(Shutdown::Both);
+}
+
+/// Passes a frontend's message on to the daemon, or answers it here (the in-flight
+/// region's).
+fn from_the_frontend(
+    message: &mut [u8],
+    fds: &[OwnedFd],
+    frontend: &UnixStream,
+    daemon: &UnixStream,
+    session: &Session,
+) -> io::Result<()> {
+    match request(message) {
+        SET_BACKEND_REQ_FD => {
+            if let [fd] = fds
+                && let Ok(copy) = fd.try_clone()
+            {
+                *session
+                    .backend_channel
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(UnixStream::from(copy));
+            }
+            forward(daemon, message, fds)
+        }
+        SET_PROTOCOL_FEATURES => {
+            // The daemon is not told of a feature it does not have.
+            and_u64_payload(message, !INFLIGHT_SHMFD);
+            forward(daemon, message, fds)
+        }
+        GET_INFLIGHT_FD => {
+            let (payload, file) =
+                match inflight_payload(message).and_then(|(_, _, queues, size)| {
+                    let (file, len) = inflight::create(queues, size, QUEUE_SIZE_MAX)?;
+                    tracing::info!(queues, queue_size = size, "in-flight region created");
+                    Ok((encode_inflight(len, 0, queues, size), Some(file)))
+                }) {
+                    Ok(answer) => answer,
+                    Err(error) => {
+                        // A zero size: the frontend goes on without a region.
+                        tracing::warn!(%error, "no in-flight region");
+                        (encode_inflight(0, 0, 0, 0), None)
+                    }
+                };
+            let files: Vec<BorrowedFd<'_>> = file.iter().map(AsFd::as_fd).collect();
+            answer(frontend, session, message, &payload, &files)
+        }
+        SET_INFLIGHT_FD => {
+            let payload = inflight_payload(message);
+            let (queues, queue_size) = payload.as_ref().map_or((0, 0), |p| (p.2, p.3));
+            let opened = match (payload, fds) {
+                (Ok((size, offset, queues, queue_size)), [fd]) => {
+                    fd.try_clone().map(File::from).and_then(|file| {
+                        InflightRegion::open(file, offset, size, queues, queue_size, QUEUE_SIZE_MAX)
+                    })
+                }
+                (Ok(_), _) => Err(io::Error::other("SET_INFLIGHT_FD without one descriptor")),
+                (Err(error), _) => Err(error),
+            };
+            let status: u64 = match opened {
+                Ok(region) => {
+                    tracing::info!(queues, queue_size, "in-flight region handed over");
+                    *session.inflight.write().unwrap_or_else(|p| p.into_inner()) =
+                        Some(Arc::new(region));
+                    0
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "in-flight region refused; requests in flight at a crash will not be replayed");
+                    1
+                }
+            };
+            if flags(message) & NEED_REPLY != 0 {
+                answer(frontend, session, message, &status.to_le_bytes(), &[])?;
+            }
+            Ok(())
+        }
+        _ => forward(daemon, message, fds),
+    }
+}
+
+/// Sends `message` with `fds` to `to`.
+fn forward(to: &UnixStream, message: &[u8], fds: &[OwnedFd]) -> io::Result<()> {
+    let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+    send_with_fds(to, message, &borrowed)
+}
+
+/// Answers the frontend's `request` with `payload` and `fds`.
+fn answer(
+    frontend: &UnixStream,
+    session: &Session,
+    request: &[u8],
+    payload: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<()> {
+    let mut reply = Vec::with_capacity(HEADER_BYTES + payload.len());
+    reply.extend_from_slice(&request[0..4]);
+    reply.extend_from_slice(&(VERSION_1 | REPLY).to_le_bytes());
+    reply.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    reply.extend_from_slice(payload);
+    let _sending = session
+        .to_frontend
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    send_with_fds(frontend, &reply, fds)
+}
+
+/// An in-flight message's fields: mmap_size, mmap_offset, num_queues, queue_size.
+fn inflight_payload(message: &[u8]) -> io::Result<(u64, u64, u16, u16)> {
+    let payload = &message[HEADER_BYTES..];
+    if payload.len() < 20 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("an in-flight message of {} bytes", payload.len()),
+        ));
+    }
+    Ok((
+        u64::from_le_bytes(payload[0..8].try_into().expect("8 bytes")),
+        u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes")),
+        u16::from_le_bytes(payload[16..18].try_into().expect("2 bytes")),
+        u16::from_le_bytes(payload[18..20].try_into().expect("2 bytes")),
+    ))
+}
+
+fn encode_inflight(
+    size: u64,
+    offset: u64,
+    queues: u16,
+    queue_size: u16,
+) -> [u8; INFLIGHT_PAYLOAD_BYTES] {
+    let mut payload = [0u8; INFLIGHT_PAYLOAD_BYTES];
+    payload[0..8].copy_from_slice(&size.to_le_bytes());
+    payload[8..16].copy_from_slice(&offset.to_le_bytes());
+    payload[16..18].copy_from_slice(&queues.to_le_bytes());
+    payload[18..20].copy_from_slice(&queue_size.to_le_bytes());
+    payload
+}
+
+/// A message's u64 payload, if it has one.
+fn payload_u64(message: &[u8]) -> Option<u64> {
+    let bytes = message.get(HEADER_BYTES..HEADER_BYTES + 8)?;
+    Some(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
+}
+
+fn or_u64_payload(message: &mut [u8], bits: u64) {
+    if let Some(value) = payload_u64(message) {
+        message[HEADER_BYTES..HEADER_BYTES + 8].copy_from_slice(&(value | bits).to_le_bytes());
+    }
+}
+
+fn and_u64_payload(message: &mut [u8], mask: u64) {
+    if let Some(value) = payload_u64(message) {
+        message[HEADER_BYTES..HEADER_BYTES + 8].copy_from_slice(&(value & mask).to_le_bytes());
+    }
+}
+
+/// The header flags of a message.
+fn flags(message: &[u8]) -> u32 {
+    u32::from_le_bytes(message[4..8].try_into().expect("a header"))
 }
 
 /// The request code of a message.
@@ -155,7 +346,6 @@ fn read_message(stream: &UnixStream) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn message(request: u32, payload: &[u8]) -> Vec<u8> {
         let mut bytes = Vec::new();

@@ -4,6 +4,8 @@
 //! memory table, vring setup) and requests good and bad, without a guest.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,8 +18,11 @@ use basalt_io::OpenError;
 use basalt_io::Reactors;
 use basalt_vhost::VhostServer;
 use basalt_vhost::backend::BlkOptions;
+use basalt_vhost::inflight::queue_bytes;
 use basalt_vhost::request::*;
-use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
+use vhost::vhost_user::message::{
+    VhostUserConfigFlags, VhostUserInflight, VhostUserProtocolFeatures,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
@@ -41,29 +46,44 @@ struct Guest {
 }
 
 impl Guest {
+    /// A guest whose vring is new (nothing made available yet).
+    fn new(memory: GuestMemoryMmap<()>, kick: EventFd) -> Self {
+        Self {
+            memory,
+            kick,
+            next_avail: 0,
+            next_desc: 0,
+            next_used: 0,
+        }
+    }
+
+    /// Writes descriptor `slot` of the table.
+    fn put_descriptor(&self, slot: u16, address: u64, len: u32, flags: u16, next: u16) {
+        let at = GuestAddress(DESC + u64::from(slot) * 16);
+        self.memory.write_obj(address, at).expect("desc addr");
+        self.memory
+            .write_obj(len, at.unchecked_add(8))
+            .expect("desc len");
+        self.memory
+            .write_obj(flags, at.unchecked_add(12))
+            .expect("desc flags");
+        self.memory
+            .write_obj(next, at.unchecked_add(14))
+            .expect("desc next");
+    }
+
     /// Makes a chain of (address, length, device-writable) buffers available and kicks;
     /// returns the used length the device reports once it is done.
     fn submit(&mut self, buffers: &[(u64, u32, bool)]) -> u32 {
         let head = self.next_desc;
         for (index, (address, len, writable)) in buffers.iter().enumerate() {
             let slot = (head + index as u16) % QUEUE_SIZE;
-            let at = GuestAddress(DESC + u64::from(slot) * 16);
             let last = index + 1 == buffers.len();
             let mut flags = if *writable { DESC_F_WRITE } else { 0 };
             if !last {
                 flags |= DESC_F_NEXT;
             }
-            self.memory.write_obj(*address, at).expect("desc addr");
-            self.memory
-                .write_obj(*len, at.unchecked_add(8))
-                .expect("desc len");
-            self.memory
-                .write_obj(flags, at.unchecked_add(12))
-                .expect("desc flags");
-            let next = (slot + 1) % QUEUE_SIZE;
-            self.memory
-                .write_obj(next, at.unchecked_add(14))
-                .expect("desc next");
+            self.put_descriptor(slot, *address, *len, flags, (slot + 1) % QUEUE_SIZE);
         }
         self.next_desc = (head + buffers.len() as u16) % QUEUE_SIZE;
         let ring_at = GuestAddress(AVAIL + 4 + u64::from(self.next_avail % QUEUE_SIZE) * 2);
@@ -201,6 +221,84 @@ fn a_frontend_of_our_own_drives_the_device() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Guest memory: a file in `dir` that both sides map; and its description for the
+/// memory table.
+fn guest_memory(dir: &Path) -> (GuestMemoryMmap<()>, VhostUserMemoryRegionInfo) {
+    let file = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.join("memory"))
+        .expect("memory file");
+    file.set_len(MEMORY_SIZE as u64).expect("size");
+    let memory = GuestMemoryMmap::<()>::from_ranges_with_files([(
+        GuestAddress(0),
+        MEMORY_SIZE,
+        Some(FileOffset::new(file, 0)),
+    )])
+    .expect("guest memory");
+    let region = memory.iter().next().expect("region");
+    let info = VhostUserMemoryRegionInfo::from_guest_region(region).expect("region info");
+    (memory, info)
+}
+
+/// A frontend connected to `socket` that has negotiated the device's features, and the
+/// protocol features CONFIG, MQ and `more`.
+fn connect(socket: &Path, more: VhostUserProtocolFeatures) -> Frontend {
+    let mut frontend = Frontend::connect(socket, 1).expect("connect");
+    frontend.set_owner().expect("owner");
+    let features = frontend.get_features().expect("features");
+    let version_1 = 1u64 << 32;
+    let protocol = 1u64 << 30;
+    assert_ne!(features & version_1, 0, "VERSION_1");
+    assert_ne!(features & (1 << 9), 0, "FLUSH");
+    assert_eq!(features & (1 << 5), 0, "not read-only");
+    frontend
+        .set_features(features & (version_1 | protocol | (1 << 9) | (1 << 13) | (1 << 14)))
+        .expect("set features");
+    let offered = frontend.get_protocol_features().expect("protocol features");
+    let wanted = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ | more;
+    assert!(offered.contains(wanted), "{offered:?} offered");
+    frontend
+        .set_protocol_features(wanted)
+        .expect("set protocol features");
+    frontend
+}
+
+/// Sets the memory table and vring 0 (resumed at available index `base`) up and starts
+/// it; its call and kick eventfds.
+fn start_vring(
+    frontend: &mut Frontend,
+    info: &VhostUserMemoryRegionInfo,
+    base: u16,
+) -> (EventFd, EventFd) {
+    frontend
+        .set_mem_table(std::slice::from_ref(info))
+        .expect("memory table");
+    frontend.set_vring_num(0, QUEUE_SIZE).expect("vring num");
+    // Ring addresses are the frontend's own virtual addresses (as QEMU's are), which the
+    // backend translates through the memory table; buffers are guest physical addresses.
+    let at = info.userspace_addr;
+    let vring = VringConfigData {
+        queue_max_size: QUEUE_SIZE,
+        queue_size: QUEUE_SIZE,
+        flags: 0,
+        desc_table_addr: at + DESC,
+        used_ring_addr: at + USED,
+        avail_ring_addr: at + AVAIL,
+        log_addr: None,
+    };
+    frontend.set_vring_addr(0, &vring).expect("vring addr");
+    frontend.set_vring_base(0, base).expect("vring base");
+    let call = EventFd::new(EFD_NONBLOCK).expect("call");
+    let kick = EventFd::new(EFD_NONBLOCK).expect("kick");
+    frontend.set_vring_call(0, &call).expect("call fd");
+    frontend.set_vring_kick(0, &kick).expect("kick fd");
+    frontend.set_vring_enable(0, true).expect("enable");
+    (call, kick)
+}
+
 /// Drives a controller over `bdev` (1 MiB, 512-byte blocks), whose file is `file` if it
 /// has one, through the message flow and good and bad requests.
 fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
@@ -225,38 +323,8 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
         .create("t", "m", None, options.clone())
         .expect("controller");
 
-    // Guest memory: a file both sides map.
-    let file = File::options()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(dir.join("memory"))
-        .expect("memory file");
-    file.set_len(MEMORY_SIZE as u64).expect("size");
-    let memory = GuestMemoryMmap::<()>::from_ranges_with_files([(
-        GuestAddress(0),
-        MEMORY_SIZE,
-        Some(FileOffset::new(file, 0)),
-    )])
-    .expect("guest memory");
-
-    let mut frontend = Frontend::connect(&socket, 1).expect("connect");
-    frontend.set_owner().expect("owner");
-    let features = frontend.get_features().expect("features");
-    let version_1 = 1u64 << 32;
-    let protocol = 1u64 << 30;
-    assert_ne!(features & version_1, 0, "VERSION_1");
-    assert_ne!(features & (1 << 9), 0, "FLUSH");
-    assert_eq!(features & (1 << 5), 0, "not read-only");
-    frontend
-        .set_features(features & (version_1 | protocol | (1 << 9) | (1 << 13) | (1 << 14)))
-        .expect("set features");
-    let protocol_features = frontend.get_protocol_features().expect("protocol features");
-    assert!(protocol_features.contains(VhostUserProtocolFeatures::CONFIG));
-    frontend
-        .set_protocol_features(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ)
-        .expect("set protocol features");
+    let (memory, info) = guest_memory(dir);
+    let mut frontend = connect(&socket, VhostUserProtocolFeatures::empty());
     assert_eq!(frontend.get_queue_num().expect("queues"), 1);
     let (_, config) = frontend
         .get_config(0, 60, VhostUserConfigFlags::WRITABLE, &[0u8; 60])
@@ -271,39 +339,8 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
         512,
         "blk_size"
     );
-
-    let region = memory.iter().next().expect("region");
-    let info = VhostUserMemoryRegionInfo::from_guest_region(region).expect("region info");
-    frontend
-        .set_mem_table(std::slice::from_ref(&info))
-        .expect("memory table");
-    frontend.set_vring_num(0, QUEUE_SIZE).expect("vring num");
-    // Ring addresses are the frontend's own virtual addresses (as QEMU's are), which the
-    // backend translates through the memory table; buffers are guest physical addresses.
-    let base = info.userspace_addr;
-    let vring = VringConfigData {
-        queue_max_size: QUEUE_SIZE,
-        queue_size: QUEUE_SIZE,
-        flags: 0,
-        desc_table_addr: base + DESC,
-        used_ring_addr: base + USED,
-        avail_ring_addr: base + AVAIL,
-        log_addr: None,
-    };
-    frontend.set_vring_addr(0, &vring).expect("vring addr");
-    frontend.set_vring_base(0, 0).expect("vring base");
-    let call = EventFd::new(EFD_NONBLOCK).expect("call");
-    let kick = EventFd::new(EFD_NONBLOCK).expect("kick");
-    frontend.set_vring_call(0, &call).expect("call fd");
-    frontend.set_vring_kick(0, &kick).expect("kick fd");
-    frontend.set_vring_enable(0, true).expect("enable");
-    let mut guest = Guest {
-        memory,
-        kick,
-        next_avail: 0,
-        next_desc: 0,
-        next_used: 0,
-    };
+    let (call, kick) = start_vring(&mut frontend, &info, 0);
+    let mut guest = Guest::new(memory, kick);
 
     // A write, then a read of it into two buffers.
     let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
@@ -408,4 +445,162 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
     }
     assert!(!socket.exists(), "the socket is removed");
     let _ = call;
+}
+
+#[test]
+fn requests_in_flight_when_the_backend_died_are_replayed_once() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("vhost-replay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    replay(&dir, Arc::new(MallocBdev::new_named("m", 512, 2048)));
+    replay(&dir, file_bdev(&dir.join("bdev")));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Fills `len` bytes of guest memory at `at` with `byte`.
+fn fill(memory: &GuestMemoryMmap<()>, at: u64, len: usize, byte: u8) {
+    memory
+        .write_slice(&vec![byte; len], GuestAddress(at))
+        .expect("fill");
+}
+
+/// A backend dies with two writes taken from the vring: A still running, B on the used
+/// ring but not yet unmarked in the in-flight region. The next session replays A alone,
+/// without a kick, and takes new requests after both.
+fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
+    let reactors = Arc::new(Reactors::start(1, "vhost-test").expect("reactors"));
+    let server = VhostServer::new(reactors, dir.to_path_buf());
+    let options = BlkOptions {
+        bdev,
+        readonly: false,
+        queues: 1,
+        serial: "replay".into(),
+        reactors: vec![0],
+    };
+    let socket = server.create("r", "m", None, options).expect("controller");
+    let (memory, info) = guest_memory(dir);
+
+    // The first session: the frontend asks for a region and hands it back.
+    let mut frontend = connect(&socket, VhostUserProtocolFeatures::INFLIGHT_SHMFD);
+    let asked = VhostUserInflight {
+        num_queues: 1,
+        queue_size: QUEUE_SIZE,
+        ..Default::default()
+    };
+    let (inflight, region) = frontend.get_inflight_fd(&asked).expect("GET_INFLIGHT_FD");
+    assert_eq!(
+        (inflight.mmap_size, inflight.num_queues, inflight.queue_size),
+        (queue_bytes(QUEUE_SIZE), 1, QUEUE_SIZE)
+    );
+    frontend
+        .set_inflight_fd(&inflight, region.as_raw_fd())
+        .expect("SET_INFLIGHT_FD");
+    let (_call, kick) = start_vring(&mut frontend, &info, 0);
+    let mut guest = Guest::new(memory, kick);
+    assert_eq!(guest.write(8, 0x10000, &[7u8; 4096]), (1, STATUS_OK));
+    // Completed: unmarked (head 0), and the region's used index follows the ring's.
+    let read_region = |at: u64, len: usize| {
+        let mut bytes = vec![0u8; len];
+        region.read_exact_at(&mut bytes, at).expect("region");
+        bytes
+    };
+    assert_eq!(read_region(16, 1), [0], "head 0 unmarked");
+    assert_eq!(read_region(14, 2), 1u16.to_le_bytes(), "used_idx");
+    drop(frontend);
+
+    // What the dead backend left: A (head 4) writes 0xaa to sector 40, B (head 7) 0xbb to
+    // sector 48; both taken (available 1 and 2), B put on the used ring (used 1), both
+    // still marked, B named by last_batch_head and the region's used index behind.
+    let memory = &guest.memory;
+    for (head, header, data, byte, sector) in [
+        (4u16, 0x8100, 0x11000, 0xaa, 40u64),
+        (7, 0x8200, 0x12000, 0xbb, 48),
+    ] {
+        guest.header(header, TYPE_OUT, sector);
+        fill(memory, data, 4096, byte);
+        for (slot, (address, len, flags, next)) in [
+            (header, 16u32, DESC_F_NEXT, head + 1),
+            (data, 4096, DESC_F_NEXT, head + 2),
+            (header + 0x1000, 1, DESC_F_WRITE, 0),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            guest.put_descriptor(head + slot as u16, address, len, flags, next);
+        }
+        let state = (u64::from(head) + 1) * 16;
+        region.write_all_at(&[1], state).expect("mark");
+        region
+            .write_all_at(&u64::from(head).to_le_bytes(), state + 8)
+            .expect("counter");
+    }
+    memory
+        .write_obj(4u16, GuestAddress(AVAIL + 4 + 2))
+        .expect("avail");
+    memory
+        .write_obj(7u16, GuestAddress(AVAIL + 4 + 4))
+        .expect("avail");
+    memory
+        .write_obj(3u16, GuestAddress(AVAIL + 2))
+        .expect("avail idx");
+    memory
+        .write_obj(7u32, GuestAddress(USED + 4 + 8))
+        .expect("used id");
+    memory
+        .write_obj(1u32, GuestAddress(USED + 4 + 8 + 4))
+        .expect("used len");
+    memory
+        .write_obj(2u16, GuestAddress(USED + 2))
+        .expect("used idx");
+    region
+        .write_all_at(&7u16.to_le_bytes(), 12)
+        .expect("last_batch_head");
+
+    // The next session: QEMU resumes the vring at its used index and hands the region
+    // back. A completes without a kick.
+    let mut frontend = connect(&socket, VhostUserProtocolFeatures::INFLIGHT_SHMFD);
+    frontend
+        .set_inflight_fd(&inflight, region.as_raw_fd())
+        .expect("SET_INFLIGHT_FD");
+    let (_call, kick) = start_vring(&mut frontend, &info, 2);
+    let start = Instant::now();
+    while memory
+        .read_obj::<u16>(GuestAddress(USED + 2))
+        .expect("used")
+        == 2
+    {
+        assert!(start.elapsed() < Duration::from_secs(10), "A not replayed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let used_id: u32 = memory
+        .read_obj(GuestAddress(USED + 4 + 16))
+        .expect("used id");
+    assert_eq!(used_id, 4, "A replayed");
+    assert_eq!(guest.status(0x9100), STATUS_OK);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        memory
+            .read_obj::<u16>(GuestAddress(USED + 2))
+            .expect("used"),
+        3,
+        "B not replayed"
+    );
+    assert_eq!(read_region(5 * 16, 1), [0], "A unmarked");
+    assert_eq!(read_region(8 * 16, 1), [0], "B unmarked");
+
+    // New requests come after both: A's data is there, B's never reached the bdev.
+    (
+        guest.kick,
+        guest.next_avail,
+        guest.next_used,
+        guest.next_desc,
+    ) = (kick, 3, 3, 10);
+    let (used, status, back) = guest.read(40, &[(0x20000, 4096)]);
+    assert_eq!((used, status), (4097, STATUS_OK));
+    assert!(back.iter().all(|&b| b == 0xaa), "A's data");
+    let (_, status, back) = guest.read(48, &[(0x20000, 4096)]);
+    assert_eq!(status, STATUS_OK);
+    assert!(back.iter().all(|&b| b == 0), "B was not written again");
+    drop(frontend);
 }
