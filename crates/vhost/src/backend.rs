@@ -115,7 +115,11 @@ impl Completer {
 
     /// Whether both end requests of the same vring (of the same session).
     pub(crate) fn same_vring(&self, other: &Completer) -> bool {
-        std::ptr::eq(&*self.vring.get_ref(), &*other.vring.get_ref())
+        // One guard at a time: a second read guard on the same lock waits behind a writer
+        // queued between the two, which would wait for the first.
+        let mine: *const _ = &*self.vring.get_ref();
+        let theirs: *const _ = &*other.vring.get_ref();
+        std::ptr::eq(mine, theirs)
     }
 }
 
@@ -254,6 +258,26 @@ impl BlkBackend {
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = session;
     }
 
+    /// Ends the session: waits for the vrings' requests in flight (at most
+    /// `STOP_WAIT_MAX`), then closes its in-flight region, so that a request finishing
+    /// later leaves the next session's vrings and region alone (its mark stays: the next
+    /// session replays it).
+    pub fn end_session(&self) {
+        let start = Instant::now();
+        while self
+            .in_flight
+            .iter()
+            .any(|count| count.load(Ordering::Acquire) > 0)
+            && start.elapsed() < STOP_WAIT_MAX
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if let Some(region) = self.inflight_region() {
+            region.close();
+        }
+        self.set_session(None);
+    }
+
     /// The session's in-flight region, if the frontend handed one over.
     fn inflight_region(&self) -> Option<Arc<InflightRegion>> {
         let session = self.session.read().unwrap_or_else(|p| p.into_inner());
@@ -288,9 +312,11 @@ impl BlkBackend {
             region: region.clone(),
         };
         if let Some(region) = &region
-            && region.take_recovery(queue)
+            && region.recovery_pending(queue)
+            && let Err(error) = self.replay(&completer, region, &memory, ring)
         {
-            self.replay(&completer, region, &memory, ring)?;
+            // Tried again at the vring's next event.
+            tracing::warn!(queue, %error, "vring not recovered from the in-flight region");
         }
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         loop {
@@ -348,6 +374,9 @@ impl BlkBackend {
                 .map_err(io::Error::other)?;
             (queue.desc_table(), queue.size(), used.0)
         };
+        if !region.take_recovery(completer.queue) {
+            return Ok(());
+        }
         let heads = region.recover(completer.queue, used, size);
         let taken = used.wrapping_add(heads.len() as u16);
         completer

@@ -400,7 +400,7 @@ fn serve(
             handler.send_exit_event();
         }
         backend.close_rings();
-        backend.set_session(None);
+        backend.end_session();
         backend.attached.store(false, Ordering::Release);
         for pump in pumps {
             let _ = pump.join();

@@ -97,6 +97,9 @@ pub struct InflightRegion {
     map: MmapRegion<()>,
     queue_size: u16,
     queues: Vec<QueueState>,
+    /// Its session has ended: requests finishing now are neither put on the (old) used
+    /// ring nor unmarked.
+    closed: AtomicBool,
 }
 
 impl InflightRegion {
@@ -130,6 +133,7 @@ impl InflightRegion {
             map,
             queue_size,
             queues,
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -179,6 +183,9 @@ impl InflightRegion {
     /// next used index once the element is there, `None` if it could not be put), and
     /// unmarks it. The caller holds the vring's lock across the call.
     pub fn finish(&self, queue: u16, head: u16, put: impl FnOnce() -> Option<u16>) {
+        if self.closed.load(Ordering::Acquire) {
+            return;
+        }
         let desc = self.desc_at(queue, head);
         let last = self.header_at(queue, LAST_BATCH_HEAD_AT);
         if let Some(last) = last.and_then(|at| self.u16_at(at)) {
@@ -198,7 +205,20 @@ impl InflightRegion {
         }
     }
 
-    /// Whether `queue` is still to be recovered (true once per region and queue).
+    /// Closes the region at the end of its session (see `finish`).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// Whether `queue` is still to be recovered.
+    pub fn recovery_pending(&self, queue: u16) -> bool {
+        self.queues
+            .get(usize::from(queue))
+            .is_some_and(|state| state.recovery_pending.load(Ordering::Acquire))
+    }
+
+    /// Whether `queue` is still to be recovered, and from now on not (true once per region
+    /// and queue).
     pub fn take_recovery(&self, queue: u16) -> bool {
         self.queues
             .get(usize::from(queue))
@@ -261,6 +281,9 @@ pub enum ChainError {
     /// An indirect table of a size that is not whole descriptors, or empty.
     #[error("an indirect table of {0} bytes")]
     BadIndirect(u32),
+    /// An indirect descriptor inside an indirect table.
+    #[error("an indirect descriptor inside an indirect table")]
+    NestedIndirect,
     /// A descriptor outside guest memory.
     #[error("a descriptor outside guest memory")]
     Memory,
@@ -308,7 +331,10 @@ pub fn chain<M: GuestMemory>(
             return Err(ChainError::TooLong);
         }
         let (address, len, flags, next) = descriptor(memory, table, index)?;
-        if flags & DESC_F_INDIRECT != 0 && !indirect {
+        if flags & DESC_F_INDIRECT != 0 && indirect {
+            return Err(ChainError::NestedIndirect);
+        }
+        if flags & DESC_F_INDIRECT != 0 {
             let entries = u64::from(len) / DESCRIPTOR_BYTES;
             if len == 0 || u64::from(len) % DESCRIPTOR_BYTES != 0 || entries > u64::from(u16::MAX) {
                 return Err(ChainError::BadIndirect(len));
@@ -403,6 +429,24 @@ mod tests {
     }
 
     #[test]
+    fn a_closed_region_is_left_as_it_is() {
+        let (region, _file) = region(1, 8);
+        region.begin(0, 3);
+        region.close();
+        let mut put = false;
+        region.finish(0, 3, || {
+            put = true;
+            Some(1)
+        });
+        assert!(!put, "not put on the old session's ring");
+        assert_eq!(
+            region.recover(0, 0, 8),
+            vec![3],
+            "still marked: replayed next"
+        );
+    }
+
+    #[test]
     fn replays_come_oldest_first() {
         let (region, _file) = region(1, 16);
         for head in [9, 4, 12, 1] {
@@ -462,6 +506,11 @@ mod tests {
         assert!(matches!(
             chain(&memory, GuestAddress(1 << 20), 8, 0),
             Err(ChainError::Memory)
+        ));
+        put(0x2000, 1, 0x3000, 16, DESC_F_INDIRECT, 0);
+        assert!(matches!(
+            chain(&memory, table, 8, 0),
+            Err(ChainError::NestedIndirect)
         ));
     }
 }

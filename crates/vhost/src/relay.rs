@@ -217,6 +217,8 @@ fn from_the_frontend(
                 }
                 Err(error) => {
                     tracing::warn!(%error, "in-flight region refused; requests in flight at a crash will not be replayed");
+                    // Not the previous region either (QEMU may have freed it).
+                    *session.inflight.write().unwrap_or_else(|p| p.into_inner()) = None;
                     1
                 }
             };

@@ -505,8 +505,16 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
         region.read_exact_at(&mut bytes, at).expect("region");
         bytes
     };
-    assert_eq!(read_region(16, 1), [0], "head 0 unmarked");
-    assert_eq!(read_region(14, 2), 1u16.to_le_bytes(), "used_idx");
+    // (The mark goes just after the used index moves: waited for.)
+    let start = Instant::now();
+    while read_region(16, 1) != [0] || read_region(14, 2) != 1u16.to_le_bytes() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "head 0 still marked, or used_idx behind: {:?}",
+            read_region(0, 32)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     drop(frontend);
 
     // What the dead backend left: A (head 4) writes 0xaa to sector 40, B (head 7) 0xbb to
@@ -586,7 +594,10 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
         3,
         "B not replayed"
     );
-    assert_eq!(read_region(5 * 16, 1), [0], "A unmarked");
+    while read_region(5 * 16, 1) != [0] {
+        assert!(start.elapsed() < Duration::from_secs(10), "A still marked");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(read_region(8 * 16, 1), [0], "B unmarked");
 
     // New requests come after both: A's data is there, B's never reached the bdev.
