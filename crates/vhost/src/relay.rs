@@ -398,4 +398,81 @@ mod tests {
         assert!(session.ended());
         assert!(read_message(&backend).expect("end").is_none());
     }
+
+    #[test]
+    fn the_relay_handles_the_in_flight_region_and_the_daemon_never_sees_it() {
+        let (qemu, frontend) = UnixStream::pair().expect("pair");
+        let (daemon, backend) = UnixStream::pair().expect("pair");
+        let session = Arc::new(Session::default());
+        let threads = relay(frontend, daemon, &session).expect("relay");
+        let with_flags = |mut bytes: Vec<u8>, flags: u32| {
+            bytes[4..8].copy_from_slice(&flags.to_le_bytes());
+            bytes
+        };
+
+        // The daemon's protocol features gain INFLIGHT_SHMFD on the way to QEMU...
+        send_with_fds(&qemu, &message(GET_PROTOCOL_FEATURES, &[]), &[]).expect("send");
+        read_message(&backend).expect("read").expect("passed on");
+        let reply = with_flags(
+            message(GET_PROTOCOL_FEATURES, &0x22u64.to_le_bytes()),
+            VERSION_1 | REPLY,
+        );
+        send_with_fds(&backend, &reply, &[]).expect("reply");
+        let (bytes, _) = read_message(&qemu).expect("read").expect("reply");
+        assert_eq!(payload_u64(&bytes), Some(0x22 | INFLIGHT_SHMFD));
+        // ...and lose it on the way back.
+        let acked = message(SET_PROTOCOL_FEATURES, &(0x2 | INFLIGHT_SHMFD).to_le_bytes());
+        send_with_fds(&qemu, &acked, &[]).expect("send");
+        let (bytes, _) = read_message(&backend).expect("read").expect("passed on");
+        assert_eq!(payload_u64(&bytes), Some(0x2));
+
+        // GET_INFLIGHT_FD is answered here, with a region for 2 queues of 8 and its file.
+        send_with_fds(
+            &qemu,
+            &message(GET_INFLIGHT_FD, &encode_inflight(0, 0, 2, 8)),
+            &[],
+        )
+        .expect("send");
+        let (bytes, fds) = read_message(&qemu).expect("read").expect("answer");
+        assert_eq!(flags(&bytes), VERSION_1 | REPLY);
+        let (size, offset, queues, queue_size) = inflight_payload(&bytes).expect("payload");
+        assert_eq!((size, offset, queues, queue_size), (2 * 192, 0, 2, 8));
+        assert_eq!(bytes.len(), HEADER_BYTES + INFLIGHT_PAYLOAD_BYTES);
+        let [region] = <[OwnedFd; 1]>::try_from(fds).expect("one descriptor");
+        assert_eq!(
+            File::from(region.try_clone().expect("dup"))
+                .metadata()
+                .expect("stat")
+                .len(),
+            size
+        );
+        assert!(session.inflight().is_none(), "in use only once handed back");
+
+        // SET_INFLIGHT_FD maps it (asked for a reply: 0); a malformed one drops it (1).
+        let set = with_flags(
+            message(SET_INFLIGHT_FD, &encode_inflight(size, 0, 2, 8)),
+            VERSION_1 | NEED_REPLY,
+        );
+        send_with_fds(&qemu, &set, &[region.as_fd()]).expect("send");
+        let (bytes, _) = read_message(&qemu).expect("read").expect("answer");
+        assert_eq!(payload_u64(&bytes), Some(0));
+        assert!(session.inflight().is_some());
+        let too_small = with_flags(
+            message(SET_INFLIGHT_FD, &encode_inflight(64, 0, 2, 8)),
+            VERSION_1 | NEED_REPLY,
+        );
+        send_with_fds(&qemu, &too_small, &[region.as_fd()]).expect("send");
+        let (bytes, _) = read_message(&qemu).expect("read").expect("answer");
+        assert_eq!(payload_u64(&bytes), Some(1));
+        assert!(session.inflight().is_none(), "the previous region dropped");
+
+        // None of the three reached the daemon: the next message it gets is this one.
+        send_with_fds(&qemu, &message(1, &[]), &[]).expect("send");
+        let (bytes, _) = read_message(&backend).expect("read").expect("a message");
+        assert_eq!(bytes, message(1, &[]));
+        drop((qemu, backend));
+        for thread in threads {
+            thread.join().expect("pump");
+        }
+    }
 }
