@@ -11,7 +11,7 @@
 //!   vhost-user-backend raises the vring's event without waiting for a kick.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -30,6 +30,7 @@ const HEADER_BYTES: usize = 12;
 /// space, is a few hundred bytes); a larger one ends the session.
 const PAYLOAD_BYTES_MAX: usize = 64 << 10;
 /// Frontend requests the relay looks at.
+const SET_VRING_CALL: u32 = 13;
 const GET_PROTOCOL_FEATURES: u32 = 15;
 const SET_PROTOCOL_FEATURES: u32 = 16;
 const SET_BACKEND_REQ_FD: u32 = 21;
@@ -43,6 +44,8 @@ const REPLY: u32 = 1 << 2;
 const NEED_REPLY: u32 = 1 << 3;
 /// `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`.
 const INFLIGHT_SHMFD: u64 = 1 << 12;
+/// SET_VRING_CALL's payload bit saying that no descriptor came (the vring is polled).
+const VRING_NO_FD: u64 = 1 << 8;
 /// The in-flight messages' payload: mmap_size u64, mmap_offset u64, num_queues u16,
 /// queue_size u16, padded to 24 bytes (struct VhostUserInflight).
 const INFLIGHT_PAYLOAD_BYTES: usize = 24;
@@ -173,6 +176,22 @@ fn from_the_frontend(
                     .unwrap_or_else(|p| p.into_inner()) = Some(UnixStream::from(copy));
             }
             forward(daemon, message, fds)
+        }
+        SET_VRING_CALL => {
+            forward(daemon, message, fds)?;
+            // As libvhost-user does: a signal on the new call eventfd, so that the guest
+            // looks at the used ring once. A backend killed after putting requests on the
+            // used ring but before signalling them leaves the guest unaware of them; with
+            // EVENT_IDX its used_event then stays behind the ring and no later completion
+            // would signal it either: its I/O would hang. A spare signal costs nothing.
+            if payload_u64(message).is_some_and(|value| value & VRING_NO_FD == 0)
+                && let [fd] = fds
+                && let Ok(copy) = fd.try_clone()
+                && let Err(error) = File::from(copy).write_all(&1u64.to_ne_bytes())
+            {
+                tracing::debug!(%error, "new call eventfd not signalled");
+            }
+            Ok(())
         }
         SET_PROTOCOL_FEATURES => {
             // The daemon is not told of a feature it does not have.
@@ -465,6 +484,21 @@ mod tests {
         let (bytes, _) = read_message(&qemu).expect("read").expect("answer");
         assert_eq!(payload_u64(&bytes), Some(1));
         assert!(session.inflight().is_none(), "the previous region dropped");
+
+        // A new call eventfd is passed on, then signalled.
+        // (A socket stands in for the eventfd: the relay writes the counter's 8 bytes.)
+        let (call_ours, call_theirs) = UnixStream::pair().expect("pair");
+        send_with_fds(
+            &qemu,
+            &message(SET_VRING_CALL, &0u64.to_le_bytes()),
+            &[call_theirs.as_fd()],
+        )
+        .expect("send");
+        let (bytes, fds) = read_message(&backend).expect("read").expect("passed on");
+        assert_eq!((request(&bytes), fds.len()), (SET_VRING_CALL, 1));
+        let mut signal = [0u8; 8];
+        (&call_ours).read_exact(&mut signal).expect("signalled");
+        assert_eq!(u64::from_ne_bytes(signal), 1);
 
         // None of the three reached the daemon: the next message it gets is this one.
         send_with_fds(&qemu, &message(1, &[]), &[]).expect("send");
