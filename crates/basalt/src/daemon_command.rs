@@ -18,6 +18,7 @@
 //! host = "node1"
 //! device_size = "4GiB"
 //! metrics_addr = "127.0.0.1:9481"
+//! max_moves = 4
 //! ```
 //!
 //! Flags win over the file.
@@ -78,6 +79,7 @@ pub struct OsdSection {
     weight: Option<f64>,
     device_size: Option<String>,
     metrics_addr: Option<SocketAddr>,
+    max_moves: Option<usize>,
 }
 
 /// Reads a config file.
@@ -200,6 +202,10 @@ pub struct OsdArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// PGs led by this OSD that may be adding members at once when PGs move (new replicas
+    /// catching up); the others wait their turn. Default 4.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_moves: Option<u32>,
     /// A TOML config file (its [cluster] and [osd] sections).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -245,6 +251,12 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
         host: args.host.or(section.host).unwrap_or_else(hostname),
         weight: args.weight.or(section.weight).unwrap_or(1.0),
         metrics_addr: args.metrics_addr.or(section.metrics_addr),
+        max_moves: match (args.max_moves, section.max_moves) {
+            (Some(moves), _) => moves as usize,
+            (None, Some(0)) => anyhow::bail!("[osd] max_moves: at least 1"),
+            (None, Some(moves)) => moves,
+            (None, None) => basalt_osd::daemon::MAX_MOVES_DEFAULT,
+        },
     };
     crate::control_runtime()?.block_on(async move {
         let running = basalt_osd::daemon::start(config).await?;

@@ -109,7 +109,13 @@ pub struct OsdConfig {
     pub weight: f64,
     /// Where to serve Prometheus metrics.
     pub metrics_addr: Option<SocketAddr>,
+    /// PGs led here that may be adding members at once (new replicas catching up from the
+    /// log or by snapshot); the others wait their turn. At least 1.
+    pub max_moves: usize,
 }
+
+/// [`OsdConfig::max_moves`] unless configured.
+pub const MAX_MOVES_DEFAULT: usize = 4;
 
 /// Why the OSD stopped.
 #[derive(Debug, thiserror::Error)]
@@ -460,6 +466,8 @@ struct Core {
     snapshots_sent: HashMap<(PgId, OsdId), std::time::Instant>,
     /// PGs whose leader is being asked whether this replica was removed.
     membership_checks: std::collections::HashSet<PgId>,
+    /// See [`OsdConfig::max_moves`].
+    max_moves: usize,
 }
 
 impl Core {
@@ -1901,14 +1909,16 @@ impl Core {
         }
     }
 
-    /// Moves the replicas of the PGs led here towards the members the map gives them.
+    /// Moves the replicas of the PGs led here towards the members the map gives them, at
+    /// most `max_moves` of them adding members at once.
     fn reconfigure_pgs(&mut self) {
-        let led: Vec<PgId> = self
+        let led: Vec<(PgId, PgMove)> = self
             .raft
             .pgs()
             .filter(|pg| self.raft.is_leader(*pg))
+            .map(|pg| (pg, self.move_of(pg)))
             .collect();
-        for pg in led {
+        for pg in throttle(&led, self.max_moves) {
             let Some(entry) = self.map.pg(pg) else {
                 continue;
             };
@@ -1919,6 +1929,25 @@ impl Core {
                 }
                 Some(step) => tracing::info!(%pg, members = ?entry.members, ?step, "pg membership"),
             }
+        }
+    }
+
+    /// Where `pg`'s move to the map's members stands.
+    fn move_of(&self, pg: PgId) -> PgMove {
+        let (Some(members), Some(entry)) = (self.raft.members(pg), self.map.pg(pg)) else {
+            return PgMove::None;
+        };
+        if !members.learners.is_empty() || !members.voters_outgoing.is_empty() {
+            return PgMove::Adding;
+        }
+        if entry
+            .members
+            .iter()
+            .any(|osd| !members.voters.contains(osd))
+        {
+            PgMove::ToStart
+        } else {
+            PgMove::None
         }
     }
 
@@ -2255,6 +2284,38 @@ fn spawn_peer(id: OsdId) -> Peer {
         }
     });
     Peer { queue, address }
+}
+
+/// Where a PG's move to new members stands, as its leader sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PgMove {
+    /// No member to add (the members are the map's, or some are only to be removed).
+    None,
+    /// Members being added: learners catching up, or a joint configuration.
+    Adding,
+    /// Members to add, not started.
+    ToStart,
+}
+
+/// The PGs whose leader takes its next membership step now: all but the moves to start
+/// beyond `max` adding at once (those wait for a later turn, the lowest PGs first).
+fn throttle(led: &[(PgId, PgMove)], max: usize) -> Vec<PgId> {
+    let adding = led
+        .iter()
+        .filter(|(_, state)| *state == PgMove::Adding)
+        .count();
+    let mut waiting: Vec<PgId> = led
+        .iter()
+        .filter(|(_, state)| *state == PgMove::ToStart)
+        .map(|(pg, _)| *pg)
+        .collect();
+    waiting.sort_unstable();
+    waiting.truncate(max.saturating_sub(adding));
+    let starting = waiting;
+    led.iter()
+        .filter(|(pg, state)| *state != PgMove::ToStart || starting.contains(pg))
+        .map(|(pg, _)| *pg)
+        .collect()
 }
 
 fn io_error(path: &Path) -> impl Fn(std::io::Error) -> OsdError + '_ {
@@ -2752,6 +2813,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         next_transfer: 0,
         snapshots_sent: HashMap::new(),
         membership_checks: std::collections::HashSet::new(),
+        max_moves: config.max_moves.max(1),
     };
     core.adopt_map(Arc::new(map));
     core.refresh_live_bytes();
@@ -2804,4 +2866,45 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         tasks,
         _server: server,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pg(index: u32) -> PgId {
+        PgId {
+            pool: basalt_common::PoolId(1),
+            index,
+        }
+    }
+
+    #[test]
+    fn moves_start_while_fewer_than_the_limit_add_members() {
+        let led = [
+            (pg(7), PgMove::ToStart),
+            (pg(1), PgMove::Adding),
+            (pg(3), PgMove::None),
+            (pg(2), PgMove::ToStart),
+            (pg(5), PgMove::ToStart),
+            (pg(4), PgMove::Adding),
+        ];
+        // Two adding, room for one more: the lowest waiting PG starts; the others wait.
+        let mut next = throttle(&led, 3);
+        next.sort_unstable();
+        assert_eq!(next, [pg(1), pg(2), pg(3), pg(4)]);
+        // No room: only the moves under way and the PGs with nothing to add go on.
+        let mut next = throttle(&led, 2);
+        next.sort_unstable();
+        assert_eq!(next, [pg(1), pg(3), pg(4)]);
+        let mut next = throttle(&led, 1);
+        next.sort_unstable();
+        assert_eq!(
+            next,
+            [pg(1), pg(3), pg(4)],
+            "moves under way are never held back"
+        );
+        // Room for all.
+        assert_eq!(throttle(&led, 10).len(), led.len());
+    }
 }
