@@ -206,8 +206,15 @@ fn file_bdev(path: &Path) -> Arc<dyn Bdev> {
     Arc::new(Counted::new(Box::new(bdev.expect("file bdev"))))
 }
 
+/// The tests of this file one at a time: the first looks at every vring thread of the
+/// process.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn a_frontend_of_our_own_drives_the_device() {
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("vhost-frontend-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -340,6 +347,17 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
         "blk_size"
     );
     let (call, kick) = start_vring(&mut frontend, &info, 0);
+    // The call eventfd is signalled once as it arrives, before any request: a guest that
+    // reconnects to a restarted target looks at its used ring (what the previous target
+    // put there unsignalled), or its I/O could hang.
+    let start = Instant::now();
+    while call.read().is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the call eventfd not signalled"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let mut guest = Guest::new(memory, kick);
 
     // A write, then a read of it into two buffers.
@@ -449,6 +467,9 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
 
 #[test]
 fn requests_in_flight_when_the_backend_died_are_replayed_once() {
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("vhost-replay-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
