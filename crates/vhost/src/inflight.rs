@@ -123,6 +123,25 @@ impl InflightRegion {
         }
         let map = MmapRegion::from_file(FileOffset::new(file, offset), needed as usize)
             .map_err(io::Error::other)?;
+        // Each queue's header says what laid it out: this layout, for this queue size.
+        for queue in 0..u64::from(queues) {
+            let base = (queue * queue_bytes(queue_size)) as usize;
+            let field = |at: u64| {
+                map.get_atomic_ref::<AtomicU16>(base + at as usize)
+                    .map(|value| value.load(Ordering::Acquire))
+                    .map_err(io::Error::other)
+            };
+            let (version, desc_num) = (field(VERSION_AT)?, field(DESC_NUM_AT)?);
+            if version != VERSION || desc_num != queue_size {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "in-flight region queue {queue}: version {version} for {desc_num} \
+                         descriptors; version {VERSION} for {queue_size} expected"
+                    ),
+                ));
+            }
+        }
         let queues = (0..queues)
             .map(|_| QueueState {
                 counter: AtomicU64::new(0),
@@ -390,9 +409,19 @@ mod tests {
         assert!(create(0, 8, 1024).is_err());
         assert!(create(1, 2048, 1024).is_err());
         let (file, len) = create(1, 8, 1024).expect("create");
+        let dup = || file.try_clone().expect("dup");
         assert!(
-            InflightRegion::open(file, 0, len - 1, 1, 8, 1024).is_err(),
+            InflightRegion::open(dup(), 0, len - 1, 1, 8, 1024).is_err(),
             "too small"
+        );
+        assert!(InflightRegion::open(dup(), 0, len, 1, 8, 1024).is_ok());
+        // Laid out for another queue size, or by another version: refused.
+        assert!(InflightRegion::open(dup(), 0, len, 1, 7, 1024).is_err());
+        std::os::unix::fs::FileExt::write_all_at(&file, &2u16.to_le_bytes(), VERSION_AT)
+            .expect("write");
+        assert!(
+            InflightRegion::open(dup(), 0, len, 1, 8, 1024).is_err(),
+            "version 2"
         );
     }
 
