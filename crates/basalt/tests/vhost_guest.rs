@@ -222,7 +222,7 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         target.log_text()
     );
     assert!(console.contains("vhost_restart: rebooting"), "{console}");
-    let log = without_colours(&target.log_text());
+    let log = target.log_text();
     assert!(
         marked_at_kill >= 2,
         "{marked_at_kill} requests in flight at the kill"
@@ -249,24 +249,6 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
         "{in_place} requests in place: {controllers}"
     );
     target.stop();
-}
-
-/// `text` without its terminal colour sequences (ESC [ ... m).
-fn without_colours(text: &str) -> String {
-    let mut plain = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            plain.push(c);
-        }
-    }
-    plain
 }
 
 /// Kills `target` (SIGKILL) at a moment it holds two requests of the guest's or more,
@@ -303,20 +285,15 @@ fn kill_holding_requests(target: &mut TargetProcess) -> usize {
 /// Waits until every thread of process `pid` has stopped (SIGSTOP takes effect
 /// asynchronously).
 fn wait_stopped(pid: &str) {
-    let start = std::time::Instant::now();
-    loop {
+    support::wait_for("the target to stop", Duration::from_secs(5), || {
         let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("tasks");
-        let running = tasks.flatten().any(|task| {
+        tasks.flatten().all(|task| {
             let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
             // The state follows the command's closing parenthesis.
             let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next());
-            !matches!(state, Some(Some('T' | 't')) | None)
-        });
-        if !running || start.elapsed() > Duration::from_secs(5) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+            matches!(state, Some(Some('T' | 't')) | None)
+        })
+    });
 }
 
 /// The requests marked in flight in the in-flight regions that process `pid` holds open

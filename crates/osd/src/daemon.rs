@@ -83,7 +83,6 @@ pub const LEASE: Duration = Duration::from_millis(
 );
 /// Between heartbeats to the monitor.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
-
 /// The most raft message bytes put in one frame to a peer (frames carry 4 MiB at most).
 const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
 /// How long a map subscription waits per request.
@@ -1946,6 +1945,12 @@ impl Core {
             .any(|osd| !members.voters.contains(osd))
         {
             PgMove::ToStart
+        } else if members
+            .voters
+            .iter()
+            .any(|osd| !entry.members.contains(osd))
+        {
+            PgMove::Removing
         } else {
             PgMove::None
         }
@@ -2056,19 +2061,7 @@ impl Core {
         let moving = leading
             .iter()
             .copied()
-            .filter(|pg| {
-                let (Some(members), Some(entry)) = (self.raft.members(*pg), self.map.pg(*pg))
-                else {
-                    return false;
-                };
-                let mut voters = members.voters.clone();
-                voters.sort_unstable();
-                let mut wanted = entry.members.clone();
-                wanted.sort_unstable();
-                voters != wanted
-                    || !members.learners.is_empty()
-                    || !members.voters_outgoing.is_empty()
-            })
+            .filter(|pg| self.move_of(*pg) != PgMove::None)
             .collect();
         let c = &self.counters;
         let full = self.is_full();
@@ -2289,8 +2282,10 @@ fn spawn_peer(id: OsdId) -> Peer {
 /// Where a PG's move to new members stands, as its leader sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PgMove {
-    /// No member to add (the members are the map's, or some are only to be removed).
+    /// Its voters are the map's members.
     None,
+    /// Voters to remove, none to add.
+    Removing,
     /// Members being added: learners catching up, or a joint configuration.
     Adding,
     /// Members to add, not started.
@@ -2311,9 +2306,8 @@ fn throttle(led: &[(PgId, PgMove)], max: usize) -> Vec<PgId> {
         .collect();
     waiting.sort_unstable();
     waiting.truncate(max.saturating_sub(adding));
-    let starting = waiting;
     led.iter()
-        .filter(|(pg, state)| *state != PgMove::ToStart || starting.contains(pg))
+        .filter(|(pg, state)| *state != PgMove::ToStart || waiting.contains(pg))
         .map(|(pg, _)| *pg)
         .collect()
 }
@@ -2885,6 +2879,7 @@ mod tests {
             (pg(7), PgMove::ToStart),
             (pg(1), PgMove::Adding),
             (pg(3), PgMove::None),
+            (pg(6), PgMove::Removing),
             (pg(2), PgMove::ToStart),
             (pg(5), PgMove::ToStart),
             (pg(4), PgMove::Adding),
@@ -2892,16 +2887,16 @@ mod tests {
         // Two adding, room for one more: the lowest waiting PG starts; the others wait.
         let mut next = throttle(&led, 3);
         next.sort_unstable();
-        assert_eq!(next, [pg(1), pg(2), pg(3), pg(4)]);
+        assert_eq!(next, [pg(1), pg(2), pg(3), pg(4), pg(6)]);
         // No room: only the moves under way and the PGs with nothing to add go on.
         let mut next = throttle(&led, 2);
         next.sort_unstable();
-        assert_eq!(next, [pg(1), pg(3), pg(4)]);
+        assert_eq!(next, [pg(1), pg(3), pg(4), pg(6)]);
         let mut next = throttle(&led, 1);
         next.sort_unstable();
         assert_eq!(
             next,
-            [pg(1), pg(3), pg(4)],
+            [pg(1), pg(3), pg(4), pg(6)],
             "moves under way are never held back"
         );
         // Room for all.

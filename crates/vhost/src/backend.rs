@@ -80,21 +80,21 @@ impl Completer {
 
     /// Puts a request on the used ring without signalling the guest (see `signal`).
     pub(crate) fn finish(&self, head: u16, used_len: u32) {
-        let Some(region) = &self.region else {
-            if let Err(error) = self.vring.add_used(head, used_len) {
-                tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
-            }
-            return;
-        };
-        // The region's bracket and the used ring change together, under the vring's lock.
+        // Under the vring's lock: the region's bracket and the used ring change together.
         let mut state = self.vring.get_mut();
-        region.finish(self.queue, head, || match state.add_used(head, used_len) {
+        let mut put = || match state.add_used(head, used_len) {
             Ok(()) => Some(state.get_queue().next_used()),
             Err(error) => {
                 tracing::warn!(head, ?error, "virtio-blk request not put on the used ring");
                 None
             }
-        });
+        };
+        match &self.region {
+            Some(region) => region.finish(self.queue, head, put),
+            None => {
+                put();
+            }
+        }
     }
 
     /// Signals the guest if it asked to be, for what was put on the used ring.
@@ -391,14 +391,13 @@ impl BlkBackend {
             "vring resumed; replaying requests in flight at the previous backend's end"
         );
         for head in heads {
-            match inflight::chain(&*guest, vm_memory::GuestAddress(table), size, head) {
-                Ok(descriptors) => self.start(completer.clone(), head, &descriptors, memory, ring),
-                Err(error) => {
+            // A chain that cannot be read is no request: `start` completes it as malformed.
+            let descriptors = inflight::chain(&*guest, vm_memory::GuestAddress(table), size, head)
+                .unwrap_or_else(|error| {
                     tracing::warn!(head, %error, "a request in flight cannot be replayed");
-                    completer.in_flight.fetch_add(1, Ordering::AcqRel);
-                    completer.complete(head, 0);
-                }
-            }
+                    Descriptors::new()
+                });
+            self.start(completer.clone(), head, &descriptors, memory, ring);
         }
         if let Some(ring) = ring {
             ring.submit();

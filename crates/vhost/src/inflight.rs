@@ -165,9 +165,21 @@ impl InflightRegion {
         })
     }
 
-    fn header_at(&self, queue: u16, field: u64) -> Option<usize> {
+    /// A header field of `queue`, if the region has it.
+    fn header(&self, queue: u16, field: u64) -> Option<&AtomicU16> {
         (usize::from(queue) < self.queues.len())
             .then(|| (u64::from(queue) * queue_bytes(self.queue_size) + field) as usize)
+            .and_then(|at| self.u16_at(at))
+    }
+
+    /// The queues the region has parts for.
+    pub fn queue_count(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// The descriptors per queue.
+    pub fn queue_size(&self) -> u16 {
+        self.queue_size
     }
 
     fn flag(&self, at: usize) -> Option<&AtomicU8> {
@@ -206,8 +218,7 @@ impl InflightRegion {
             return;
         }
         let desc = self.desc_at(queue, head);
-        let last = self.header_at(queue, LAST_BATCH_HEAD_AT);
-        if let Some(last) = last.and_then(|at| self.u16_at(at)) {
+        if let Some(last) = self.header(queue, LAST_BATCH_HEAD_AT) {
             last.store(head, Ordering::Release);
         }
         let Some(used) = put() else {
@@ -216,10 +227,7 @@ impl InflightRegion {
         if let Some(flag) = desc.and_then(|at| self.flag(at)) {
             flag.store(0, Ordering::Release);
         }
-        if let Some(slot) = self
-            .header_at(queue, USED_IDX_AT)
-            .and_then(|at| self.u16_at(at))
-        {
+        if let Some(slot) = self.header(queue, USED_IDX_AT) {
             slot.store(used, Ordering::Release);
         }
     }
@@ -250,10 +258,8 @@ impl InflightRegion {
     /// before the crash but was not unmarked is unmarked now.
     pub fn recover(&self, queue: u16, used: u16, vring_size: u16) -> Vec<u16> {
         let (Some(used_slot), Some(last)) = (
-            self.header_at(queue, USED_IDX_AT)
-                .and_then(|at| self.u16_at(at)),
-            self.header_at(queue, LAST_BATCH_HEAD_AT)
-                .and_then(|at| self.u16_at(at)),
+            self.header(queue, USED_IDX_AT),
+            self.header(queue, LAST_BATCH_HEAD_AT),
         ) else {
             return Vec::new();
         };

@@ -8,7 +8,9 @@
 //!   vhost-user-backend does not handle: the relay offers the protocol feature, answers
 //!   `GET_INFLIGHT_FD` and `SET_INFLIGHT_FD` itself (the daemon never sees them nor the
 //!   feature). The requests to replay start when a vring is enabled, for which
-//!   vhost-user-backend raises the vring's event without waiting for a kick.
+//!   vhost-user-backend raises the vring's event without waiting for a kick;
+//! - a signal on each new call eventfd (`SET_VRING_CALL`), as libvhost-user does, so that
+//!   a guest reconnected to a restarted target looks at its used ring once.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -139,7 +141,7 @@ fn pump(from: &UnixStream, to: &UnixStream, session: &Session, from_frontend: bo
         } else {
             if request(&message) == GET_PROTOCOL_FEATURES && flags(&message) & REPLY != 0 {
                 // The daemon's answer, and the in-flight region the relay handles.
-                or_u64_payload(&mut message, INFLIGHT_SHMFD);
+                update_u64_payload(&mut message, |features| features | INFLIGHT_SHMFD);
             }
             let _sending = session
                 .to_frontend
@@ -195,7 +197,7 @@ fn from_the_frontend(
         }
         SET_PROTOCOL_FEATURES => {
             // The daemon is not told of a feature it does not have.
-            and_u64_payload(message, !INFLIGHT_SHMFD);
+            update_u64_payload(message, |features| features & !INFLIGHT_SHMFD);
             forward(daemon, message, fds)
         }
         GET_INFLIGHT_FD => {
@@ -216,20 +218,13 @@ fn from_the_frontend(
             answer(frontend, session, message, &payload, &files)
         }
         SET_INFLIGHT_FD => {
-            let payload = inflight_payload(message);
-            let (queues, queue_size) = payload.as_ref().map_or((0, 0), |p| (p.2, p.3));
-            let opened = match (payload, fds) {
-                (Ok((size, offset, queues, queue_size)), [fd]) => {
-                    fd.try_clone().map(File::from).and_then(|file| {
-                        InflightRegion::open(file, offset, size, queues, queue_size, QUEUE_SIZE_MAX)
-                    })
-                }
-                (Ok(_), _) => Err(io::Error::other("SET_INFLIGHT_FD without one descriptor")),
-                (Err(error), _) => Err(error),
-            };
-            let status: u64 = match opened {
+            let status: u64 = match open_region(message, fds) {
                 Ok(region) => {
-                    tracing::info!(queues, queue_size, "in-flight region handed over");
+                    tracing::info!(
+                        queues = region.queue_count(),
+                        queue_size = region.queue_size(),
+                        "in-flight region handed over"
+                    );
                     *session.inflight.write().unwrap_or_else(|p| p.into_inner()) =
                         Some(Arc::new(region));
                     0
@@ -248,6 +243,16 @@ fn from_the_frontend(
         }
         _ => forward(daemon, message, fds),
     }
+}
+
+/// Maps the region a `SET_INFLIGHT_FD` message hands over with its one descriptor.
+fn open_region(message: &[u8], fds: &[OwnedFd]) -> io::Result<InflightRegion> {
+    let (size, offset, queues, queue_size) = inflight_payload(message)?;
+    let [fd] = fds else {
+        return Err(io::Error::other("SET_INFLIGHT_FD without one descriptor"));
+    };
+    let file = File::from(fd.try_clone()?);
+    InflightRegion::open(file, offset, size, queues, queue_size, QUEUE_SIZE_MAX)
 }
 
 /// Sends `message` with `fds` to `to`.
@@ -313,15 +318,10 @@ fn payload_u64(message: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
 }
 
-fn or_u64_payload(message: &mut [u8], bits: u64) {
+/// Replaces a message's u64 payload, if it has one, with `change` of it.
+fn update_u64_payload(message: &mut [u8], change: impl FnOnce(u64) -> u64) {
     if let Some(value) = payload_u64(message) {
-        message[HEADER_BYTES..HEADER_BYTES + 8].copy_from_slice(&(value | bits).to_le_bytes());
-    }
-}
-
-fn and_u64_payload(message: &mut [u8], mask: u64) {
-    if let Some(value) = payload_u64(message) {
-        message[HEADER_BYTES..HEADER_BYTES + 8].copy_from_slice(&(value & mask).to_le_bytes());
+        message[HEADER_BYTES..HEADER_BYTES + 8].copy_from_slice(&change(value).to_le_bytes());
     }
 }
 

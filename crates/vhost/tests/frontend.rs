@@ -206,6 +206,24 @@ fn file_bdev(path: &Path) -> Arc<dyn Bdev> {
     Arc::new(Counted::new(Box::new(bdev.expect("file bdev"))))
 }
 
+/// A new empty directory for a test, named `name` and this process.
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir
+}
+
+/// Waits up to 10 s for `done`; `what` names what did not come.
+fn wait_until(what: impl Fn() -> String, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(10), "{}", what());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// The tests of this file one at a time: the first looks at every vring thread of the
 /// process.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -215,10 +233,7 @@ fn a_frontend_of_our_own_drives_the_device() {
     let _alone = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("vhost-frontend-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = scratch_dir("vhost-frontend");
     // RAM: every request through the bdev, on the reactor.
     drive(&dir, Arc::new(MallocBdev::new_named("m", 512, 2048)), None);
     // A file: reads and writes from the vring thread straight into and out of guest
@@ -350,14 +365,10 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
     // The call eventfd is signalled once as it arrives, before any request: a guest that
     // reconnects to a restarted target looks at its used ring (what the previous target
     // put there unsignalled), or its I/O could hang.
-    let start = Instant::now();
-    while call.read().is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "the call eventfd not signalled"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until(
+        || "the call eventfd not signalled".into(),
+        || call.read().is_ok(),
+    );
     let mut guest = Guest::new(memory, kick);
 
     // A write, then a read of it into two buffers.
@@ -470,10 +481,7 @@ fn requests_in_flight_when_the_backend_died_are_replayed_once() {
     let _alone = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("vhost-replay-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = scratch_dir("vhost-replay");
     replay(&dir, Arc::new(MallocBdev::new_named("m", 512, 2048)));
     replay(&dir, file_bdev(&dir.join("bdev")));
     let _ = std::fs::remove_dir_all(&dir);
@@ -527,15 +535,15 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
         bytes
     };
     // (The mark goes just after the used index moves: waited for.)
-    let start = Instant::now();
-    while read_region(16, 1) != [0] || read_region(14, 2) != 1u16.to_le_bytes() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "head 0 still marked, or used_idx behind: {:?}",
-            read_region(0, 32)
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until(
+        || {
+            format!(
+                "head 0 still marked, or used_idx behind: {:?}",
+                read_region(0, 32)
+            )
+        },
+        || read_region(16, 1) == [0] && read_region(14, 2) == 1u16.to_le_bytes(),
+    );
     drop(frontend);
 
     // What the dead backend left: A (head 4) writes 0xaa to sector 40, B (head 7) 0xbb to
@@ -593,32 +601,20 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
         .set_inflight_fd(&inflight, region.as_raw_fd())
         .expect("SET_INFLIGHT_FD");
     let (_call, kick) = start_vring(&mut frontend, &info, 2);
-    let start = Instant::now();
-    while memory
-        .read_obj::<u16>(GuestAddress(USED + 2))
-        .expect("used")
-        == 2
-    {
-        assert!(start.elapsed() < Duration::from_secs(10), "A not replayed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let used = || {
+        memory
+            .read_obj::<u16>(GuestAddress(USED + 2))
+            .expect("used")
+    };
+    wait_until(|| "A not replayed".into(), || used() != 2);
     let used_id: u32 = memory
         .read_obj(GuestAddress(USED + 4 + 16))
         .expect("used id");
     assert_eq!(used_id, 4, "A replayed");
     assert_eq!(guest.status(0x9100), STATUS_OK);
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(
-        memory
-            .read_obj::<u16>(GuestAddress(USED + 2))
-            .expect("used"),
-        3,
-        "B not replayed"
-    );
-    while read_region(5 * 16, 1) != [0] {
-        assert!(start.elapsed() < Duration::from_secs(10), "A still marked");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    assert_eq!(used(), 3, "B not replayed");
+    wait_until(|| "A still marked".into(), || read_region(5 * 16, 1) == [0]);
     assert_eq!(read_region(8 * 16, 1), [0], "B unmarked");
 
     // New requests come after both: A's data is there, B's never reached the bdev.
