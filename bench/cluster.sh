@@ -12,7 +12,8 @@
 # Environment: BASE_DIR (default /var/tmp/basalt-bench-cluster; disk-backed), RUNTIME
 # (seconds per case, default 10), PGS (default 32), BASALT (default target/release/basalt),
 # DEVICE_SIZE (each OSD's device, default 6GiB; 512MiB makes the cleaner work during the
-# QD32 writes, over the 256 MiB they cover), KEEP=1 keeps the cluster's directory.
+# QD32 writes, over the 256 MiB they cover), OSD_ARGS (more arguments of each `basalt osd`,
+# e.g. "--poll-us 300"), KEEP=1 keeps the cluster's directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_DIR=${BASE_DIR:-/var/tmp/basalt-bench-cluster}
@@ -46,7 +47,7 @@ MON=127.0.0.1:$(free_port)
 metric_ports=()
 for n in 0 1 2; do
     metric_ports+=("$(free_port)")
-    "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size "$DEVICE_SIZE" \
+    "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size "$DEVICE_SIZE" ${OSD_ARGS:-} \
         --metrics-addr "127.0.0.1:${metric_ports[$n]}" >"$BASE_DIR/osd.$n.log" 2>&1 & pids+=($!)
 done
 up=0
@@ -80,7 +81,7 @@ device1=$(metrics basalt_osd_log_device_bytes_total)
 relocated=$(metrics basalt_osd_relocated_bytes_total)
 checkpoints=$(metrics basalt_osd_checkpoints_total)
 r1=$(bench randread 1); r32=$(bench randread 32)
-python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" "$DEVICE_SIZE" "$relocated" "$checkpoints" <<'PY' | tee "${REPORT:-/dev/null}"
+python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" "$DEVICE_SIZE" "$relocated" "$checkpoints" "${OSD_ARGS:-}" <<'PY' | tee "${REPORT:-/dev/null}"
 import json, sys
 disk = json.load(open(sys.argv[1]))["jobs"][0]["write"]
 disk_iops = disk["iops"]
@@ -88,7 +89,7 @@ disk_us = 1e6 / disk_iops  # one write + fsync per I/O at QD1: the time per I/O
 w1, w32, r1, r32 = (json.loads(a) for a in sys.argv[2:6])
 device = float(sys.argv[7]) - float(sys.argv[6])
 client = w1["write"]["bytes"] + w32["write"]["bytes"]
-print(f"# A 3-replica image vs the disk's durable write (commit {sys.argv[8]}, {sys.argv[9]} s per case, {sys.argv[10]} PGs, {sys.argv[11]} OSD devices)\n")
+print(f"# A 3-replica image vs the disk's durable write (commit {sys.argv[8]}, {sys.argv[9]} s per case, {sys.argv[10]} PGs, {sys.argv[11]} OSD devices{', OSDs run with ' + sys.argv[14] if sys.argv[14] else ''})\n")
 print("| case | IOPS | mean µs | p99 µs |")
 print("|---|---:|---:|---:|")
 print(f"| disk: fio 4k randwrite QD1, direct=1, fsync=1 | {disk_iops:.0f} | {disk_us:.1f} | |")

@@ -80,6 +80,7 @@ pub struct OsdSection {
     device_size: Option<String>,
     metrics_addr: Option<SocketAddr>,
     max_moves: Option<usize>,
+    poll_us: Option<u64>,
 }
 
 /// Reads a config file.
@@ -206,6 +207,11 @@ pub struct OsdArgs {
     /// catching up); the others wait their turn. Default 4.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_moves: Option<u32>,
+    /// Microseconds the OSD's thread stays awake after each piece of work, checking its
+    /// sockets and device without sleeping (0: none, the default). Cuts replicated write
+    /// latency where CPUs are to spare; on a small shared machine it takes CPU from the rest.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub poll_us: Option<u64>,
     /// A TOML config file (its [cluster] and [osd] sections).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -257,6 +263,7 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             (None, Some(moves)) => moves,
             (None, None) => basalt_osd::daemon::MAX_MOVES_DEFAULT,
         },
+        poll: std::time::Duration::from_micros(args.poll_us.or(section.poll_us).unwrap_or(0)),
     };
     crate::control_runtime()?.block_on(async move {
         let running = basalt_osd::daemon::start(config).await?;

@@ -10,3 +10,12 @@ pub fn default_sigpipe() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
+
+/// Offers the CPU to any other runnable thread (`sched_yield`); returns at once when there
+/// is none. A polling loop calls it so that it spins only on a CPU nothing else wants.
+pub fn yield_cpu() {
+    // SAFETY: sched_yield takes no arguments and touches no memory.
+    unsafe {
+        libc::sched_yield();
+    }
+}

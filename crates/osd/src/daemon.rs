@@ -111,6 +111,9 @@ pub struct OsdConfig {
     /// PGs led here that may be adding members at once (new replicas catching up from the
     /// log or by snapshot); the others wait their turn. At least 1.
     pub max_moves: usize,
+    /// How long the OSD's thread stays awake after each turn of its core, checking its
+    /// sockets and its device without sleeping (zero: it sleeps at once). See [`poll_after_turns`].
+    pub poll: Duration,
 }
 
 /// [`OsdConfig::max_moves`] unless configured.
@@ -2818,6 +2821,10 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             "the log holds pgs whose raft state could not be restored; their data is kept, and the log is not reused while it is"
         );
     }
+    let turns = Arc::new(tokio::sync::Notify::new());
+    if !config.poll.is_zero() {
+        tasks.push(tokio::spawn(poll_after_turns(config.poll, turns.clone())));
+    }
     let core = tokio::spawn(async move {
         let mut ticker = tokio::time::interval(TICK);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -2849,6 +2856,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
+            turns.notify_one();
         }
     });
     drop(events);
@@ -2860,6 +2868,25 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         tasks,
         _server: server,
     })
+}
+
+/// Keeps the OSD's thread busy for `poll` after each turn of its core: the task yields to
+/// the runtime in a loop, and each yield has the runtime look at its sockets and the
+/// device's completion eventfd without sleeping, so an acknowledgement or a completion
+/// expected within `poll` is taken without the wake-up of a sleeping thread (25-30 µs on
+/// this machine's vCPUs). Each round first offers the CPU to any other runnable thread
+/// (`sched_yield`): without that, three polling OSDs on two vCPUs doubled the QD1 write
+/// latency (docs/benchmarks.md). A turn during the window starts a new one when it ends.
+/// Off by default: the CPU stays busy while the window lasts.
+async fn poll_after_turns(poll: Duration, turns: Arc<tokio::sync::Notify>) {
+    loop {
+        turns.notified().await;
+        let until = std::time::Instant::now() + poll;
+        while std::time::Instant::now() < until {
+            basalt_io::process::yield_cpu();
+            tokio::task::yield_now().await;
+        }
+    }
 }
 
 #[cfg(test)]
