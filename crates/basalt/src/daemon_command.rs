@@ -208,8 +208,8 @@ pub struct OsdArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_moves: Option<u32>,
     /// Microseconds the OSD's thread stays awake after each piece of work, checking its
-    /// sockets and device without sleeping (0: none, the default). Cuts replicated write
-    /// latency where CPUs are to spare; on a small shared machine it takes CPU from the rest.
+    /// sockets and device without sleeping, while its writes come one at a time (0: never,
+    /// the default). Cuts QD1 latency; the CPU stays busy while it polls.
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub poll_us: Option<u64>,
     /// A TOML config file (its [cluster] and [osd] sections).

@@ -53,7 +53,7 @@ use basalt_wire::tcp::{Client, Handler, Server};
 use basalt_wire::{Message, ObjectRange, Status};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::log_device::{Appended, LogDevice, LogDeviceError, ReadPin};
+use crate::log_device::{Appended, LogDevice, LogDeviceError, LogStats, ReadPin};
 use crate::pg_log::{self, RestoredPgs};
 use crate::reclaim::{self, Durable, Move, Retention};
 use crate::snapshot::{self, Chunk, Cursor};
@@ -2825,6 +2825,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     if !config.poll.is_zero() {
         tasks.push(tokio::spawn(poll_after_turns(config.poll, turns.clone())));
     }
+    let mut load = WriteLoad::new(core.log.stats(), std::time::Instant::now());
     let core = tokio::spawn(async move {
         let mut ticker = tokio::time::interval(TICK);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -2856,7 +2857,9 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
-            turns.notify_one();
+            if load.light(core.log.stats(), std::time::Instant::now()) {
+                turns.notify_one();
+            }
         }
     });
     drop(events);
@@ -2870,14 +2873,57 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     })
 }
 
-/// Keeps the OSD's thread busy for `poll` after each turn of its core: the task yields to
-/// the runtime in a loop, and each yield has the runtime look at its sockets and the
-/// device's completion eventfd without sleeping, so an acknowledgement or a completion
-/// expected within `poll` is taken without the wake-up of a sleeping thread (25-30 µs on
-/// this machine's vCPUs). Each round first offers the CPU to any other runnable thread
-/// (`sched_yield`): without that, three polling OSDs on two vCPUs doubled the QD1 write
-/// latency (docs/benchmarks.md). A turn during the window starts a new one when it ends.
-/// Off by default: the CPU stays busy while the window lasts.
+/// Whether the OSD's writes come one at a time, judged from its log device's batches: about
+/// one append per batch is a lone writer, which waits on every step and gains from polling;
+/// several per batch is a queue, whose batches grow while the OSD sleeps (one device write
+/// and flush for more appends), and which polling would cut short. Without 16 batches in
+/// [`WriteLoad::WINDOW`], the load counts as light.
+struct WriteLoad {
+    since: LogStats,
+    at: std::time::Instant,
+    light: bool,
+}
+
+impl WriteLoad {
+    const WINDOW: Duration = Duration::from_millis(200);
+    const BATCHES: u64 = 16;
+
+    fn new(stats: LogStats, now: std::time::Instant) -> Self {
+        Self {
+            since: stats,
+            at: now,
+            light: true,
+        }
+    }
+
+    /// Judges again once 16 batches have gone out since the last judgement, or once the
+    /// window has passed; in between, the last judgement stands.
+    fn light(&mut self, stats: LogStats, now: std::time::Instant) -> bool {
+        let batches = stats.batches.saturating_sub(self.since.batches);
+        if batches >= Self::BATCHES {
+            let appends = stats.appends.saturating_sub(self.since.appends);
+            // At most 1.5 appends per batch.
+            self.light = 2 * appends <= 3 * batches;
+        } else if now.saturating_duration_since(self.at) >= Self::WINDOW {
+            self.light = true;
+        } else {
+            return self.light;
+        }
+        self.since = stats;
+        self.at = now;
+        self.light
+    }
+}
+
+/// Keeps the OSD's thread busy for `poll` after a turn of its core (the core asks for it
+/// while [`WriteLoad`] finds the writes light): the task yields to the runtime in a loop,
+/// and each yield has the runtime look at its sockets and the device's completion eventfd
+/// without sleeping, so an acknowledgement or a completion expected within `poll` is taken
+/// without the wake-up of a sleeping thread (25-30 µs on this machine's vCPUs). Each round
+/// first offers the CPU to any other runnable thread (`sched_yield`): without that, three
+/// polling OSDs on two vCPUs doubled the QD1 write latency (docs/benchmarks.md). A turn
+/// during the window starts a new one when it ends. Off by default: the CPU stays busy
+/// while the window lasts.
 async fn poll_after_turns(poll: Duration, turns: Arc<tokio::sync::Notify>) {
     loop {
         turns.notified().await;
@@ -2898,6 +2944,35 @@ mod tests {
             pool: basalt_common::PoolId(1),
             index,
         }
+    }
+
+    #[test]
+    fn polling_stops_while_batches_carry_several_appends() {
+        let stats = |batches, appends| LogStats {
+            batches,
+            appends,
+            ..LogStats::default()
+        };
+        let start = std::time::Instant::now();
+        let ms = |n| start + Duration::from_millis(n);
+        let mut load = WriteLoad::new(stats(100, 100), start);
+        assert!(
+            load.light(stats(100, 100), start),
+            "light until shown otherwise"
+        );
+        // One append per batch: a lone writer.
+        assert!(load.light(stats(116, 116), ms(1)));
+        // Too few batches to judge: the last judgement stands.
+        assert!(load.light(stats(120, 150), ms(2)));
+        // 16 batches with 2.5 appends each: a queue.
+        assert!(!load.light(stats(136, 156), ms(3)));
+        assert!(!load.light(stats(140, 170), ms(100)), "still a queue");
+        // Exactly 1.5 appends per batch is still light.
+        assert!(load.light(stats(156, 180), ms(101)));
+        assert!(!load.light(stats(172, 220), ms(102)));
+        // A quiet window: light again.
+        assert!(!load.light(stats(173, 230), ms(301)));
+        assert!(load.light(stats(174, 240), ms(303)));
     }
 
     #[test]
