@@ -131,14 +131,17 @@ fn a_guest_uses_vhost_user_blk_controllers() {
 }
 
 /// The life cycle under a running VM: the guest reboots (a device reset) and attaches
-/// again; then the target is killed (SIGKILL) while fio writes at queue depth 32 and
-/// started again from its saved configuration while QEMU waits with `reconnect=1`: the
-/// requests in flight at the kill are replayed from the in-flight region, fio's verify
-/// passes and the guest's I/O goes on; last,
+/// again; then the target is killed (SIGKILL) while two fio jobs write at queue depth 16,
+/// one on each of the controller's two queues, and started again from its saved
+/// configuration while QEMU waits with `reconnect=1`: the requests in flight at the kill
+/// are replayed, queue by queue, from the in-flight region, fio's verify passes and the
+/// guest's I/O goes on; last,
 /// the disk's file grows, `bdev_uring_rescan` takes it on, and the running guest sees the
 /// new size (the configuration change notice).
 #[test]
 fn a_guest_rides_out_a_target_restart_and_a_reboot() {
+    // One per vCPU of the guest: the guest's two fio jobs, one per vCPU, write on both.
+    const QUEUES: usize = 2;
     let _guest = GUEST
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -157,7 +160,7 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
     );
     target.rpc_ok(
         "vhost_create_blk_controller",
-        json!({"ctrlr": "vhost.r", "dev_name": "disk"}),
+        json!({"ctrlr": "vhost.r", "dev_name": "disk", "max_queues": QUEUES}),
     );
     let config = dir.join("target.json");
     std::fs::write(
@@ -178,14 +181,17 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
                 sockets.join("vhost.r").display()
             ),
         ])
-        .args(["-device", "vhost-user-blk-pci,chardev=vu0,num-queues=1"])
+        .args([
+            "-device",
+            &format!("vhost-user-blk-pci,chardev=vu0,num-queues={QUEUES}"),
+        ])
         .env("BASALT_GUEST_TIMEOUT", "600")
         .env("BASALT_GUEST_REBOOT", "1")
         .stdout(Stdio::piped())
         .spawn()
         .expect("run the guest");
     let mut console = String::new();
-    let (mut grown, mut restarted, mut marked_at_kill) = (false, false, 0);
+    let (mut grown, mut restarted, mut marked_at_kill) = (false, false, Vec::new());
     for line in BufReader::new(guest.stdout.take().expect("stdout")).lines() {
         let line = line.expect("console");
         if line.contains("vhost_restart: grow the disk now") {
@@ -201,7 +207,7 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
             // The guest's requests spend little time in the target (the guest under TCG is
             // the slow side), so the kill waits for a moment the target holds some: the
             // target is stopped, its in-flight region read, and killed while stopped.
-            marked_at_kill = kill_holding_requests(&mut target);
+            marked_at_kill = kill_holding_requests(&mut target, QUEUES);
             std::thread::sleep(Duration::from_secs(1));
             target = TargetProcess::start(
                 &dir.path,
@@ -224,20 +230,36 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
     assert!(console.contains("vhost_restart: rebooting"), "{console}");
     let log = target.log_text();
     assert!(
-        marked_at_kill >= 2,
-        "{marked_at_kill} requests in flight at the kill"
+        marked_at_kill.len() == QUEUES
+            && marked_at_kill.iter().all(|&count| count >= 1)
+            && marked_at_kill.iter().sum::<usize>() >= 2,
+        "{marked_at_kill:?} requests in flight at the kill, queue by queue"
     );
-    // All of them, or all but one if the kill came as one was being put on the used ring
-    // (it was answered: the restarted target unmarks it).
-    let replayed: Vec<usize> = log
-        .lines()
-        .filter(|line| line.contains("vring resumed"))
-        .filter_map(|line| line.split("requests=").nth(1)?.trim().parse().ok())
-        .collect();
-    assert!(
-        replayed.len() == 1 && (marked_at_kill - 1..=marked_at_kill).contains(&replayed[0]),
-        "{marked_at_kill} requests in flight at the kill, replayed: {replayed:?}\n{log}"
-    );
+    // Each queue's, all of them, or all but one if the kill came as one was being put on
+    // that queue's used ring (it was answered: the restarted target unmarks it).
+    let mut replayed = vec![None; QUEUES];
+    for line in log.lines().filter(|line| line.contains("vring resumed")) {
+        let field = |name: &str| -> Option<usize> {
+            line.split(name)
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        };
+        if let (Some(queue), Some(requests)) = (field("queue="), field("requests=")) {
+            assert!(
+                queue < QUEUES && replayed[queue].replace(requests).is_none(),
+                "queue {queue} resumed twice, or no such queue:\n{log}"
+            );
+        }
+    }
+    for (queue, (&marked, replayed)) in marked_at_kill.iter().zip(&replayed).enumerate() {
+        assert!(
+            replayed.is_some_and(|replayed| (marked - 1..=marked).contains(&replayed)),
+            "queue {queue}: {marked} requests in flight at the kill, {replayed:?} replayed\n{log}"
+        );
+    }
     // The guest's reads and writes of the file bdev went in place (guest memory to the
     // file from the vring thread), since the restart too.
     let controllers = target.rpc_ok("vhost_get_controllers", json!({"name": "vhost.r"}));
@@ -251,10 +273,11 @@ fn a_guest_rides_out_a_target_restart_and_a_reboot() {
     target.stop();
 }
 
-/// Kills `target` (SIGKILL) at a moment it holds two requests of the guest's or more,
-/// within 30 s: stopped (SIGSTOP), the marks of its in-flight region (one queue) counted,
-/// killed if there are enough, else let go on for a moment. The number of requests marked.
-fn kill_holding_requests(target: &mut TargetProcess) -> usize {
+/// Kills `target` (SIGKILL) at a moment it holds requests of the guest's on each of its
+/// `queues` queues, two or more in all, within 30 s: stopped (SIGSTOP), the marks of its
+/// in-flight region counted, killed if there are enough, else let go on for a moment. The
+/// requests marked, queue by queue.
+fn kill_holding_requests(target: &mut TargetProcess, queues: usize) -> Vec<usize> {
     let pid = target.child.id().to_string();
     let signal = |name: &str| {
         let status = Command::new("kill")
@@ -268,7 +291,10 @@ fn kill_holding_requests(target: &mut TargetProcess) -> usize {
         signal("-STOP");
         wait_stopped(&pid);
         let marked = inflight_marks(&pid);
-        if marked >= 2 || start.elapsed() > Duration::from_secs(30) {
+        let enough = marked.len() == queues
+            && marked.iter().all(|&count| count >= 1)
+            && marked.iter().sum::<usize>() >= 2;
+        if enough || start.elapsed() > Duration::from_secs(30) {
             break marked;
         }
         signal("-CONT");
@@ -296,10 +322,11 @@ fn wait_stopped(pid: &str) {
     });
 }
 
-/// The requests marked in flight in the in-flight regions that process `pid` holds open
-/// (one queue each: a 16-byte header, then 16 bytes per descriptor head, the mark first);
-/// the most in any one.
-fn inflight_marks(pid: &str) -> usize {
+/// The requests marked in flight, queue by queue, in the in-flight region that process `pid`
+/// holds open (the layout libvhost-user uses: per queue a 16-byte header with the number
+/// of descriptors at byte 10, then 16 bytes per descriptor head, the mark first, the
+/// queue's part padded to 64 bytes); of the regions open, the one with the most.
+fn inflight_marks(pid: &str) -> Vec<usize> {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fds");
     fds.flatten()
         .filter(|fd| {
@@ -308,15 +335,26 @@ fn inflight_marks(pid: &str) -> usize {
         })
         .filter_map(|fd| std::fs::read(fd.path()).ok())
         .map(|bytes| {
-            bytes
-                .get(16..)
-                .unwrap_or_default()
-                .chunks_exact(16)
-                .filter(|state| state[0] == 1)
-                .count()
+            let mut queues = Vec::new();
+            let mut base = 0;
+            while let Some(&[low, high]) = bytes.get(base + 10..base + 12) {
+                let heads = usize::from(u16::from_le_bytes([low, high]));
+                if heads == 0 {
+                    break;
+                }
+                let end = (base + 16 + 16 * heads).min(bytes.len());
+                queues.push(
+                    bytes[base + 16..end]
+                        .chunks_exact(16)
+                        .filter(|state| state[0] == 1)
+                        .count(),
+                );
+                base = (base + 16 + 16 * heads).next_multiple_of(64);
+            }
+            queues
         })
-        .max()
-        .unwrap_or(0)
+        .max_by_key(|queues| queues.iter().sum::<usize>())
+        .unwrap_or_default()
 }
 
 #[test]

@@ -46,11 +46,14 @@ case "$(marker)" in
     step "second boot: the pattern reads back after the reset"
     pattern 0 --verify_only=1
     set_marker restarted
-    # Writes at queue depth 32 run across the target's death: the requests in flight then
+    # Writes at queue depth 2 x 16 run across the target's death: the requests in flight then
     # are replayed by the restarted target (from the in-flight region QEMU keeps), so none
     # is lost and none completes twice; fio verifies each pass.
+    # Two jobs, one per vCPU, so both of the controller's queues carry requests (blk-mq
+    # maps a queue to each CPU); each writes its own 16 MiB.
     timeout 300 fio --name=across --filename=/dev/vda --direct=1 --ioengine=libaio \
-      --iodepth=32 --rw=randwrite --bs=4k --offset=16M --size=32M --loops=4 \
+      --iodepth=16 --rw=randwrite --bs=4k --offset=16M --size=16M --offset_increment=16M \
+      --numjobs=2 --cpus_allowed=0-1 --cpus_allowed_policy=split --loops=4 \
       --verify=crc32c --verify_fatal=1 --output=/tmp/across.txt &
     fio_pid=$!
     sleep 1
