@@ -204,7 +204,8 @@ pub struct OsdArgs {
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
     /// PGs led by this OSD that may be adding members at once when PGs move (new replicas
-    /// catching up); the others wait their turn. Default 4.
+    /// catching up), the others waiting their turn; also the snapshots it installs at
+    /// once as a new replica. Default 4.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_moves: Option<u32>,
     /// Microseconds the OSD's thread stays awake after each piece of work, checking its

@@ -18,6 +18,23 @@ fn wait_hosted(metrics: &str, what: &str, done: impl Fn(f64) -> bool) -> f64 {
     hosted
 }
 
+/// From an OSD's log: the snapshots it installed, and the most it was installing at once.
+fn snapshot_installs(log: &str) -> (usize, usize) {
+    let (mut installed, mut under_way, mut most) = (0, 0usize, 0);
+    for line in log.lines() {
+        if line.contains("installing a snapshot") {
+            under_way += 1;
+            most = most.max(under_way);
+        } else if line.contains("snapshot installed") {
+            installed += 1;
+            under_way = under_way.saturating_sub(1);
+        } else if line.contains("snapshot not installed") {
+            under_way = under_way.saturating_sub(1);
+        }
+    }
+    (installed, most)
+}
+
 /// An OSD marked out gives its PGs to the others while fio writes (raft membership changes:
 /// the new members catch up as learners, then replace it), and hosts nothing once they
 /// have; marked in again, PGs move back. Both data sets verify throughout, and after a
@@ -28,7 +45,16 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
     let metrics_port = free_port();
     let metrics = format!("127.0.0.1:{metrics_port}");
     let mut osds = vec![(None, Vec::new()); 3];
-    osds.push((None, vec!["--metrics-addr".to_string(), metrics.clone()]));
+    // The OSD that goes out and in installs one snapshot at a time when its PGs come back.
+    osds.push((
+        None,
+        vec![
+            "--metrics-addr".to_string(),
+            metrics.clone(),
+            "--max-moves".to_string(),
+            "1".to_string(),
+        ],
+    ));
     let mut cluster =
         ClusterProcesses::start_custom(&dir.path, vec![format!("127.0.0.1:{}", free_port())], osds);
     cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "16", "--size", "3"]);
@@ -95,6 +121,12 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
     wait_hosted(&metrics, "osd.3 to host pgs again", |n| n > 0.0);
     cluster.wait_replicas_equal(Duration::from_secs(180));
     cluster.wait_clean(Duration::from_secs(30));
+    let (installed, most_at_once) = snapshot_installs(&cluster.log_text("osd.3"));
+    eprintln!("osd.{victim} installed {installed} snapshots, at most {most_at_once} at once");
+    assert!(
+        installed >= 2 && most_at_once == 1,
+        "osd.{victim} (--max-moves 1) installed {installed} snapshots, {most_at_once} at once"
+    );
 
     // Every OSD crashes and restarts: the configurations are durable.
     drop(target);

@@ -109,7 +109,8 @@ pub struct OsdConfig {
     /// Where to serve Prometheus metrics.
     pub metrics_addr: Option<SocketAddr>,
     /// PGs led here that may be adding members at once (new replicas catching up from the
-    /// log or by snapshot); the others wait their turn. At least 1.
+    /// log or by snapshot), the others waiting their turn; and snapshots this OSD installs
+    /// at once, others refused until one ends (their leaders send them again). At least 1.
     pub max_moves: usize,
     /// How long the OSD's thread stays awake after each turn of its core, checking its
     /// sockets and its device without sleeping (zero: it sleeps at once). See [`poll_after_turns`].
@@ -699,6 +700,15 @@ impl Core {
             self.send(leader, pg, refusal);
             return;
         };
+        if self.installing.len() >= self.max_moves {
+            // The receiving side of the move throttle: a new replica of many PGs (an OSD
+            // marked in) fetches at most max_moves snapshots at once, whichever leaders
+            // send them; the leader is told, and sends it again later.
+            tracing::debug!(%pg, %leader, index, installing = self.installing.len(), "a snapshot refused for now: enough are installing");
+            let refusal = self.raft.snapshot_refusal(leader, index);
+            self.send(leader, pg, refusal);
+            return;
+        }
         tracing::info!(%pg, %leader, index, "installing a snapshot");
         self.next_transfer += 1;
         let transfer = self.next_transfer;
