@@ -264,7 +264,13 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             (None, Some(moves)) => moves,
             (None, None) => basalt_osd::daemon::MAX_MOVES_DEFAULT,
         },
-        poll: std::time::Duration::from_micros(args.poll_us.or(section.poll_us).unwrap_or(0)),
+        poll: std::time::Duration::from_micros(match (args.poll_us, section.poll_us) {
+            (Some(micros), _) => micros,
+            (None, Some(micros)) if micros > 1_000_000 => {
+                anyhow::bail!("[osd] poll_us: at most 1000000 (one second)")
+            }
+            (None, micros) => micros.unwrap_or(0),
+        }),
     };
     crate::control_runtime()?.block_on(async move {
         let running = basalt_osd::daemon::start(config).await?;

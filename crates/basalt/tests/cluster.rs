@@ -87,7 +87,8 @@ fn data_survives_a_crash_of_every_process() {
     }
     cluster.start_mon();
     cluster.set_osd_args(0, &["--metrics-addr", &format!("127.0.0.1:{metrics_port}")]);
-    // One OSD polls after each piece of work instead of sleeping: the verify goes through it.
+    // One OSD polls after each piece of work instead of sleeping; the verify reads from the
+    // PGs it leads through it.
     cluster.set_osd_args(1, &["--poll-us", "200"]);
     for n in 0..3 {
         cluster.start_osd(n);

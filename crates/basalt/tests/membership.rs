@@ -22,13 +22,14 @@ fn wait_hosted(metrics: &str, what: &str, done: impl Fn(f64) -> bool) -> f64 {
 fn snapshot_installs(log: &str) -> (usize, usize) {
     let (mut installed, mut under_way, mut most) = (0, 0usize, 0);
     for line in log.lines() {
-        if line.contains("installing a snapshot") {
+        // The messages as the OSD logs them ("...daemon: snapshot installed pg=...").
+        if line.contains(": installing a snapshot") {
             under_way += 1;
             most = most.max(under_way);
-        } else if line.contains("snapshot installed") {
+        } else if line.contains(": snapshot installed") {
             installed += 1;
             under_way = under_way.saturating_sub(1);
-        } else if line.contains("snapshot not installed") {
+        } else if line.contains(": snapshot not installed") {
             under_way = under_way.saturating_sub(1);
         }
     }

@@ -700,11 +700,17 @@ impl Core {
             self.send(leader, pg, refusal);
             return;
         };
-        if self.installing.len() >= self.max_moves {
-            // The receiving side of the move throttle: a new replica of many PGs (an OSD
-            // marked in) fetches at most max_moves snapshots at once, whichever leaders
-            // send them; the leader is told, and sends it again later.
-            tracing::debug!(%pg, %leader, index, installing = self.installing.len(), "a snapshot refused for now: enough are installing");
+        // The receiving side of the move throttle: a replica behind in many PGs (an OSD
+        // marked in, or back after a long absence) fetches at most max_moves snapshots at
+        // once, whichever leaders send them. Nor does it start one while others are under
+        // way and a checkpoint or the cleaner waits for them to end: refilled slots would
+        // keep both off until the whole backlog is in. The leader is told, and sends the
+        // snapshot again later.
+        let full = self.installing.len() >= self.max_moves;
+        let reclaim_waits = !self.installing.is_empty()
+            && (self.checkpoint_due() || self.log.free_bytes() < self.clean_low_mark());
+        if full || reclaim_waits {
+            tracing::debug!(%pg, %leader, index, installing = self.installing.len(), full, reclaim_waits, "a snapshot refused for now");
             let refusal = self.raft.snapshot_refusal(leader, index);
             self.send(leader, pg, refusal);
             return;
@@ -1404,14 +1410,10 @@ impl Core {
         });
     }
 
-    /// Cuts a checkpoint when the log since the last one, or what the cleaner went through,
-    /// calls for one.
-    fn maybe_checkpoint(&mut self) {
+    /// Whether the log since the last checkpoint, or what the cleaner went through, calls
+    /// for a checkpoint.
+    fn checkpoint_due(&self) -> bool {
         let reclaim = &self.reclaim;
-        // Replay must see a snapshot's transfer whole: no checkpoint while one is under way.
-        if reclaim.writing || !self.reuse_allowed() || !self.installing.is_empty() {
-            return;
-        }
         let ring = self.log.ring().len_bytes;
         let since = reclaim.durable_end.0 - reclaim.replay_position;
         let cleaned = reclaim
@@ -1426,7 +1428,17 @@ impl Core {
         } else {
             (ring / 16).min(self.log.reserve_bytes() / 2)
         };
-        if since < ring / 8 && cleaned < trigger {
+        since >= ring / 8 || cleaned >= trigger
+    }
+
+    /// Cuts a checkpoint when [`Core::checkpoint_due`].
+    fn maybe_checkpoint(&mut self) {
+        let reclaim = &self.reclaim;
+        // Replay must see a snapshot's transfer whole: no checkpoint while one is under way.
+        if reclaim.writing || !self.reuse_allowed() || !self.installing.is_empty() {
+            return;
+        }
+        if !self.checkpoint_due() {
             return;
         }
         let checkpoint = self.cut_checkpoint();
@@ -2832,7 +2844,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         );
     }
     let turns = Arc::new(tokio::sync::Notify::new());
-    if !config.poll.is_zero() {
+    let polling = !config.poll.is_zero();
+    if polling {
         tasks.push(tokio::spawn(poll_after_turns(config.poll, turns.clone())));
     }
     let mut load = WriteLoad::new(core.log.stats(), std::time::Instant::now());
@@ -2867,7 +2880,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
-            if load.light(core.log.stats(), std::time::Instant::now()) {
+            if polling && load.light(core.log.stats(), std::time::Instant::now()) {
                 turns.notify_one();
             }
         }
@@ -2886,8 +2899,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
 /// Whether the OSD's writes come one at a time, judged from its log device's batches: about
 /// one append per batch is a lone writer, which waits on every step and gains from polling;
 /// several per batch is a queue, whose batches grow while the OSD sleeps (one device write
-/// and flush for more appends), and which polling would cut short. Without 16 batches in
-/// [`WriteLoad::WINDOW`], the load counts as light.
+/// and flush for more appends), and which polling would cut short.
 struct WriteLoad {
     since: LogStats,
     at: std::time::Instant,
@@ -2907,18 +2919,17 @@ impl WriteLoad {
     }
 
     /// Judges again once 16 batches have gone out since the last judgement, or once the
-    /// window has passed; in between, the last judgement stands.
+    /// window has passed (by the batches in it, however few); in between, the last
+    /// judgement stands.
     fn light(&mut self, stats: LogStats, now: std::time::Instant) -> bool {
         let batches = stats.batches.saturating_sub(self.since.batches);
-        if batches >= Self::BATCHES {
-            let appends = stats.appends.saturating_sub(self.since.appends);
-            // At most 1.5 appends per batch.
-            self.light = 2 * appends <= 3 * batches;
-        } else if now.saturating_duration_since(self.at) >= Self::WINDOW {
-            self.light = true;
-        } else {
+        let window_over = now.saturating_duration_since(self.at) >= Self::WINDOW;
+        if batches < Self::BATCHES && !window_over {
             return self.light;
         }
+        // At most 1.5 appends per batch (no batch at all: light).
+        let appends = stats.appends.saturating_sub(self.since.appends);
+        self.light = 2 * appends <= 3 * batches;
         self.since = stats;
         self.at = now;
         self.light
@@ -2978,11 +2989,16 @@ mod tests {
         assert!(!load.light(stats(136, 156), ms(3)));
         assert!(!load.light(stats(140, 170), ms(100)), "still a queue");
         // Exactly 1.5 appends per batch is still light.
-        assert!(load.light(stats(156, 180), ms(101)));
-        assert!(!load.light(stats(172, 220), ms(102)));
-        // A quiet window: light again.
-        assert!(!load.light(stats(173, 230), ms(301)));
-        assert!(load.light(stats(174, 240), ms(303)));
+        assert!(load.light(stats(152, 180), ms(101)));
+        assert!(!load.light(stats(168, 220), ms(102)));
+        // A window over with few batches: judged by those, a queue...
+        assert!(!load.light(stats(169, 230), ms(301)));
+        assert!(!load.light(stats(170, 240), ms(303)));
+        // ... or one append each...
+        assert!(load.light(stats(171, 241), ms(504)));
+        // ... or none: light.
+        assert!(!load.light(stats(187, 300), ms(505)));
+        assert!(load.light(stats(187, 300), ms(706)));
     }
 
     #[test]
