@@ -69,6 +69,8 @@ pub(crate) struct Completer {
     in_flight: Arc<AtomicUsize>,
     queue: u16,
     region: Option<Arc<InflightRegion>>,
+    /// Set when the request's session is closed ([`Session::close`]).
+    closed: Arc<AtomicBool>,
 }
 
 impl Completer {
@@ -80,6 +82,15 @@ impl Completer {
 
     /// Puts a request on the used ring without signalling the guest (see `signal`).
     pub(crate) fn finish(&self, head: u16, used_len: u32) {
+        if self.closed.load(Ordering::Acquire) {
+            // The vring may be the next session's by now: its used ring is not ours.
+            tracing::warn!(
+                queue = self.queue,
+                head,
+                "a request finished after its session was closed; not put on the used ring (the next session takes it again)"
+            );
+            return;
+        }
         // Under the vring's lock: the region's bracket and the used ring change together.
         let mut state = self.vring.get_mut();
         let mut put = || match state.add_used(head, used_len) {
@@ -259,9 +270,9 @@ impl BlkBackend {
     }
 
     /// Ends the session: waits for the vrings' requests in flight (at most
-    /// `STOP_WAIT_MAX`), then closes its in-flight region, so that a request finishing
-    /// later leaves the next session's vrings and region alone (its mark stays: the next
-    /// session replays it).
+    /// `STOP_WAIT_MAX`), then closes it ([`Session::close`]), so that a request finishing
+    /// later leaves the next session's vrings and region alone (the next session takes it
+    /// again: replayed from the region, where its mark stays, or from the available ring).
     pub fn end_session(&self) {
         let start = Instant::now();
         while self
@@ -272,16 +283,15 @@ impl BlkBackend {
         {
             std::thread::sleep(Duration::from_millis(1));
         }
-        if let Some(region) = self.inflight_region() {
-            region.close();
+        let session = self
+            .session
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(session) = session {
+            session.close();
         }
         self.set_session(None);
-    }
-
-    /// The session's in-flight region, if the frontend handed one over.
-    fn inflight_region(&self) -> Option<Arc<InflightRegion>> {
-        let session = self.session.read().unwrap_or_else(|p| p.into_inner());
-        session.as_ref().and_then(|session| session.inflight())
     }
 
     fn ring(&self, thread: usize) -> Option<Arc<DirectRing>> {
@@ -304,12 +314,19 @@ impl BlkBackend {
         else {
             return Ok(());
         };
-        let region = self.inflight_region();
+        let (region, closed) = {
+            let session = self.session.read().unwrap_or_else(|p| p.into_inner());
+            match session.as_ref() {
+                Some(session) => (session.inflight(), session.closed_flag()),
+                None => (None, Arc::default()),
+            }
+        };
         let completer = Completer {
             vring: vring.clone(),
             in_flight: self.in_flight[usize::from(queue)].clone(),
             queue,
             region: region.clone(),
+            closed,
         };
         if let Some(region) = &region
             && region.recovery_pending(queue)
@@ -734,6 +751,41 @@ mod tests {
             data.map(DmaBuf::from_slice),
             memory,
         ))
+    }
+
+    #[test]
+    fn a_request_finishing_after_its_session_closed_leaves_the_used_ring_alone() {
+        const USED: u64 = 0x3000;
+        let memory = memory();
+        let vring = VringRwLock::new(memory.clone(), 16).expect("vring");
+        vring.set_queue_size(16);
+        vring
+            .set_queue_info(0x1000, 0x2000, USED)
+            .expect("ring addresses");
+        vring.set_queue_ready(true);
+        let session = Session::default();
+        let completer = Completer {
+            vring,
+            in_flight: Arc::default(),
+            queue: 0,
+            region: None,
+            closed: session.closed_flag(),
+        };
+        let used = || {
+            let memory = memory.memory();
+            let index: u16 = memory.read_obj(GuestAddress(USED + 2)).expect("used idx");
+            let head: u32 = memory.read_obj(GuestAddress(USED + 4)).expect("used id");
+            (index, head)
+        };
+        completer.finish(5, 1);
+        assert_eq!(
+            used(),
+            (1, 5),
+            "put on the used ring while the session is open"
+        );
+        session.close();
+        completer.finish(6, 1);
+        assert_eq!(used(), (1, 5), "the used ring untouched once it is closed");
     }
 
     #[test]

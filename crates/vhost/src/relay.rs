@@ -63,9 +63,28 @@ pub struct Session {
     inflight: RwLock<Option<Arc<InflightRegion>>>,
     /// Held while a message goes to the frontend (both pumps answer it).
     to_frontend: Mutex<()>,
+    /// The backend has given up on this session's requests still in flight: one that
+    /// finishes now is not put on the used ring (see [`Session::close`]).
+    closed: Arc<AtomicBool>,
 }
 
 impl Session {
+    /// Closes the session once its requests have finished or been waited for long enough:
+    /// from now on a request of it that finishes touches neither the used ring nor the
+    /// in-flight region (the next session's, by then), and the next session takes it again
+    /// (replayed from the region, or taken again from the available ring).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        if let Some(region) = self.inflight() {
+            region.close();
+        }
+    }
+
+    /// The flag [`Session::close`] sets, for the requests of this session.
+    pub(crate) fn closed_flag(&self) -> Arc<AtomicBool> {
+        self.closed.clone()
+    }
+
     /// Whether either side has gone.
     pub fn ended(&self) -> bool {
         self.ended.load(Ordering::Acquire)
