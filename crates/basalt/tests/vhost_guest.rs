@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use basalt_vhost::inflight::queue_bytes;
 use serde_json::{Value, json};
 use support::{ScratchDir, TargetProcess};
 
@@ -324,8 +325,8 @@ fn wait_stopped(pid: &str) {
 
 /// The requests marked in flight, queue by queue, in the in-flight region that process `pid`
 /// holds open (the layout libvhost-user uses: per queue a 16-byte header with the number
-/// of descriptors at byte 10, then 16 bytes per descriptor head, the mark first, the
-/// queue's part padded to 64 bytes); of the regions open, the one with the most.
+/// of descriptors at byte 10, then 16 bytes per descriptor head, the mark first; each
+/// queue's part `queue_bytes` long); of the regions open, the one with the most.
 fn inflight_marks(pid: &str) -> Vec<usize> {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fds");
     fds.flatten()
@@ -338,7 +339,8 @@ fn inflight_marks(pid: &str) -> Vec<usize> {
             let mut queues = Vec::new();
             let mut base = 0;
             while let Some(&[low, high]) = bytes.get(base + 10..base + 12) {
-                let heads = usize::from(u16::from_le_bytes([low, high]));
+                let size = u16::from_le_bytes([low, high]);
+                let heads = usize::from(size);
                 if heads == 0 {
                     break;
                 }
@@ -349,7 +351,7 @@ fn inflight_marks(pid: &str) -> Vec<usize> {
                         .filter(|state| state[0] == 1)
                         .count(),
                 );
-                base = (base + 16 + 16 * heads).next_multiple_of(64);
+                base += queue_bytes(size) as usize;
             }
             queues
         })

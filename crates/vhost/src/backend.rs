@@ -283,15 +283,17 @@ impl BlkBackend {
         {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let session = self
-            .session
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if let Some(session) = session {
+        if let Some(session) = self.session() {
             session.close();
         }
         self.set_session(None);
+    }
+
+    fn session(&self) -> Option<Arc<Session>> {
+        self.session
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn ring(&self, thread: usize) -> Option<Arc<DirectRing>> {
@@ -314,12 +316,9 @@ impl BlkBackend {
         else {
             return Ok(());
         };
-        let (region, closed) = {
-            let session = self.session.read().unwrap_or_else(|p| p.into_inner());
-            match session.as_ref() {
-                Some(session) => (session.inflight(), session.closed_flag()),
-                None => (None, Arc::default()),
-            }
+        let (region, closed) = match self.session() {
+            Some(session) => (session.inflight(), session.closed_flag()),
+            None => (None, Arc::default()),
         };
         let completer = Completer {
             vring: vring.clone(),
@@ -756,36 +755,54 @@ mod tests {
     #[test]
     fn a_request_finishing_after_its_session_closed_leaves_the_used_ring_alone() {
         const USED: u64 = 0x3000;
-        let memory = memory();
-        let vring = VringRwLock::new(memory.clone(), 16).expect("vring");
-        vring.set_queue_size(16);
-        vring
-            .set_queue_info(0x1000, 0x2000, USED)
-            .expect("ring addresses");
-        vring.set_queue_ready(true);
-        let session = Session::default();
-        let completer = Completer {
-            vring,
-            in_flight: Arc::default(),
-            queue: 0,
-            region: None,
-            closed: session.closed_flag(),
-        };
-        let used = || {
-            let memory = memory.memory();
-            let index: u16 = memory.read_obj(GuestAddress(USED + 2)).expect("used idx");
-            let head: u32 = memory.read_obj(GuestAddress(USED + 4)).expect("used id");
-            (index, head)
-        };
-        completer.finish(5, 1);
-        assert_eq!(
-            used(),
-            (1, 5),
-            "put on the used ring while the session is open"
-        );
-        session.close();
-        completer.finish(6, 1);
-        assert_eq!(used(), (1, 5), "the used ring untouched once it is closed");
+        // Without an in-flight region, and with one (where the request stays marked).
+        for with_region in [false, true] {
+            let memory = memory();
+            let vring = VringRwLock::new(memory.clone(), 16).expect("vring");
+            vring.set_queue_size(16);
+            vring
+                .set_queue_info(0x1000, 0x2000, USED)
+                .expect("ring addresses");
+            vring.set_queue_ready(true);
+            let region = with_region.then(|| {
+                let (file, len) = inflight::create(1, 16, 16).expect("region file");
+                Arc::new(InflightRegion::open(file, 0, len, 1, 16, 16).expect("region"))
+            });
+            let session = Session::default();
+            let completer = Completer {
+                vring,
+                in_flight: Arc::default(),
+                queue: 0,
+                region: region.clone(),
+                closed: session.closed_flag(),
+            };
+            let used = || {
+                let memory = memory.memory();
+                let index: u16 = memory.read_obj(GuestAddress(USED + 2)).expect("used idx");
+                let head: u32 = memory.read_obj(GuestAddress(USED + 4)).expect("used id");
+                (index, head)
+            };
+            if let Some(region) = &region {
+                region.begin(0, 5);
+                region.begin(0, 6);
+            }
+            completer.finish(5, 1);
+            assert_eq!(
+                used(),
+                (1, 5),
+                "put on the used ring while the session is open"
+            );
+            session.close();
+            completer.finish(6, 1);
+            assert_eq!(used(), (1, 5), "the used ring untouched once it is closed");
+            if let Some(region) = &region {
+                assert_eq!(
+                    region.recover(0, 1, 16),
+                    vec![6],
+                    "still marked: replayed next"
+                );
+            }
+        }
     }
 
     #[test]

@@ -97,9 +97,6 @@ pub struct InflightRegion {
     map: MmapRegion<()>,
     queue_size: u16,
     queues: Vec<QueueState>,
-    /// Its session has ended: requests finishing now are neither put on the (old) used
-    /// ring nor unmarked.
-    closed: AtomicBool,
 }
 
 impl InflightRegion {
@@ -152,7 +149,6 @@ impl InflightRegion {
             map,
             queue_size,
             queues,
-            closed: AtomicBool::new(false),
         })
     }
 
@@ -214,9 +210,6 @@ impl InflightRegion {
     /// next used index once the element is there, `None` if it could not be put), and
     /// unmarks it. The caller holds the vring's lock across the call.
     pub fn finish(&self, queue: u16, head: u16, put: impl FnOnce() -> Option<u16>) {
-        if self.closed.load(Ordering::Acquire) {
-            return;
-        }
         let desc = self.desc_at(queue, head);
         if let Some(last) = self.header(queue, LAST_BATCH_HEAD_AT) {
             last.store(head, Ordering::Release);
@@ -230,11 +223,6 @@ impl InflightRegion {
         if let Some(slot) = self.header(queue, USED_IDX_AT) {
             slot.store(used, Ordering::Release);
         }
-    }
-
-    /// Closes the region at the end of its session (see `finish`).
-    pub fn close(&self) {
-        self.closed.store(true, Ordering::Release);
     }
 
     /// Whether `queue` is still to be recovered.
@@ -461,24 +449,6 @@ mod tests {
         assert_eq!(next.recover(1, 2, 8), vec![5, 3]);
         // Heads past a smaller vring are not replayed.
         assert_eq!(next.recover(1, 2, 4), vec![3]);
-    }
-
-    #[test]
-    fn a_closed_region_is_left_as_it_is() {
-        let (region, _file) = region(1, 8);
-        region.begin(0, 3);
-        region.close();
-        let mut put = false;
-        region.finish(0, 3, || {
-            put = true;
-            Some(1)
-        });
-        assert!(!put, "not put on the old session's ring");
-        assert_eq!(
-            region.recover(0, 0, 8),
-            vec![3],
-            "still marked: replayed next"
-        );
     }
 
     #[test]

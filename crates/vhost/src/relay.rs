@@ -72,12 +72,10 @@ impl Session {
     /// Closes the session once its requests have finished or been waited for long enough:
     /// from now on a request of it that finishes touches neither the used ring nor the
     /// in-flight region (the next session's, by then), and the next session takes it again
-    /// (replayed from the region, or taken again from the available ring).
+    /// (replayed from the region, where its mark stays, or taken again from the available
+    /// ring).
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        if let Some(region) = self.inflight() {
-            region.close();
-        }
     }
 
     /// The flag [`Session::close`] sets, for the requests of this session.
@@ -396,12 +394,24 @@ mod tests {
         bytes
     }
 
-    #[test]
-    fn messages_pass_both_ways_and_the_backend_channel_is_kept() {
+    /// A relay between two socket pairs: QEMU's end, the daemon's end, the session and the
+    /// pump threads.
+    fn relayed() -> (
+        UnixStream,
+        UnixStream,
+        Arc<Session>,
+        [std::thread::JoinHandle<()>; 2],
+    ) {
         let (qemu, frontend) = UnixStream::pair().expect("pair");
         let (daemon, backend) = UnixStream::pair().expect("pair");
         let session = Arc::new(Session::default());
         let threads = relay(frontend, daemon, &session).expect("relay");
+        (qemu, backend, session, threads)
+    }
+
+    #[test]
+    fn messages_pass_both_ways_and_the_backend_channel_is_kept() {
+        let (qemu, backend, session, threads) = relayed();
         assert!(!session.notify_config_change().expect("no channel yet"));
 
         // A request with a payload and no descriptor, and its reply.
@@ -439,10 +449,7 @@ mod tests {
 
     #[test]
     fn the_relay_handles_the_in_flight_region_and_the_daemon_never_sees_it() {
-        let (qemu, frontend) = UnixStream::pair().expect("pair");
-        let (daemon, backend) = UnixStream::pair().expect("pair");
-        let session = Arc::new(Session::default());
-        let threads = relay(frontend, daemon, &session).expect("relay");
+        let (qemu, backend, session, threads) = relayed();
         let with_flags = |mut bytes: Vec<u8>, flags: u32| {
             bytes[4..8].copy_from_slice(&flags.to_le_bytes());
             bytes

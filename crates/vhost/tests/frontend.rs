@@ -228,11 +228,16 @@ fn wait_until(what: impl Fn() -> String, mut done: impl FnMut() -> bool) {
 /// process.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Held by a test for its whole run (see [`ONE_AT_A_TIME`]).
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[test]
 fn a_frontend_of_our_own_drives_the_device() {
-    let _alone = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _alone = alone();
     let dir = scratch_dir("vhost-frontend");
     // RAM: every request through the bdev, on the reactor.
     drive(&dir, Arc::new(MallocBdev::new_named("m", 512, 2048)), None);
@@ -478,9 +483,7 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
 
 #[test]
 fn requests_in_flight_when_the_backend_died_are_replayed_once() {
-    let _alone = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _alone = alone();
     let dir = scratch_dir("vhost-replay");
     replay(&dir, Arc::new(MallocBdev::new_named("m", 512, 2048)));
     replay(&dir, file_bdev(&dir.join("bdev")));
