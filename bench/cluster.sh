@@ -40,46 +40,17 @@ fio --name=durable --filename="$BASE_DIR/fio.dat" --size=1G --rw=randwrite --bs=
     --output-format=json --output="$BASE_DIR/fio.json"
 rm -f "$BASE_DIR/fio.dat"
 
-die() { echo "bench/cluster.sh: $*" >&2; exit 1; }
-free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
-MON=127.0.0.1:$(free_port)
-"$BASALT" mon --data-dir "$BASE_DIR/mon" --listen "$MON" >"$BASE_DIR/mon.log" 2>&1 & pids+=($!)
-metric_ports=()
-for n in 0 1 2; do
-    metric_ports+=("$(free_port)")
-    "$BASALT" osd --data-dir "$BASE_DIR/osd.$n" --mon "$MON" --device-size "$DEVICE_SIZE" ${OSD_ARGS:-} \
-        --metrics-addr "127.0.0.1:${metric_ports[$n]}" >"$BASE_DIR/osd.$n.log" 2>&1 & pids+=($!)
-done
-up=0
-for _ in $(seq 300); do
-    up=$("$BASALT" osd ls --json --mon "$MON" 2>/dev/null | python3 -c "import json,sys;print(sum(o['up'] for o in json.load(sys.stdin)))" 2>/dev/null || echo 0)
-    [ "$up" = 3 ] && break; sleep 0.2
-done
-[ "$up" = 3 ] || die "only $up of 3 OSDs came up; see $BASE_DIR/*.log (KEEP=1 keeps them)"
-"$BASALT" pool create bench --pg-count "$PGS" --size 3 --mon "$MON" >/dev/null
+. bench/cluster-lib.sh
+start_cluster "$DEVICE_SIZE"
+create_pool bench "$PGS"
 "$BASALT" image create bench/img --size 1GiB --mon "$MON" >/dev/null
-clean=no
-for _ in $(seq 300); do
-    "$BASALT" status --mon "$MON" | grep -q "$PGS active+clean" && { clean=yes; break; }; sleep 0.2
-done
-[ "$clean" = yes ] || die "the PGs did not all become active+clean"
-
-metrics() {  # sum of a counter over the three OSDs
-    local total=0
-    for port in "${metric_ports[@]}"; do
-        value=$(curl -s "127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}')
-        total=$(python3 -c "print($total + ${value:-0})")
-    done
-    echo "$total"
-}
-command -v curl >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null; }
 
 bench() { "$BASALT" bench --image bench/img --mon "$MON" --rw "$1" --iodepth "$2" --runtime "$RUNTIME" --size 256MiB --json; }
-device0=$(metrics basalt_osd_log_device_bytes_total)
+device0=$(metric_sum basalt_osd_log_device_bytes_total)
 w1=$(bench randwrite 1); w32=$(bench randwrite 32)
-device1=$(metrics basalt_osd_log_device_bytes_total)
-relocated=$(metrics basalt_osd_relocated_bytes_total)
-checkpoints=$(metrics basalt_osd_checkpoints_total)
+device1=$(metric_sum basalt_osd_log_device_bytes_total)
+relocated=$(metric_sum basalt_osd_relocated_bytes_total)
+checkpoints=$(metric_sum basalt_osd_checkpoints_total)
 r1=$(bench randread 1); r32=$(bench randread 32)
 python3 - "$BASE_DIR/fio.json" "$w1" "$w32" "$r1" "$r32" "$device0" "$device1" "$(git rev-parse --short HEAD)" "$RUNTIME" "$PGS" "$DEVICE_SIZE" "$relocated" "$checkpoints" "${OSD_ARGS:-}" <<'PY' | tee "${REPORT:-/dev/null}"
 import json, sys

@@ -101,10 +101,24 @@ fn data_survives_a_crash_of_every_process() {
     fio(&uri, &args(&verify));
     cluster.wait_replicas_equal(Duration::from_secs(60));
 
+    // Idle, the leaders hold on by heartbeats alone, which go coalesced per peer: no
+    // replica calls an election (the timeout is 1 to 2 s).
+    let terms = cluster.replica_terms();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        cluster.replica_terms(),
+        terms,
+        "terms or leaders changed while idle"
+    );
+
     // The restarted OSD serves Prometheus metrics.
     let metrics = http_get(&format!("127.0.0.1:{metrics_port}"), "/metrics");
     assert!(
         metrics.contains("# TYPE basalt_osd_writes_total counter"),
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "basalt_osd_heartbeats_sent_total") > 0.0,
         "{metrics}"
     );
     assert!(

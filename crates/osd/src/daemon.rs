@@ -41,7 +41,7 @@ use basalt_mon::map::ClusterMap;
 use basalt_mon::protocol::{MonReply, MonRequest, OsdReport};
 use basalt_replication::{
     Action, EntryType, MultiRaft, ProposeError, RaftMessage, ReadStart, Reconfiguring, Restored,
-    decode_message, encode_message,
+    beat_of, decode_message, encode_message, heartbeat,
 };
 use basalt_store::batch::{self, BLOCK_SIZE};
 use basalt_store::checkpoint::Checkpoint;
@@ -240,6 +240,14 @@ struct Counters {
     snapshot_bytes_received: AtomicU64,
     /// Object data bytes sent for snapshots.
     snapshot_bytes_sent: AtomicU64,
+    /// Frames of raft messages sent to peers.
+    peer_frames: AtomicU64,
+    /// Bytes of those frames.
+    peer_bytes: AtomicU64,
+    /// Raft heartbeats and answers sent coalesced, as beats.
+    beats_sent: AtomicU64,
+    /// Raft messages sent whole.
+    raft_messages_sent: AtomicU64,
 }
 
 /// What the core hears.
@@ -251,6 +259,12 @@ enum Event {
     },
     /// A raft message from a peer.
     Raft { pg: PgId, message: RaftMessage },
+    /// Heartbeats and answers from peer `from` to this OSD (`to`), one per PG.
+    Beats {
+        from: OsdId,
+        to: OsdId,
+        beats: Vec<basalt_common::Beat>,
+    },
     /// A persist is durable; its write payloads (raft index, term) lie at these device
     /// offsets. `end` is the ring position and LSN after its last batch, if it wrote one.
     Persisted {
@@ -534,7 +548,7 @@ impl Core {
             let peer = self
                 .peers
                 .entry(osd.id)
-                .or_insert_with(|| spawn_peer(osd.id));
+                .or_insert_with(|| spawn_peer(self.id, osd.id, self.counters.clone()));
             *peer.address.lock().unwrap_or_else(|p| p.into_inner()) = address;
         }
     }
@@ -543,6 +557,11 @@ impl Core {
         match event {
             Event::Request { message, reply } => self.request(message, reply),
             Event::Raft { pg, message } => self.raft_message(pg, message),
+            Event::Beats { from, to, beats } => {
+                for beat in &beats {
+                    self.raft.step(beat.pg, heartbeat(beat, from, to));
+                }
+            }
             Event::SnapshotChunk {
                 pg,
                 transfer,
@@ -2241,9 +2260,9 @@ pub async fn query_replica(
     }
 }
 
-/// A peer's sending task: connects on demand, drops messages it cannot deliver (raft
-/// resends what matters).
-fn spawn_peer(id: OsdId) -> Peer {
+/// The sending task from this OSD (`me`) to peer `id`: connects on demand, drops messages
+/// it cannot deliver (raft resends what matters).
+fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
     let (queue, mut messages) = mpsc::unbounded_channel::<Vec<(PgId, RaftMessage)>>();
     let address: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
     let target = address.clone();
@@ -2274,10 +2293,16 @@ fn spawn_peer(id: OsdId) -> Peer {
                 }
             }
             // One frame per peer and loop turn, unless the messages (appends of up to
-            // 1 MiB each while a replica catches up) would not fit one frame.
+            // 1 MiB each while a replica catches up) would not fit one frame. Heartbeats
+            // and their answers ride in the first frame as beats, a few bytes per PG.
+            let mut beats = Vec::new();
             let mut frames: Vec<Vec<(PgId, Vec<u8>)>> = vec![Vec::new()];
             let mut frame_bytes = 0usize;
             for (pg, message) in &batch {
+                if let Some(beat) = beat_of(*pg, me, id, message) {
+                    beats.push(beat);
+                    continue;
+                }
                 let bytes = encode_message(message);
                 if frame_bytes + bytes.len() + 16 > BATCH_FRAME_BYTES_MAX
                     && frames.last().is_some_and(|frame| !frame.is_empty())
@@ -2291,13 +2316,34 @@ fn spawn_peer(id: OsdId) -> Peer {
                     .expect("one frame at least")
                     .push((*pg, bytes));
             }
+            let (coalesced, whole) = (beats.len(), batch.len() - beats.len());
             for messages in frames {
-                let wire = Message::RaftBatch { messages };
-                if let Some((_, client)) = &connection
-                    && client.send(&wire).is_err()
-                {
-                    connection = None;
+                let wire = Message::RaftBatch {
+                    from: me,
+                    to: id,
+                    beats: std::mem::take(&mut beats),
+                    messages,
+                };
+                let Some((_, client)) = &connection else {
+                    break;
+                };
+                match client.send(&wire) {
+                    Ok(bytes) => {
+                        counters.peer_frames.fetch_add(1, Ordering::Relaxed);
+                        counters
+                            .peer_bytes
+                            .fetch_add(bytes as u64, Ordering::Relaxed);
+                    }
+                    Err(_) => connection = None,
                 }
+            }
+            if connection.is_some() {
+                counters
+                    .beats_sent
+                    .fetch_add(coalesced as u64, Ordering::Relaxed);
+                counters
+                    .raft_messages_sent
+                    .fetch_add(whole as u64, Ordering::Relaxed);
             }
         }
     });
@@ -2459,7 +2505,15 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     }
                     None
                 }
-                Message::RaftBatch { messages } => {
+                Message::RaftBatch {
+                    from,
+                    to,
+                    beats,
+                    messages,
+                } => {
+                    if !beats.is_empty() {
+                        let _ = events.send(Event::Beats { from, to, beats });
+                    }
                     for (pg, message) in messages {
                         match decode_message(&message) {
                             Some(message) => {
@@ -2677,6 +2731,30 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     counter,
                     "Object data bytes sent for PG snapshots.",
                     load(&counters.snapshot_bytes_sent),
+                ),
+                (
+                    "peer_frames_sent_total",
+                    counter,
+                    "Frames of raft messages sent to other OSDs.",
+                    load(&counters.peer_frames),
+                ),
+                (
+                    "peer_sent_bytes_total",
+                    counter,
+                    "Bytes of the frames of raft messages sent to other OSDs.",
+                    load(&counters.peer_bytes),
+                ),
+                (
+                    "heartbeats_sent_total",
+                    counter,
+                    "Raft heartbeats and answers sent coalesced per peer, a few bytes per PG.",
+                    load(&counters.beats_sent),
+                ),
+                (
+                    "raft_messages_sent_total",
+                    counter,
+                    "Raft messages sent whole (appends, votes, heartbeats confirming reads).",
+                    load(&counters.raft_messages_sent),
                 ),
                 (
                     "log_free_bytes",

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use basalt_common::{OsdId, PgId};
+use basalt_common::{Beat, OsdId, PgId};
 use raft::eraftpb::{
     ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
     HardState, Message, MessageType,
@@ -194,6 +194,38 @@ pub fn encode_message(message: &Message) -> Vec<u8> {
 pub fn decode_message(bytes: &[u8]) -> Option<Message> {
     use protobuf::Message as _;
     Message::parse_from_bytes(bytes).ok()
+}
+
+/// `message`, sent by `from` to `to`, as a [`Beat`] of `pg`: if it is a heartbeat or an
+/// answer to one that [`heartbeat`] rebuilds exactly (none carrying a read-index context).
+pub fn beat_of(pg: PgId, from: OsdId, to: OsdId, message: &Message) -> Option<Beat> {
+    let answer = match message.get_msg_type() {
+        MessageType::MsgHeartbeat => false,
+        MessageType::MsgHeartbeatResponse => true,
+        _ => return None,
+    };
+    let beat = Beat {
+        pg,
+        answer,
+        term: message.term,
+        commit: message.commit,
+    };
+    (heartbeat(&beat, from, to) == *message).then_some(beat)
+}
+
+/// The raft message that `beat`, from `from` to `to`, stands for.
+pub fn heartbeat(beat: &Beat, from: OsdId, to: OsdId) -> Message {
+    let mut message = Message::default();
+    message.set_msg_type(if beat.answer {
+        MessageType::MsgHeartbeatResponse
+    } else {
+        MessageType::MsgHeartbeat
+    });
+    message.from = raft_id(from);
+    message.to = raft_id(to);
+    message.term = beat.term;
+    message.commit = beat.commit;
+    message
 }
 
 /// Encodes a configuration for the OSD's log and checkpoints.
@@ -1141,6 +1173,61 @@ mod tests {
                 }
             }
             panic!("no leader");
+        }
+    }
+
+    /// Heartbeats and their answers travel as beats: each rebuilds exactly the message raft
+    /// sent. One that confirms a read (it carries the read's context) goes whole.
+    #[test]
+    fn heartbeats_reduce_to_beats_unless_they_confirm_a_read() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let is_beat = |m: &Message| {
+            matches!(
+                m.get_msg_type(),
+                MessageType::MsgHeartbeat | MessageType::MsgHeartbeatResponse
+            )
+        };
+        let mut beats = 0;
+        for _ in 0..2 * HEARTBEAT_TICKS {
+            trio.replicas[leader].tick();
+            for (from, message) in trio.settle() {
+                if !is_beat(&message) {
+                    continue;
+                }
+                let (from, to) = (OsdId(from as u32), osd_of(message.to));
+                let beat = beat_of(PG, from, to, &message).expect("a plain heartbeat reduces");
+                assert_eq!(
+                    beat.answer,
+                    message.get_msg_type() == MessageType::MsgHeartbeatResponse
+                );
+                assert_eq!(heartbeat(&beat, from, to), message);
+                assert_eq!(
+                    beat_of(PG, to, from, &message),
+                    None,
+                    "sender and receiver swapped"
+                );
+                beats += 1;
+            }
+        }
+        assert!(beats >= 4, "{beats} heartbeats and answers seen");
+
+        let now = Instant::now();
+        assert!(matches!(
+            trio.replicas[leader].read(PG, b"read", now),
+            ReadStart::Confirming
+        ));
+        let confirming: Vec<Message> = trio
+            .settle()
+            .into_iter()
+            .map(|(_, message)| message)
+            .filter(|message| is_beat(message))
+            .collect();
+        assert!(confirming.len() >= 2, "{confirming:?}");
+        for message in confirming {
+            assert!(!message.context.is_empty());
+            let (from, to) = (osd_of(message.from), osd_of(message.to));
+            assert_eq!(beat_of(PG, from, to, &message), None);
         }
     }
 

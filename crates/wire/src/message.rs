@@ -5,7 +5,7 @@
 //! under the same request id. OSD to OSD: [`Message::Raft`], a raft-rs message for a PG,
 //! carried as the bytes raft-rs encodes.
 
-use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
+use basalt_common::{Beat, Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 
 use crate::frame::{self, Frame};
 
@@ -127,8 +127,15 @@ pub enum Message {
         message: Vec<u8>,
     },
     /// Raft messages of many PGs for one OSD, in one frame: what one turn of the sender's
-    /// raft loop produced for that peer (heartbeats of every PG it leads there, appends).
+    /// raft loop produced for that peer. Heartbeats and their answers are coalesced into
+    /// `beats`, a few bytes per PG; the other messages go whole.
     RaftBatch {
+        /// The sending OSD.
+        from: OsdId,
+        /// The receiving OSD.
+        to: OsdId,
+        /// Heartbeats and answers, one per PG at most.
+        beats: Vec<Beat>,
         /// Each PG and its raft-rs message bytes.
         messages: Vec<(PgId, Vec<u8>)>,
     },
@@ -194,6 +201,22 @@ impl<'a> Reader<'a> {
         self.take(8)
             .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
     }
+    /// An unsigned LEB128 integer: seven bits a byte, the low ones first.
+    fn varint(&mut self) -> Option<u64> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = self.u8()?;
+            let bits = u64::from(byte & 0x7f);
+            if shift == 63 && bits > 1 {
+                return None;
+            }
+            value |= bits << shift;
+            if byte & 0x80 == 0 {
+                return Some(value);
+            }
+        }
+        None
+    }
     fn pg(&mut self) -> Option<PgId> {
         Some(PgId {
             pool: PoolId(self.u32()?),
@@ -217,6 +240,15 @@ impl<'a> Reader<'a> {
     fn finished(&self) -> bool {
         self.bytes.is_empty()
     }
+}
+
+/// `value` as an unsigned LEB128 integer (see `Reader::varint`).
+fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8 & 0x7f) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
 }
 
 fn put_pg(out: &mut Vec<u8>, pg: PgId) {
@@ -373,7 +405,26 @@ impl Message {
                 put_bytes(&mut body, message);
             }
             Message::Control { body: control } => body.extend_from_slice(control),
-            Message::RaftBatch { messages } => {
+            Message::RaftBatch {
+                from,
+                to,
+                beats,
+                messages,
+            } => {
+                body.extend_from_slice(&from.0.to_le_bytes());
+                body.extend_from_slice(&to.0.to_le_bytes());
+                // Beats are many and their numbers small: variable-length integers.
+                put_varint(
+                    &mut body,
+                    u64::try_from(beats.len()).expect("batches are small"),
+                );
+                for beat in beats {
+                    put_varint(&mut body, u64::from(beat.pg.pool.0));
+                    put_varint(&mut body, u64::from(beat.pg.index));
+                    body.push(u8::from(beat.answer));
+                    put_varint(&mut body, beat.term);
+                    put_varint(&mut body, beat.commit);
+                }
                 body.extend_from_slice(
                     &u32::try_from(messages.len())
                         .expect("batches are small")
@@ -479,6 +530,30 @@ impl Message {
                 })
             })(),
             kind::RAFT_BATCH => (|| {
+                let (from, to) = (OsdId(r.u32()?), OsdId(r.u32()?));
+                let count = usize::try_from(r.varint()?).ok()?;
+                // Each beat takes at least 5 bytes: refuse counts the body cannot hold.
+                if count > r.bytes.len() / 5 {
+                    return None;
+                }
+                let mut beats = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let pg = PgId {
+                        pool: PoolId(u32::try_from(r.varint()?).ok()?),
+                        index: u32::try_from(r.varint()?).ok()?,
+                    };
+                    let answer = match r.u8()? {
+                        0 => false,
+                        1 => true,
+                        _ => return None,
+                    };
+                    beats.push(Beat {
+                        pg,
+                        answer,
+                        term: r.varint()?,
+                        commit: r.varint()?,
+                    });
+                }
                 let count = r.u32()? as usize;
                 // Each item takes at least 12 bytes: refuse counts the body cannot hold.
                 if count > r.bytes.len() / 12 {
@@ -488,7 +563,12 @@ impl Message {
                 for _ in 0..count {
                     messages.push((r.pg()?, r.bytes()?));
                 }
-                Some(Message::RaftBatch { messages })
+                Some(Message::RaftBatch {
+                    from,
+                    to,
+                    beats,
+                    messages,
+                })
             })(),
             kind::SNAPSHOT_READ => (|| {
                 let (pg, index, max_bytes) = (r.pg()?, r.u64()?, r.u32()?);
@@ -592,8 +672,29 @@ mod tests {
             (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
             (pg.clone(), data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
             data.clone().prop_map(|body| Message::Control { body }),
-            proptest::collection::vec((pg.clone(), data), 0..4)
-                .prop_map(|messages| Message::RaftBatch { messages }),
+            (
+                any::<u32>(),
+                any::<u32>(),
+                proptest::collection::vec(
+                    (pg.clone(), any::<bool>(), any::<u64>(), any::<u64>()),
+                    0..4
+                ),
+                proptest::collection::vec((pg.clone(), data), 0..4)
+            )
+                .prop_map(|(from, to, beats, messages)| Message::RaftBatch {
+                    from: OsdId(from),
+                    to: OsdId(to),
+                    beats: beats
+                        .into_iter()
+                        .map(|(pg, answer, term, commit)| Beat {
+                            pg,
+                            answer,
+                            term,
+                            commit
+                        })
+                        .collect(),
+                    messages
+                }),
             (
                 pg,
                 any::<u64>(),
@@ -607,6 +708,38 @@ mod tests {
                     max_bytes
                 }),
         ]
+    }
+
+    /// A PG's heartbeat costs a few bytes of its peer's frame, whatever the numbers'
+    /// sizes; the largest still round-trip.
+    #[test]
+    fn beats_take_a_few_bytes_each() {
+        let beat = |index: u32, term: u64, commit: u64| Beat {
+            pg: PgId {
+                pool: PoolId(1),
+                index,
+            },
+            answer: index % 2 == 1,
+            term,
+            commit,
+        };
+        let batch = |beats: Vec<Beat>| Message::RaftBatch {
+            from: OsdId(1),
+            to: OsdId(2),
+            beats,
+            messages: Vec::new(),
+        };
+        let empty = batch(Vec::new()).encode(0).len();
+        let many = batch((0..256).map(|index| beat(index, 7, 90_000)).collect());
+        let bytes = many.encode(0);
+        let each = (bytes.len() - empty) as f64 / 256.0;
+        assert!(each <= 8.0, "{each} bytes per beat");
+        let largest = batch(vec![beat(u32::MAX, u64::MAX, u64::MAX), beat(0, 0, 0)]);
+        for message in [many, largest] {
+            let bytes = message.encode(9);
+            let (frame, _) = frame::decode(&bytes).expect("valid").expect("complete");
+            assert_eq!(Message::decode(&frame), Ok(message));
+        }
     }
 
     proptest! {

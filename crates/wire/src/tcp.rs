@@ -362,14 +362,16 @@ impl Client {
             .map_err(|_| self.closed(lock(&self.pending).closed.clone()))
     }
 
-    /// Sends a message that has no reply (a raft message).
-    pub fn send(&self, message: &Message) -> Result<(), TransportError> {
+    /// Sends a message that has no reply (a raft message); `Ok` holds the frame's length.
+    pub fn send(&self, message: &Message) -> Result<usize, TransportError> {
         if let Some(reason) = lock(&self.pending).closed.clone() {
             return Err(self.closed(Some(reason)));
         }
+        let frame = message.encode(ONE_WAY);
         self.outgoing
-            .send(&message.encode(ONE_WAY), true)
-            .map_err(|_| self.closed(None))
+            .send(&frame, true)
+            .map_err(|_| self.closed(None))?;
+        Ok(frame.len())
     }
 }
 

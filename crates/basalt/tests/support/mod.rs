@@ -562,6 +562,26 @@ impl ClusterProcesses {
         leader as u32
     }
 
+    /// Every replica's raft term and leader, one line per replica of each PG (`basalt pg
+    /// query`).
+    pub fn replica_terms(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        for pg in self.cli_json(&["pg", "ls"]).as_array().expect("pg list") {
+            let pg = pg["pg"].as_str().expect("pg id");
+            for replica in self
+                .cli_json(&["pg", "query", pg])
+                .as_array()
+                .expect("replicas")
+            {
+                lines.push(format!(
+                    "pg {pg} osd {}: term {}, leader {}",
+                    replica["osd"], replica["term"], replica["leader"]
+                ));
+            }
+        }
+        lines
+    }
+
     /// Waits until the replicas of every PG have applied the same entries and hold the same
     /// data (`basalt pg query`).
     pub fn wait_replicas_equal(&self, timeout: Duration) {
