@@ -10,7 +10,9 @@
 # Environment: SIZE_MIB (each file, default 256), RUNTIME (seconds per run, default 10),
 # BASALT (default target/release/basalt, built if absent), CPUMASK (the controller's
 # cpumask, e.g. 0x1: its requests and its vring thread on CPU 0; default: none), FIRST
-# (basalt or qsd: which runs first in each case, default basalt).
+# (basalt or qsd: which runs first in each case, default basalt), ROUNDS (runs of each
+# case per server, default 1; the first runs first in odd rounds, second in even ones; the
+# table shows medians and each round's ratio).
 set -euo pipefail
 
 if [ "${1:-}" != "--guest" ]; then
@@ -42,16 +44,51 @@ if [ "${1:-}" != "--guest" ]; then
     pids+=($!)
     for _ in $(seq 100); do [ -S "$work/qsd.sock" ] && [ -S "$work/vhost.0" ] && break; sleep 0.1; done
     console=$work/console.log
-    BASALT_GUEST_TIMEOUT=1200 "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" "${FIRST:-basalt}" -- \
+    # Each server's CPU time over each case: the guest prints BEGIN and END around every
+    # fio run; a watcher of the console samples /proc/PID/stat at each.
+    target_pid=${pids[0]}; qsd_pid=${pids[1]}
+    ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+    mkfifo "$work/marks"
+    # (Read straight from the FIFO: a filter such as tr would hold lines in its buffer.)
+    while read -r tag who rw qd _; do
+        pid=$target_pid; [ "$who" = qsd ] && pid=$qsd_pid; qd=${qd%$'\r'}
+        case $tag in
+            BEGIN) start=$(ticks "$pid") ;;
+            END) echo "CPU $who $rw $qd $(($(ticks "$pid") - start))" >>"$work/cpu" ;;
+        esac
+    done <"$work/marks" &
+    watcher=$!
+    BASALT_GUEST_TIMEOUT=$((1200 * ${ROUNDS:-1})) "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" "${FIRST:-basalt}" "${ROUNDS:-1}" -- \
         -chardev "socket,id=vu0,path=$work/vhost.0" -device vhost-user-blk-pci,chardev=vu0,num-queues=1 \
         -chardev "socket,id=vu1,path=$work/qsd.sock" -device vhost-user-blk-pci,chardev=vu1,num-queues=1 \
-        | tee "$console" >&2
+        | tee "$console" "$work/marks" >&2
+    wait "$watcher"
     {
-        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, ${FIRST:-basalt} first, TCG guest, files on the host)"
+        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, ${FIRST:-basalt} first, ${ROUNDS:-1} round(s), TCG guest, files on the host)"
         echo
         echo "| case | qemu-storage-daemon IOPS | qsd mean µs | Basalt IOPS | Basalt mean µs | Basalt / qsd |"
         echo "|---|---:|---:|---:|---:|---:|"
         awk -v peer=qsd -f "$SCRIPT_DIR/guest-results.awk" "$console"
+        echo
+        echo "Server CPU time and the guest's interrupts from the disk per I/O (over the case, 2 s of ramp and the run, per I/O at the rate fio counted; all rounds):"
+        echo
+        echo "| case | qsd CPU µs/IO | Basalt CPU µs/IO | Basalt / qsd | guest interrupts/IO, qsd | guest interrupts/IO, Basalt |"
+        echo "|---|---:|---:|---:|---:|---:|"
+        awk -v runtime="$RUNTIME" -v hz="$(getconf CLK_TCK)" '
+            /^RESULT / { ios[$2, $3 " QD" $4] += $5 * (runtime + 2) }
+            /^CPU / { key = $3 " QD" $4; if (!(key in seen)) { order[++n] = key; seen[key] = 1 }; cpu[$2, key] += $5 }
+            /^IRQS / { irqs[$2, $3 " QD" $4] += $5 }
+            END {
+                for (i = 1; i <= n; i++) {
+                    k = order[i]
+                    for (w = 0; w < 2; w++) {
+                        who = w ? "basalt" : "qsd"
+                        us[who] = ios[who, k] > 0 ? cpu[who, k] / hz * 1e6 / ios[who, k] : 0
+                        per[who] = ios[who, k] > 0 ? irqs[who, k] / ios[who, k] : 0
+                    }
+                    printf "| 4k %s | %.1f | %.1f | %.2f | %.2f | %.2f |\n", k, us["qsd"], us["basalt"], (us["qsd"] > 0 ? us["basalt"] / us["qsd"] : 0), per["qsd"], per["basalt"]
+                }
+            }' <(tr -d '\r' <"$console") "$work/cpu"
         echo
         in_place=$("$BASALT" rpc -s "$work/rpc.sock" vhost_get_controllers | grep -o '"in_place_requests": *[0-9]*' | grep -o '[0-9]*$' || true)
         echo "Basalt requests served in place (guest memory to the file, from the vring thread): ${in_place:-unknown}"
@@ -61,25 +98,40 @@ fi
 
 # --- inside the guest -------------------------------------------------------------------
 runtime=$2
-order="basalt qsd"
-[ "${3:-basalt}" = qsd ] && order="qsd basalt"
+first="basalt qsd"
+[ "${3:-basalt}" = qsd ] && first="qsd basalt"
+rounds=${4:-1}
+# Interrupts the guest took from a disk's request queues (/proc/interrupts, all CPUs).
+irqs() {
+  local virtio
+  virtio=$(basename "$(readlink -f "/sys/block/${1#/dev/}/device")")
+  awk -v d="$virtio-req" '$NF ~ "^" d { for (i = 2; i <= NF; i++) if ($i ~ /^[0-9]+$/) s += $i; else break } END { print s + 0 }' /proc/interrupts
+}
 modprobe virtio_blk
 for _ in $(seq 100); do [ -b /dev/vda ] && [ -b /dev/vdb ] && break; sleep 0.1; done
 # Terse output (version 3): read IOPS in field 8, read mean latency (µs) in 40; write
 # IOPS in 49, write mean latency in 81.
 for rw in randread randwrite; do
   for qd in 1 32; do
-    for who in $order; do
-      device=/dev/vda
-      [ "$who" = qsd ] && device=/dev/vdb
-      line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 \
-        --ioengine=libaio --iodepth="$qd" --rw="$rw" --bs=4k --runtime="$runtime" --time_based \
-        --ramp_time=2 --minimal)
-      if [ "$rw" = randread ]; then
-        echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $8, $40 }'
-      else
-        echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $49, $81 }'
-      fi
+    for round in $(seq "$rounds"); do
+      order=$first
+      [ $((round % 2)) = 0 ] && order=$(echo "$first" | awk '{print $2, $1}')
+      for who in $order; do
+        device=/dev/vda
+        [ "$who" = qsd ] && device=/dev/vdb
+        echo "BEGIN $who $rw $qd"
+        irqs_before=$(irqs "$device")
+        line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 \
+          --ioengine=libaio --iodepth="$qd" --rw="$rw" --bs=4k --runtime="$runtime" --time_based \
+          --ramp_time=2 --minimal)
+        if [ "$rw" = randread ]; then
+          echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $8, $40 }'
+        else
+          echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $49, $81 }'
+        fi
+        echo "IRQS $who $rw $qd $(($(irqs "$device") - irqs_before))"
+        echo "END $who $rw $qd"
+      done
     done
   done
 done

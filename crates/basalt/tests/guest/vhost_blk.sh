@@ -13,12 +13,16 @@ modprobe virtio_blk
 for _ in $(seq 100); do [ -b /dev/vda ] && [ -b /dev/vdb ] && break; sleep 0.1; done
 [ -b /dev/vda ] && [ -b /dev/vdb ]
 
-step "size, serial, queues, read-only flag"
+step "size, serial, queues, read-only flag, write cache"
 [ "$(blockdev --getsize64 /dev/vda)" = "$size" ]
 [ "$(cat /sys/block/vda/serial)" = "$serial" ]
 ls /sys/block/vda/mq | wc -l | grep -qx 2
 [ "$(cat /sys/block/vda/ro)" = 0 ]
 [ "$(cat /sys/block/vdb/ro)" = 1 ]
+# FLUSH is offered and CONFIG_WCE is not: the guest takes the disk for one with a
+# volatile write cache and sends flushes (fsync, journal commits), which the bdev makes
+# durable; a write completes when the bdev has it, not when it is on stable storage.
+[ "$(cat /sys/block/vda/queue/write_cache)" = "write back" ]
 cat /sys/block/vda/queue/discard_max_bytes /sys/block/vda/queue/write_zeroes_max_bytes
 
 step "fio randwrite with crc32c verify, two jobs on two queues"
