@@ -114,6 +114,10 @@ impl Bdev for FileBdev {
         self.info.get()
     }
 
+    fn volatile_cache(&self) -> bool {
+        true
+    }
+
     fn in_place(&self) -> Option<InPlace<'_>> {
         Some(InPlace {
             file: self.engine.file(),

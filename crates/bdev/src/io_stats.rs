@@ -130,6 +130,10 @@ impl Bdev for Counted {
         self.inner.in_place()
     }
 
+    fn volatile_cache(&self) -> bool {
+        self.inner.volatile_cache()
+    }
+
     fn count_in_place(&self, write: bool, len_bytes: u64, elapsed: Duration, ok: bool) {
         let kind = if write { Kind::Write } else { Kind::Read };
         self.record(kind, len_bytes, elapsed, ok);

@@ -107,7 +107,8 @@ pub fn controller(
         put_u32(&mut page, 516, max_namespaces); // NN
         put_u16(&mut page, 520, ONCS_DATASET_MANAGEMENT | ONCS_WRITE_ZEROES);
     }
-    // VWC 0: no volatile write cache (a write is durable when it completes).
+    // VWC 0: no volatile write cache (a write is durable when it completes; over a bdev
+    // that has one, writes are FUA writes and zeroing is flushed, see io_command).
     // SGLS: SGLs supported (bits 1:0 = 01b), offsets in SGL addresses (bit 20).
     put_u32(&mut page, 536, 1 | (1 << 20));
     put_nul_terminated(&mut page, 768, 256, subsystem_nqn);

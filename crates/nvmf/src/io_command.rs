@@ -172,7 +172,10 @@ async fn run(
         }
         IO_WRITE => {
             let extent = prepared.extent.expect("prepare sets a write's extent");
-            bdev.write(extent, data, sqe.cdw12 & FUA != 0).await?;
+            // The controller reports no volatile write cache (VWC 0), so the host sends no
+            // flushes: over a bdev that has one, every write is a FUA write.
+            let fua = sqe.cdw12 & FUA != 0 || bdev.volatile_cache();
+            bdev.write(extent, data, fua).await?;
             counters.write_commands.fetch_add(1, Ordering::Relaxed);
             counters
                 .bytes_written
@@ -189,6 +192,9 @@ async fn run(
             let extent = prepared.extent.expect("prepare sets write zeroes' extent");
             bdev.write_zeroes(extent, sqe.cdw12 & DEALLOCATE != 0)
                 .await?;
+            if bdev.volatile_cache() {
+                bdev.flush().await?;
+            }
             counters.write_commands.fetch_add(1, Ordering::Relaxed);
             Ok(Response::status(id, Status::SUCCESS))
         }
@@ -213,8 +219,11 @@ async fn run(
                 let block_size = u64::from(info.block_size);
                 extents.push(info.extent(start * block_size, blocks * block_size)?);
             }
-            for extent in extents {
-                bdev.discard(extent).await?;
+            for extent in &extents {
+                bdev.discard(*extent).await?;
+            }
+            if !extents.is_empty() && bdev.volatile_cache() {
+                bdev.flush().await?;
             }
             Ok(Response::status(id, Status::SUCCESS))
         }

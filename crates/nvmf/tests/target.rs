@@ -6,7 +6,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use basalt_bdev::BdevRegistry;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use basalt_bdev::registry::BdevKind;
+use basalt_bdev::{Bdev, BdevFuture, BdevRegistry, Extent};
+use basalt_io::DmaBuf;
 use basalt_io::Reactors;
 use basalt_nvmf::NvmfTarget;
 use basalt_nvmf::command::*;
@@ -317,6 +321,102 @@ async fn every_command_with_and_without_digests() {
         );
         drop(host);
     }
+}
+
+/// A malloc bdev that says its completed writes may sit in a volatile cache, as a file
+/// bdev's do, and counts the writes (with and without FUA) and flushes that reach it.
+struct Cached {
+    inner: basalt_bdev::malloc::MallocBdev,
+    counts: Arc<[AtomicU64; 3]>,
+}
+
+const FUA_WRITES: usize = 0;
+const PLAIN_WRITES: usize = 1;
+const FLUSHES: usize = 2;
+
+impl Bdev for Cached {
+    fn info(&self) -> &basalt_bdev::BdevInfo {
+        self.inner.info()
+    }
+    fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
+        self.inner.read(extent)
+    }
+    fn write(&self, extent: Extent, data: DmaBuf, fua: bool) -> BdevFuture<'_, ()> {
+        let which = if fua { FUA_WRITES } else { PLAIN_WRITES };
+        self.counts[which].fetch_add(1, Ordering::Relaxed);
+        self.inner.write(extent, data, fua)
+    }
+    fn flush(&self) -> BdevFuture<'_, ()> {
+        self.counts[FLUSHES].fetch_add(1, Ordering::Relaxed);
+        self.inner.flush()
+    }
+    fn volatile_cache(&self) -> bool {
+        true
+    }
+    fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()> {
+        self.inner.write_zeroes(extent, deallocate)
+    }
+    fn discard(&self, extent: Extent) -> BdevFuture<'_, ()> {
+        self.inner.discard(extent)
+    }
+}
+
+/// The controller reports no volatile write cache, so hosts send no flushes: over a bdev
+/// whose writes may sit in one, every write goes down with FUA and zeroing is flushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_are_durable_at_completion_over_a_bdev_with_a_write_cache() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let counts: Arc<[AtomicU64; 3]> = Arc::default();
+    let cached = Cached {
+        inner: basalt_bdev::malloc::MallocBdev::new_named("Cached0", BLOCK, BLOCKS),
+        counts: counts.clone(),
+    };
+    let construct = basalt_common::ConfigCall {
+        method: "test".to_string(),
+        params: json!({}),
+    };
+    fixture
+        .registry
+        .insert(Box::new(cached), BdevKind::Malloc, construct)
+        .expect("insert");
+    let nsid = rpc(
+        &fixture,
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": "Cached0"}}),
+    )
+    .await
+    .expect("namespace");
+    assert_eq!(nsid, json!(2));
+    let host = Host::connect(fixture.address, NQN, HostOptions::default())
+        .await
+        .expect("connect");
+    let count = |which: usize| counts[which].load(Ordering::Relaxed);
+
+    let data = pattern(9, 8192);
+    host.write(0, 2, 64, data.clone(), BLOCK, false)
+        .await
+        .expect("write");
+    assert_eq!((count(FUA_WRITES), count(PLAIN_WRITES)), (1, 0));
+    assert_eq!(host.read(0, 2, 64, 16, BLOCK).await.expect("read"), data);
+
+    host.write_zeroes(0, 2, 64, 8, false)
+        .await
+        .expect("write zeroes");
+    assert_eq!(count(FLUSHES), 1, "write zeroes flushed");
+    host.deallocate(0, 2, &[(72, 8)]).await.expect("deallocate");
+    assert_eq!(count(FLUSHES), 2, "deallocate flushed");
+    let zeroes = host.read(0, 2, 64, 16, BLOCK).await.expect("read");
+    assert!(zeroes.iter().all(|b| *b == 0));
+
+    // The malloc namespace has no cache: its writes go down as the host sent them.
+    host.write(0, 1, 64, data, BLOCK, false)
+        .await
+        .expect("write");
+    assert_eq!(
+        count(FUA_WRITES) + count(PLAIN_WRITES),
+        1,
+        "not the cached bdev"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
