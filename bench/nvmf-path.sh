@@ -6,7 +6,8 @@
 #
 # Cases: 4k randwrite then randread at QD1 and QD32, one worker; for each case the
 # in-process run comes first and the NVMe/TCP run right after, so noise lands on both.
-# The target's malloc bdev is written once (sequential 1 MiB) before the reads.
+# The target's malloc bdev is written once (sequential 128 KiB) before the reads, and the
+# in-process one before each read run (--prefill).
 #
 # Usage: bench/nvmf-path.sh [REPORT.md]
 #
@@ -85,7 +86,11 @@ PY
 rows=()
 for rw in randwrite randread; do
     for qd in 1 32; do
-        read -r iops_local mean_local p99_local < <(measure --bdev "malloc:$SIZE" --rw "$rw" --iodepth "$qd")
+        # The in-process bench makes a fresh malloc bdev each run: for reads it is written
+        # first (--prefill), as the target's was, so that both read written blocks.
+        prefill=()
+        [ "$rw" = randread ] && prefill=(--prefill)
+        read -r iops_local mean_local p99_local < <(measure --bdev "malloc:$SIZE" --rw "$rw" --iodepth "$qd" "${prefill[@]}")
         read -r iops_nvmf mean_nvmf p99_nvmf < <(measure --nvmf "$URI" --rw "$rw" --iodepth "$qd")
         ratio=$(python3 -c "print('%.2f' % ($iops_nvmf / $iops_local))")
         log "$rw QD$qd: in-process $iops_local IOPS, NVMe/TCP $iops_nvmf IOPS ($ratio)"

@@ -265,11 +265,10 @@ pub trait Bdev: Send + Sync {
     /// Whether a completed write, write zeroes or discard may sit in a volatile cache (the
     /// page cache, a disk's write cache) until [`Bdev::flush`]: a file's. A frontend that
     /// tells its host there is no such cache writes with `fua` and flushes after zeroing.
-    /// Malloc bdevs keep nothing across a restart, and an image's writes are durable on
-    /// their replicas when they complete: `false`.
-    fn volatile_cache(&self) -> bool {
-        false
-    }
+    /// Malloc bdevs keep nothing across a restart, and an image's writes are durable on a
+    /// majority of its replicas when they complete: `false`. (No default: a wrapper that
+    /// forgot to forward it would lose the FUA.)
+    fn volatile_cache(&self) -> bool;
 
     /// Makes the extent read as zeroes; `deallocate` lets the device free its space.
     fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()>;

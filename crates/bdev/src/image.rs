@@ -97,6 +97,10 @@ impl Bdev for ImageBdev {
         self.shared.info.get()
     }
 
+    fn volatile_cache(&self) -> bool {
+        false
+    }
+
     /// Takes on the image's size in the cluster map now (the bdev does so by itself when a
     /// new map arrives).
     fn rescan(&self) -> Result<u64, BdevError> {

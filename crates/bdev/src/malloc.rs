@@ -102,6 +102,10 @@ impl Bdev for MallocBdev {
         &self.info
     }
 
+    fn volatile_cache(&self) -> bool {
+        false
+    }
+
     fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
         let mut buf = DmaBuf::zeroed(extent.len_bytes() as usize);
         self.for_each_chunk(extent, |index, within, range| {

@@ -582,6 +582,9 @@ mod tests {
         fn info(&self) -> &BdevInfo {
             self.inner.info()
         }
+        fn volatile_cache(&self) -> bool {
+            self.inner.volatile_cache()
+        }
         fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, DmaBuf> {
             Box::pin(async move {
                 let mut data = self.inner.read(extent).await?;

@@ -85,6 +85,8 @@ pub const LEASE: Duration = Duration::from_millis(
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 /// The most raft message bytes put in one frame to a peer (frames carry 4 MiB at most).
 const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
+/// The most bytes a beat takes in a frame (five variable-length integers and a byte).
+const BEAT_BYTES_MAX: usize = 31;
 /// How long a map subscription waits per request.
 const MAP_WAIT: Duration = Duration::from_secs(20);
 /// How long a leader waits for a follower it sent a snapshot to, without it asking for any
@@ -2296,13 +2298,16 @@ fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
             // 1 MiB each while a replica catches up) would not fit one frame. Heartbeats
             // and their answers ride in the first frame as beats, a few bytes per PG.
             let mut beats = Vec::new();
-            let mut frames: Vec<Vec<(PgId, Vec<u8>)>> = vec![Vec::new()];
-            let mut frame_bytes = 0usize;
+            let mut whole = Vec::new();
             for (pg, message) in &batch {
-                if let Some(beat) = beat_of(*pg, me, id, message) {
-                    beats.push(beat);
-                    continue;
+                match beat_of(*pg, me, id, message) {
+                    Some(beat) => beats.push(beat),
+                    None => whole.push((*pg, message)),
                 }
+            }
+            let mut frames: Vec<Vec<(PgId, Vec<u8>)>> = vec![Vec::new()];
+            let mut frame_bytes = beats.len() * BEAT_BYTES_MAX;
+            for (pg, message) in whole {
                 let bytes = encode_message(message);
                 if frame_bytes + bytes.len() + 16 > BATCH_FRAME_BYTES_MAX
                     && frames.last().is_some_and(|frame| !frame.is_empty())
@@ -2314,18 +2319,18 @@ fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
                 frames
                     .last_mut()
                     .expect("one frame at least")
-                    .push((*pg, bytes));
+                    .push((pg, bytes));
             }
-            let (coalesced, whole) = (beats.len(), batch.len() - beats.len());
             for messages in frames {
+                let Some((_, client)) = &connection else {
+                    break;
+                };
+                let (coalesced, whole) = (beats.len() as u64, messages.len() as u64);
                 let wire = Message::RaftBatch {
                     from: me,
                     to: id,
                     beats: std::mem::take(&mut beats),
                     messages,
-                };
-                let Some((_, client)) = &connection else {
-                    break;
                 };
                 match client.send(&wire) {
                     Ok(bytes) => {
@@ -2333,17 +2338,13 @@ fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
                         counters
                             .peer_bytes
                             .fetch_add(bytes as u64, Ordering::Relaxed);
+                        counters.beats_sent.fetch_add(coalesced, Ordering::Relaxed);
+                        counters
+                            .raft_messages_sent
+                            .fetch_add(whole, Ordering::Relaxed);
                     }
                     Err(_) => connection = None,
                 }
-            }
-            if connection.is_some() {
-                counters
-                    .beats_sent
-                    .fetch_add(coalesced as u64, Ordering::Relaxed);
-                counters
-                    .raft_messages_sent
-                    .fetch_add(whole as u64, Ordering::Relaxed);
             }
         }
     });
@@ -2747,7 +2748,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 (
                     "heartbeats_sent_total",
                     counter,
-                    "Raft heartbeats and answers sent coalesced per peer, a few bytes per PG.",
+                    "Raft heartbeats and answers sent coalesced per peer, a few bytes per PG (those confirming a read go whole).",
                     load(&counters.beats_sent),
                 ),
                 (
