@@ -1,6 +1,15 @@
 # Sourced by the cluster benchmarks (cluster.sh, idle.sh): a monitor and three OSDs on
-# loopback, each OSD serving metrics. The caller sets BASALT, BASE_DIR and a `pids` array
-# (which its cleanup kills), and may set OSD_ARGS.
+# loopback, each OSD serving metrics. The caller sets BASALT and BASE_DIR (made afresh
+# here, removed on exit unless KEEP is set), and may set OSD_ARGS.
+
+rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    [ -n "${KEEP:-}" ] || rm -rf "$BASE_DIR"
+}
+trap cleanup EXIT
 
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
 free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }

@@ -24,14 +24,7 @@ BASALT=${BASALT:-target/release/basalt}
 REPORT=${1:-}
 command -v fio >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null; }
 [ -x "$BASALT" ] || cargo build --release -p basalt
-rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    [ -n "${KEEP:-}" ] || rm -rf "$BASE_DIR"
-}
-trap cleanup EXIT
+. bench/cluster-lib.sh
 
 fio --name=layout --filename="$BASE_DIR/fio.dat" --size=1G --rw=write --bs=1M --direct=1 \
     --ioengine=io_uring --output=/dev/null
@@ -40,7 +33,6 @@ fio --name=durable --filename="$BASE_DIR/fio.dat" --size=1G --rw=randwrite --bs=
     --output-format=json --output="$BASE_DIR/fio.json"
 rm -f "$BASE_DIR/fio.dat"
 
-. bench/cluster-lib.sh
 start_cluster "$DEVICE_SIZE"
 create_pool bench "$PGS"
 "$BASALT" image create bench/img --size 1GiB --mon "$MON" >/dev/null

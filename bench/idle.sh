@@ -9,7 +9,7 @@
 # Usage: bench/idle.sh [REPORT.md]
 # Environment: BASE_DIR (default /var/tmp/basalt-bench-idle), PGS (default 256), WINDOW
 # (seconds, default 20), BASALT (default target/release/basalt), OSD_ARGS (more arguments
-# of each `basalt osd`), LABEL (names the build in the report).
+# of each `basalt osd`), LABEL (names the build in the report), KEEP=1 keeps the directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_DIR=${BASE_DIR:-/var/tmp/basalt-bench-idle}
@@ -19,15 +19,6 @@ BASALT=${BASALT:-target/release/basalt}
 LABEL=${LABEL:-$(git rev-parse --short HEAD)}
 REPORT=${1:-}
 [ -x "$BASALT" ] || cargo build --release -p basalt
-rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$BASE_DIR"
-}
-trap cleanup EXIT
-
 . bench/cluster-lib.sh
 start_cluster 256MiB
 create_pool idle "$PGS"

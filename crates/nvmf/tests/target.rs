@@ -4,9 +4,8 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
-
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use basalt_bdev::registry::BdevKind;
 use basalt_bdev::{Bdev, BdevFuture, BdevRegistry, Extent};
@@ -78,14 +77,7 @@ async fn fixture_on(reactors: Reactors, transport: Value) -> Fixture {
     )
     .await
     .expect("subsystem");
-    let nsid = rpc(
-        &fixture,
-        "nvmf_subsystem_add_ns",
-        json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc0"}}),
-    )
-    .await
-    .expect("namespace");
-    assert_eq!(nsid, json!(1));
+    assert_eq!(add_namespace(&fixture, "Malloc0").await, json!(1));
     rpc(
         &fixture,
         "nvmf_subsystem_add_listener",
@@ -323,10 +315,22 @@ async fn every_command_with_and_without_digests() {
     }
 }
 
-/// A malloc bdev that says its completed writes may sit in a volatile cache, as a file
-/// bdev's do, and counts the writes (with and without FUA) and flushes that reach it.
-struct Cached {
+/// Exports bdev `name` as the next namespace of [`NQN`]; its nsid.
+async fn add_namespace(fixture: &Fixture, name: &str) -> Value {
+    rpc(
+        fixture,
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "namespace": {"bdev_name": name}}),
+    )
+    .await
+    .expect("namespace")
+}
+
+/// A malloc bdev that says whether its completed writes may sit in a volatile cache (as a
+/// file bdev's do), and counts the writes (with and without FUA) and flushes that reach it.
+struct Counting {
     inner: basalt_bdev::malloc::MallocBdev,
+    volatile_cache: bool,
     counts: Arc<[AtomicU64; 3]>,
 }
 
@@ -334,7 +338,28 @@ const FUA_WRITES: usize = 0;
 const PLAIN_WRITES: usize = 1;
 const FLUSHES: usize = 2;
 
-impl Bdev for Cached {
+impl Counting {
+    /// Registers one named `name` with the fixture's bdevs; its counters.
+    fn register(fixture: &Fixture, name: &str, volatile_cache: bool) -> Arc<[AtomicU64; 3]> {
+        let counts: Arc<[AtomicU64; 3]> = Arc::default();
+        let bdev = Counting {
+            inner: basalt_bdev::malloc::MallocBdev::new_named(name, BLOCK, BLOCKS),
+            volatile_cache,
+            counts: counts.clone(),
+        };
+        let construct = basalt_common::ConfigCall {
+            method: "test".to_string(),
+            params: json!({}),
+        };
+        fixture
+            .registry
+            .insert(Box::new(bdev), BdevKind::Malloc, construct)
+            .expect("insert");
+        counts
+    }
+}
+
+impl Bdev for Counting {
     fn info(&self) -> &basalt_bdev::BdevInfo {
         self.inner.info()
     }
@@ -351,7 +376,7 @@ impl Bdev for Cached {
         self.inner.flush()
     }
     fn volatile_cache(&self) -> bool {
-        true
+        self.volatile_cache
     }
     fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()> {
         self.inner.write_zeroes(extent, deallocate)
@@ -366,57 +391,43 @@ impl Bdev for Cached {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_are_durable_at_completion_over_a_bdev_with_a_write_cache() {
     let fixture = fixture(json!({"trtype": "TCP"})).await;
-    let counts: Arc<[AtomicU64; 3]> = Arc::default();
-    let cached = Cached {
-        inner: basalt_bdev::malloc::MallocBdev::new_named("Cached0", BLOCK, BLOCKS),
-        counts: counts.clone(),
-    };
-    let construct = basalt_common::ConfigCall {
-        method: "test".to_string(),
-        params: json!({}),
-    };
-    fixture
-        .registry
-        .insert(Box::new(cached), BdevKind::Malloc, construct)
-        .expect("insert");
-    let nsid = rpc(
-        &fixture,
-        "nvmf_subsystem_add_ns",
-        json!({"nqn": NQN, "namespace": {"bdev_name": "Cached0"}}),
-    )
-    .await
-    .expect("namespace");
-    assert_eq!(nsid, json!(2));
+    let cached = Counting::register(&fixture, "Cached0", true);
+    let plain = Counting::register(&fixture, "Plain0", false);
+    assert_eq!(add_namespace(&fixture, "Cached0").await, json!(2));
+    assert_eq!(add_namespace(&fixture, "Plain0").await, json!(3));
     let host = Host::connect(fixture.address, NQN, HostOptions::default())
         .await
         .expect("connect");
-    let count = |which: usize| counts[which].load(Ordering::Relaxed);
+    let count = |counts: &[AtomicU64; 3], which: usize| counts[which].load(Ordering::Relaxed);
 
     let data = pattern(9, 8192);
     host.write(0, 2, 64, data.clone(), BLOCK, false)
         .await
         .expect("write");
-    assert_eq!((count(FUA_WRITES), count(PLAIN_WRITES)), (1, 0));
+    assert_eq!(
+        (count(&cached, FUA_WRITES), count(&cached, PLAIN_WRITES)),
+        (1, 0)
+    );
     assert_eq!(host.read(0, 2, 64, 16, BLOCK).await.expect("read"), data);
 
     host.write_zeroes(0, 2, 64, 8, false)
         .await
         .expect("write zeroes");
-    assert_eq!(count(FLUSHES), 1, "write zeroes flushed");
+    assert_eq!(count(&cached, FLUSHES), 1, "write zeroes flushed");
     host.deallocate(0, 2, &[(72, 8)]).await.expect("deallocate");
-    assert_eq!(count(FLUSHES), 2, "deallocate flushed");
+    assert_eq!(count(&cached, FLUSHES), 2, "deallocate flushed");
     let zeroes = host.read(0, 2, 64, 16, BLOCK).await.expect("read");
     assert!(zeroes.iter().all(|b| *b == 0));
 
-    // The malloc namespace has no cache: its writes go down as the host sent them.
-    host.write(0, 1, 64, data, BLOCK, false)
+    // A bdev without a cache gets the writes as the host sent them, and no extra flush.
+    host.write(0, 3, 64, data, BLOCK, false)
         .await
         .expect("write");
-    assert_eq!(
-        count(FUA_WRITES) + count(PLAIN_WRITES),
-        1,
-        "not the cached bdev"
-    );
+    host.write_zeroes(0, 3, 64, 8, false)
+        .await
+        .expect("write zeroes");
+    let plain_counts = [FUA_WRITES, PLAIN_WRITES, FLUSHES].map(|which| count(&plain, which));
+    assert_eq!(plain_counts, [0, 1, 0], "FUA writes, plain writes, flushes");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

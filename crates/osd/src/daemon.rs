@@ -261,7 +261,8 @@ enum Event {
     },
     /// A raft message from a peer.
     Raft { pg: PgId, message: RaftMessage },
-    /// Heartbeats and answers from peer `from` to this OSD (`to`), one per PG.
+    /// Raft heartbeats and their answers from peer `from` to this OSD (`to`), as one frame
+    /// carried them.
     Beats {
         from: OsdId,
         to: OsdId,
