@@ -25,6 +25,12 @@ pub fn fill(data: &mut [u8], offset_bytes: u64, generation: u32) {
         let word = mix64(seed.wrapping_add(next_index.wrapping_mul(GOLDEN_GAMMA)));
         tail.copy_from_slice(&word.to_le_bytes()[..tail.len()]);
     }
+    stamp(data, offset_bytes, generation);
+}
+
+/// Writes the stamp of the block at `offset_bytes`, generation `generation`, over the first
+/// [`STAMP_SIZE`] bytes of `data` (nothing when the block is shorter), leaving the body.
+pub fn stamp(data: &mut [u8], offset_bytes: u64, generation: u32) {
     if data.len() >= STAMP_SIZE {
         data[0..8].copy_from_slice(&offset_bytes.to_le_bytes());
         data[8..12].copy_from_slice(&generation.to_le_bytes());
