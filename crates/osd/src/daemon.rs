@@ -327,6 +327,24 @@ enum Event {
     },
 }
 
+impl Event {
+    /// A client request, a raft message other than beats, or a persist of entries: a step
+    /// of work under way, whose next step polling may catch. Ticks, beats and the empty
+    /// persists behind a follower's answers to heartbeats are not, so an idle OSD does not
+    /// poll.
+    fn is_work(&self) -> bool {
+        matches!(
+            self,
+            Event::Request { .. }
+                | Event::Raft { .. }
+                | Event::Persisted {
+                    last_index: Some(_),
+                    ..
+                }
+        )
+    }
+}
+
 /// A snapshot this replica is installing (see [`crate::snapshot`]).
 struct Installing {
     /// Raft's snapshot message, stepped once the objects are durable.
@@ -463,6 +481,9 @@ struct Core {
     hard_states: HashMap<PgId, basalt_replication::HardState>,
     /// PGs whose last hard state (a commit index change) is not written yet.
     lazy_commit: std::collections::HashSet<PgId>,
+    /// This turn handled work under way ([`Event::is_work`]): polling may catch its next
+    /// step.
+    busy: bool,
     /// Log bytes of the writes proposed here and not yet answered.
     pending_bytes: u64,
     /// The core's own queue, for the tasks it starts.
@@ -557,6 +578,7 @@ impl Core {
     }
 
     fn handle(&mut self, event: Event) -> Result<(), OsdError> {
+        self.busy |= event.is_work();
         match event {
             Event::Request { message, reply } => self.request(message, reply),
             Event::Raft { pg, message } => self.raft_message(pg, message),
@@ -2886,6 +2908,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         actions: Vec::new(),
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
+        busy: false,
         pending_bytes: 0,
         events: core_events,
         durable: HashMap::new(),
@@ -2960,7 +2983,10 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
-            if polling && load.light(core.log.stats(), std::time::Instant::now()) {
+            if polling
+                && std::mem::take(&mut core.busy)
+                && load.light(core.log.stats(), std::time::Instant::now())
+            {
                 turns.notify_one();
             }
         }
@@ -3017,7 +3043,8 @@ impl WriteLoad {
 }
 
 /// Keeps the OSD's thread busy for `poll` after a turn of its core (the core asks for it
-/// while [`WriteLoad`] finds the writes light): the task yields to the runtime in a loop,
+/// after a turn with work under way, `Core::busy`, while [`WriteLoad`] finds the writes
+/// light): the task yields to the runtime in a loop,
 /// and each yield has the runtime look at its sockets and the device's completion eventfd
 /// without sleeping, so an acknowledgement or a completion expected within `poll` is taken
 /// without the wake-up of a sleeping thread (25-30 µs on this machine's vCPUs). Each round
@@ -3045,6 +3072,37 @@ mod tests {
             pool: basalt_common::PoolId(1),
             index,
         }
+    }
+
+    /// What an idle OSD handles (beats, the empty persists behind a follower's answers
+    /// to heartbeats) does not start polling; what a write does (a persist of entries, a
+    /// raft append) does.
+    #[test]
+    fn only_work_under_way_starts_polling() {
+        let persisted = |last_index| Event::Persisted {
+            pg: pg(1),
+            number: 1,
+            snapshot: None,
+            then_send: Vec::new(),
+            payloads: Vec::new(),
+            hard_state: None,
+            last_index,
+            end: None,
+        };
+        assert!(!persisted(None).is_work());
+        assert!(persisted(Some(7)).is_work());
+        let beats = Event::Beats {
+            from: OsdId(1),
+            to: OsdId(2),
+            beats: Vec::new(),
+        };
+        assert!(!beats.is_work());
+        let append = Event::Raft {
+            pg: pg(1),
+            message: RaftMessage::default(),
+        };
+        assert!(append.is_work());
+        assert!(!Event::MembershipChecked { pg: pg(1) }.is_work());
     }
 
     #[test]
