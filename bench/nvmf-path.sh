@@ -7,7 +7,10 @@
 # Cases: 4k randwrite then randread at QD1 and QD32, one worker; for each case the
 # in-process run comes first and the NVMe/TCP run right after, so noise lands on both.
 # The target's malloc bdev is written once (sequential 128 KiB) before the reads, and the
-# in-process one before each read run (--prefill).
+# in-process one before each read run (--prefill). Each run also reports CPU time per
+# request, which this shared machine's noise moves less than IOPS: the bench process's own
+# (user + system over the whole process, a prefill included) and, over NVMe/TCP, the
+# target's during the run (/proc/PID/stat).
 #
 # Usage: bench/nvmf-path.sh [REPORT.md]
 #
@@ -70,16 +73,26 @@ URI="nvme+tcp://127.0.0.1:$port/$NQN"
 log "target pid $TARGET_PID, $URI"
 "$BASALT" bench --nvmf "$URI" --rw write --bs 128KiB --iodepth 8 --io-count $((size_bytes >> 17)) >/dev/null
 
-# One run; prints "IOPS MEAN_US P99_US".
+# The target's CPU time so far, in clock ticks (user + system).
+target_ticks() { awk '{print $14 + $15}' "/proc/$TARGET_PID/stat"; }
+
+# One run; prints "IOPS MEAN_US P99_US BENCH_CPU_US_PER_IO TARGET_CPU_US_PER_IO" (the
+# bench's own CPU time, and the target's over the run, per request).
 measure() {
-    "$BASALT" bench "$@" --bs 4KiB --runtime "$RUNTIME" --json >"$TMP/last.json"
-    python3 - "$TMP/last.json" <<'PY'
+    local before after TIMEFORMAT='%U %S'
+    before=$(target_ticks)
+    { time "$BASALT" bench "$@" --bs 4KiB --runtime "$RUNTIME" --json >"$TMP/last.json" 2>/dev/null; } 2>"$TMP/time"
+    after=$(target_ticks)
+    python3 - "$TMP/last.json" "$(cat "$TMP/time")" "$((after - before))" "$(getconf CLK_TCK)" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 d = r["read"] or r["write"]
 l = d["latency"]
 p99 = dict(l["percentiles_us"]).get("p99", float("nan"))
-print("%.0f %.1f %.1f" % (d["iops"], l["mean_us"], p99))
+bench_s = sum(float(x) for x in sys.argv[2].split())
+target_s = int(sys.argv[3]) / int(sys.argv[4])
+ios = max(d["ios"], 1)
+print("%.0f %.1f %.1f %.2f %.2f" % (d["iops"], l["mean_us"], p99, bench_s * 1e6 / ios, target_s * 1e6 / ios))
 PY
 }
 
@@ -90,18 +103,18 @@ for rw in randwrite randread; do
         # first (--prefill), as the target's was, so that both read written blocks.
         prefill=()
         [ "$rw" = randread ] && prefill=(--prefill)
-        read -r iops_local mean_local p99_local < <(measure --bdev "malloc:$SIZE" --rw "$rw" --iodepth "$qd" "${prefill[@]}")
-        read -r iops_nvmf mean_nvmf p99_nvmf < <(measure --nvmf "$URI" --rw "$rw" --iodepth "$qd")
+        read -r iops_local mean_local p99_local cpu_local _ < <(measure --bdev "malloc:$SIZE" --rw "$rw" --iodepth "$qd" "${prefill[@]}")
+        read -r iops_nvmf mean_nvmf p99_nvmf cpu_host cpu_target < <(measure --nvmf "$URI" --rw "$rw" --iodepth "$qd")
         ratio=$(python3 -c "print('%.2f' % ($iops_nvmf / $iops_local))")
         log "$rw QD$qd: in-process $iops_local IOPS, NVMe/TCP $iops_nvmf IOPS ($ratio)"
-        rows+=("| 4k $rw QD$qd | $iops_local | $mean_local | $iops_nvmf | $mean_nvmf | $p99_nvmf | $ratio |")
+        rows+=("| 4k $rw QD$qd | $iops_local | $mean_local | $cpu_local | $iops_nvmf | $mean_nvmf | $p99_nvmf | $cpu_host | $cpu_target | $ratio |")
     done
 done
 
 {
     echo "# NVMe/TCP path vs in-process ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run)"
     echo
-    echo "| case | in-process IOPS | in-process mean µs | NVMe/TCP IOPS | NVMe/TCP mean µs | NVMe/TCP p99 µs | NVMe/TCP / in-process |"
-    echo "|---|---:|---:|---:|---:|---:|---:|"
+    echo "| case | in-process IOPS | in-process mean µs | in-process CPU µs/IO | NVMe/TCP IOPS | NVMe/TCP mean µs | NVMe/TCP p99 µs | initiator CPU µs/IO | target CPU µs/IO | NVMe/TCP / in-process |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     printf '%s\n' "${rows[@]}"
 } | if [ -n "$REPORT" ]; then tee "$REPORT"; else cat; fi
