@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use crate::command::*;
 use crate::completion::{Cqe, Status};
-use crate::controller::{Controller, Response};
+use crate::controller::{Controller, ErrorSite, Response};
 use crate::decoder::{PduError, decode, term_req_error_data};
 use crate::fabrics::*;
 use crate::identify::ASYNC_EVENT_REQUESTS_MAX;
@@ -41,12 +41,14 @@ const READ_CHUNK_BYTES: usize = 256 << 10;
 const OUTPUT_BYTES_MAX: usize = 16 << 20;
 
 /// A command under way: its future, how many bytes of data the host takes back (its
-/// SGL length), and whether it is an Asynchronous Event Request (waits for an event, no
+/// SGL length), where it was aimed, and whether it is an Asynchronous Event Request (waits for an event, no
 /// I/O: dropped when the connection ends).
 struct InFlight {
     future: ResponseFuture,
     data_limit: u32,
     async_event: bool,
+    /// Where the command was aimed, for the error log.
+    site: ErrorSite,
 }
 
 /// Write data being gathered after an R2T.
@@ -142,8 +144,8 @@ pub async fn serve(
         tokio::select! {
             biased;
             responses = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
-                for (response, data_limit) in responses {
-                    connection.respond(response, data_limit);
+                for (response, data_limit, site) in responses {
+                    connection.respond(response, data_limit, &site);
                 }
             }
             written = writer.write(&connection.output[connection.output_start..]), if has_output => {
@@ -190,14 +192,17 @@ async fn wait_closed(closed: &mut Option<watch::Receiver<bool>>) {
 }
 
 /// Takes every completed command out of `in_flight`; pending while none has completed.
-fn poll_ready(in_flight: &mut Vec<InFlight>, cx: &mut Context<'_>) -> Poll<Vec<(Response, u32)>> {
+fn poll_ready(
+    in_flight: &mut Vec<InFlight>,
+    cx: &mut Context<'_>,
+) -> Poll<Vec<(Response, u32, ErrorSite)>> {
     let mut ready = Vec::new();
     let mut index = 0;
     while index < in_flight.len() {
         match in_flight[index].future.as_mut().poll(cx) {
             Poll::Ready(response) => {
                 let command = in_flight.swap_remove(index);
-                ready.push((response, command.data_limit));
+                ready.push((response, command.data_limit, command.site));
             }
             Poll::Pending => index += 1,
         }
@@ -419,16 +424,17 @@ impl Connection {
         }
     }
 
-    fn push(&mut self, future: ResponseFuture, data_limit: u32) {
+    fn push(&mut self, future: ResponseFuture, data_limit: u32, site: ErrorSite) {
         self.in_flight.push(InFlight {
             future,
             data_limit,
             async_event: false,
+            site,
         });
     }
 
-    fn push_response(&mut self, response: Response) {
-        self.push(ready(response), 0);
+    fn push_response(&mut self, response: Response, site: ErrorSite) {
+        self.push(ready(response), 0, site);
     }
 
     fn command(&mut self, sqe: Sqe, data: &[u8]) {
@@ -437,10 +443,10 @@ impl Connection {
             if sqe.opcode == FABRICS && sqe.fabrics_command_type() == FCTYPE_CONNECT {
                 self.connect(&sqe, data);
             } else {
-                self.push_response(Response::status(
-                    id,
-                    Status::COMMAND_SEQUENCE_ERROR.with_dnr(),
-                ));
+                self.push_response(
+                    Response::status(id, Status::COMMAND_SEQUENCE_ERROR.with_dnr()),
+                    ErrorSite::of(&sqe),
+                );
             }
             return;
         };
@@ -474,7 +480,7 @@ impl Connection {
             None
         };
         if let Some(status) = status {
-            self.push_response(Response::status(id, status));
+            self.push_response(Response::status(id, status), ErrorSite::of(&sqe));
             return;
         }
         if admin {
@@ -489,7 +495,10 @@ impl Connection {
         if sqe.opcode == ADMIN_ASYNC_EVENT_REQUEST {
             let outstanding = self.in_flight.iter().filter(|c| c.async_event).count();
             if outstanding >= ASYNC_EVENT_REQUESTS_MAX {
-                self.push_response(Response::status(id, Status::ASYNC_EVENT_LIMIT_EXCEEDED));
+                self.push_response(
+                    Response::status(id, Status::ASYNC_EVENT_LIMIT_EXCEEDED),
+                    ErrorSite::of(&sqe),
+                );
                 return;
             }
             let controller = controller.clone();
@@ -497,20 +506,25 @@ impl Connection {
                 future: Box::pin(async move { Response::dw0(id, controller.next_event().await) }),
                 data_limit: 0,
                 async_event: true,
+                site: ErrorSite::of(&sqe),
             });
             return;
         }
         let target = &self.target;
         let host_nqn = controller.host_nqn.clone();
         let response = controller.admin(&sqe, || target.discovery_records(&host_nqn));
-        self.push(ready(response), sqe.data_pointer.length);
+        self.push(
+            ready(response),
+            sqe.data_pointer.length,
+            ErrorSite::of(&sqe),
+        );
     }
 
     fn io_command(&mut self, sqe: Sqe, data: &[u8], controller: Arc<Controller>) {
         let prepared = match io_command::prepare(&sqe, &controller) {
             Ok(prepared) => prepared,
             Err(response) => {
-                self.push_response(response);
+                self.push_response(response, ErrorSite::of(&sqe));
                 return;
             }
         };
@@ -522,9 +536,11 @@ impl Connection {
                 DmaBuf::from_slice(data)
             };
             let limit = sqe.data_pointer.length;
+            let site = ErrorSite::of(&sqe);
             self.push(
                 io_command::execute(sqe, prepared, buffer, controller),
                 limit,
+                site,
             );
             return;
         }
@@ -602,10 +618,11 @@ impl Connection {
             if let Some(queue) = &self.queue {
                 self.sq_head = (self.sq_head + 1) % queue.sq_size;
             }
-            self.push_response(Response::status(
-                command_id,
-                Status::TRANSIENT_TRANSPORT_ERROR,
-            ));
+            // The capsule's command was not decoded: nothing says where it was aimed.
+            self.push_response(
+                Response::status(command_id, Status::TRANSIENT_TRANSPORT_ERROR),
+                ErrorSite::default(),
+            );
             return;
         }
         // H2CData: its header was checked (the header digest too); read where it goes.
@@ -645,8 +662,12 @@ impl Connection {
             return;
         };
         let id = transfer.sqe.command_id;
+        let site = ErrorSite::of(&transfer.sqe);
         if transfer.failed {
-            self.push_response(Response::status(id, Status::TRANSIENT_TRANSPORT_ERROR));
+            self.push_response(
+                Response::status(id, Status::TRANSIENT_TRANSPORT_ERROR),
+                site,
+            );
             return;
         }
         let Some(queue) = &self.queue else {
@@ -656,6 +677,7 @@ impl Connection {
         self.push(
             io_command::execute(transfer.sqe, transfer.prepared, transfer.buffer, controller),
             0,
+            site,
         );
     }
 
@@ -666,10 +688,13 @@ impl Connection {
             Ok(connect_data) => connect_data,
             Err(error) => {
                 tracing::info!(via = %self.via.address, %error, "connect data refused");
-                self.push_response(Response {
-                    dw0: connect_invalid_parameter_dw0(error.invalid_parameter_offset(), true),
-                    ..Response::status(id, Status::CONNECT_INVALID_PARAMETERS.with_dnr())
-                });
+                self.push_response(
+                    Response {
+                        dw0: connect_invalid_parameter_dw0(error.invalid_parameter_offset(), true),
+                        ..Response::status(id, Status::CONNECT_INVALID_PARAMETERS.with_dnr())
+                    },
+                    ErrorSite::of(sqe),
+                );
                 return;
             }
         };
@@ -682,9 +707,12 @@ impl Connection {
                 self.closed = Some(queue.controller.closed());
                 self.sq_head = 1 % queue.sq_size;
                 self.queue = Some(queue);
-                self.push_response(Response::dw0(id, connect_response_dw0(controller_id)));
+                self.push_response(
+                    Response::dw0(id, connect_response_dw0(controller_id)),
+                    ErrorSite::of(sqe),
+                );
             }
-            Err(response) => self.push_response(response),
+            Err(response) => self.push_response(response, ErrorSite::of(sqe)),
         }
     }
 
@@ -720,18 +748,26 @@ impl Connection {
             }
             _ => Response::status(id, Status::INVALID_OPCODE.with_dnr()),
         };
-        self.push_response(response);
+        self.push_response(response, ErrorSite::of(&sqe));
     }
 
     /// Encodes a command's end: C2HData with its data, then a response capsule unless
-    /// the data PDU carries SUCCESS.
-    fn respond(&mut self, response: Response, data_limit: u32) {
+    /// the data PDU carries SUCCESS. A command that failed on a controller goes into its
+    /// error log.
+    fn respond(&mut self, response: Response, data_limit: u32, site: &ErrorSite) {
         if self.terminating {
             return;
         }
         let (qid, flow_control_disabled) = self.queue.as_ref().map_or((0, false), |queue| {
             (queue.qid, queue.sq_flow_control_disabled)
         });
+        if !response.status.is_success()
+            && let Some(queue) = &self.queue
+        {
+            queue
+                .controller
+                .log_error(qid, response.command_id, site, response.status);
+        }
         if response.status.is_success()
             && let Some(data) = &response.data
             && data_limit > 0

@@ -14,7 +14,9 @@ use tokio::sync::{Notify, watch};
 use crate::command::*;
 use crate::completion::Status;
 use crate::fabrics::*;
-use crate::identify::{self, ControllerFacts, DiscoveryRecord, HealthCounters};
+use crate::identify::{
+    self, ControllerFacts, DiscoveryRecord, ERROR_LOG_ENTRIES, ErrorEntry, HealthCounters,
+};
 use crate::subsystem::{Subsystem, TransportOptions};
 
 /// What a command ends with: a status, DW0/DW1, and data for the host (commands that
@@ -119,6 +121,33 @@ struct ControllerState {
     changed_namespaces: Vec<u32>,
     changed_overflowed: bool,
     last_keep_alive: Instant,
+    /// The last [`ERROR_LOG_ENTRIES`] commands that completed with an error, newest first.
+    errors: VecDeque<ErrorEntry>,
+    /// Errors logged so far.
+    error_count: u64,
+}
+
+/// Where a command was aimed, for its entry in the error log should it fail: its opcode,
+/// namespace and starting LBA field (CDW10-11).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ErrorSite {
+    /// The command's opcode.
+    pub opcode: u8,
+    /// Its namespace.
+    pub nsid: u32,
+    /// CDW10 and CDW11, the starting LBA of the commands that have one.
+    pub slba: u64,
+}
+
+impl ErrorSite {
+    /// The site of `sqe`.
+    pub fn of(sqe: &crate::command::Sqe) -> Self {
+        Self {
+            opcode: sqe.opcode,
+            nsid: sqe.namespace_id,
+            slba: u64::from(sqe.cdw10) | (u64::from(sqe.cdw11) << 32),
+        }
+    }
 }
 
 /// Bytes and commands a controller moved, for the health log page.
@@ -189,6 +218,8 @@ impl Controller {
                 changed_namespaces: Vec::new(),
                 changed_overflowed: false,
                 last_keep_alive: Instant::now(),
+                errors: VecDeque::with_capacity(ERROR_LOG_ENTRIES),
+                error_count: 0,
             }),
             events: Notify::new(),
             closed,
@@ -214,6 +245,24 @@ impl Controller {
     /// Whether the controller was torn down.
     pub fn is_closed(&self) -> bool {
         *self.closed.borrow()
+    }
+
+    /// Logs a command of queue `sqid` that completed with `status` (an error) in the error
+    /// information log page.
+    pub fn log_error(&self, sqid: u16, command_id: u16, site: &ErrorSite, status: Status) {
+        let has_lba = sqid != 0 && matches!(site.opcode, IO_READ | IO_WRITE | IO_WRITE_ZEROES);
+        let mut state = self.lock();
+        state.error_count += 1;
+        let entry = ErrorEntry {
+            count: state.error_count,
+            sqid,
+            command_id,
+            status: status.field(),
+            lba: if has_lba { site.slba } else { 0 },
+            nsid: site.nsid,
+        };
+        state.errors.truncate(ERROR_LOG_ENTRIES - 1);
+        state.errors.push_front(entry);
     }
 
     /// Whether CC.EN is set and CSTS.RDY with it.
@@ -481,8 +530,9 @@ impl Controller {
             _ if discovery_controller => {
                 return Response::status(id, Status::INVALID_LOG_PAGE.with_dnr());
             }
-            LOG_ERROR => vec![0; 64],
+            LOG_ERROR => identify::error_log(&self.lock().errors),
             LOG_HEALTH => identify::health(&HealthCounters {
+                error_log_entries: self.lock().error_count,
                 bytes_read: self.counters.bytes_read.load(Ordering::Relaxed),
                 bytes_written: self.counters.bytes_written.load(Ordering::Relaxed),
                 read_commands: self.counters.read_commands.load(Ordering::Relaxed),

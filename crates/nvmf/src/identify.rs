@@ -5,7 +5,7 @@
 //! over Fabrics 1.1; all integers little-endian, text fields ASCII padded with spaces.
 
 use crate::command::*;
-use crate::layout::{put_u16, put_u32};
+use crate::layout::{put_u16, put_u32, put_u64};
 use crate::subsystem::{ListenAddress, Namespace, TransportOptions};
 
 /// Bytes of every Identify data structure.
@@ -98,7 +98,7 @@ pub fn controller(
     page[260] = 0b011; // FRMW: slot 1 read-only, 1 slot
     // LPA: commands supported and effects log (bit 1), extended Get Log Page (bit 2).
     page[261] = (1 << 1) | (1 << 2);
-    page[262] = 0; // ELPE: one error log entry, 0's based
+    page[262] = (ERROR_LOG_ENTRIES - 1) as u8; // ELPE: error log entries, 0's based
     put_u16(&mut page, 320, KEEP_ALIVE_GRANULARITY_100MS); // KAS
     page[512] = 0x66; // SQES: 64-byte entries
     page[513] = 0x44; // CQES: 16-byte entries
@@ -219,6 +219,45 @@ pub fn health(counters: &HealthCounters) -> Vec<u8> {
     page[80..88].copy_from_slice(&counters.write_commands.to_le_bytes());
     page[112..120].copy_from_slice(&1u64.to_le_bytes()); // power cycles
     page[160..168].copy_from_slice(&counters.errors.to_le_bytes()); // media errors
+    // Number of error information log entries over the controller's life.
+    page[176..184].copy_from_slice(&counters.error_log_entries.to_le_bytes());
+    page
+}
+
+/// Entries the error information log page (01h) holds.
+pub const ERROR_LOG_ENTRIES: usize = 64;
+
+/// A command that completed with an error, as the error information log page reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorEntry {
+    /// Error count: this error's number on the controller, from 1.
+    pub count: u64,
+    /// The command's submission queue.
+    pub sqid: u16,
+    /// The command's identifier.
+    pub command_id: u16,
+    /// Its completion status (bits 15:1 of the status field).
+    pub status: u16,
+    /// The first LBA of a read, write or write zeroes; 0 for other commands.
+    pub lba: u64,
+    /// The command's namespace.
+    pub nsid: u32,
+}
+
+/// The error information log page (01h), NVMe 1.3 layout: [`ERROR_LOG_ENTRIES`] entries
+/// of 64 bytes, `newest_first` then zeroes (an error count of 0 marks no entry). The
+/// parameter error location is not tracked (FFFFh).
+pub fn error_log<'a>(newest_first: impl IntoIterator<Item = &'a ErrorEntry>) -> Vec<u8> {
+    let mut page = vec![0u8; ERROR_LOG_ENTRIES * 64];
+    for (slot, entry) in page.chunks_exact_mut(64).zip(newest_first) {
+        put_u64(slot, 0, entry.count);
+        put_u16(slot, 8, entry.sqid);
+        put_u16(slot, 10, entry.command_id);
+        put_u16(slot, 12, entry.status);
+        put_u16(slot, 14, 0xffff);
+        put_u64(slot, 16, entry.lba);
+        put_u32(slot, 24, entry.nsid);
+    }
     page
 }
 
@@ -235,6 +274,8 @@ pub struct HealthCounters {
     pub write_commands: u64,
     /// Commands that failed in the bdev.
     pub errors: u64,
+    /// Entries the error log ever took (commands that completed with an error).
+    pub error_log_entries: u64,
 }
 
 /// The firmware slot information log page (03h): slot 1 active.

@@ -245,11 +245,47 @@ async fn every_command_with_and_without_digests() {
             (1, &b"basalt01"[..]),
             "slot 1 active"
         );
+        // The error log: the four failed commands above, newest first, on I/O queue 1;
+        // then nothing. The health page counts them.
+        assert_eq!(id[262], 63, "ELPE: 64 entries");
+        assert_eq!(
+            u64::from_le_bytes(health[176..184].try_into().expect("in range")),
+            4,
+            "error log entries in the health page"
+        );
         let errors = host
-            .log_page(LOG_ERROR, 0, 64, false)
+            .log_page(LOG_ERROR, 0, 5 * 64, false)
             .await
             .expect("error log");
-        assert_eq!(errors, vec![0; 64], "no error entries");
+        let entry = |index: usize| {
+            let e = &errors[index * 64..(index + 1) * 64];
+            let u16_at = |at: usize| u16::from_le_bytes([e[at], e[at + 1]]);
+            (
+                u64::from_le_bytes(e[0..8].try_into().expect("in range")),
+                u16_at(8),
+                u16_at(12),
+                u64::from_le_bytes(e[16..24].try_into().expect("in range")),
+                u32::from_le_bytes(e[24..28].try_into().expect("in range")),
+            )
+        };
+        let qid = host.queue(0).qid;
+        assert_eq!(
+            [entry(0), entry(1), entry(2), entry(3)],
+            [
+                (4, qid, too_large.status().expect("status").field(), 0, 1),
+                (3, qid, Status::INVALID_OPCODE.with_dnr().field(), 0, 1),
+                (2, qid, no_namespace.status().expect("status").field(), 0, 7),
+                (
+                    1,
+                    qid,
+                    past_end.status().expect("status").field(),
+                    BLOCKS - 1,
+                    1
+                ),
+            ],
+            "(count, sqid, status, lba, nsid), newest first"
+        );
+        assert_eq!(&errors[4 * 64..], &[0u8; 64][..], "no fifth entry");
         let abort = Sqe {
             opcode: ADMIN_ABORT,
             cdw10: 1 << 16,
@@ -270,6 +306,43 @@ async fn every_command_with_and_without_digests() {
             .await
             .expect_err("unknown log");
         assert_eq!(unknown.status().map(|s| (s.sct(), s.sc())), Some((1, 0x09)));
+        // An admin command's error goes into the same log, on queue 0.
+        let newest = host
+            .log_page(LOG_ERROR, 0, 64, false)
+            .await
+            .expect("error log");
+        assert_eq!(
+            (
+                u64::from_le_bytes(newest[0..8].try_into().expect("in range")),
+                u16::from_le_bytes([newest[8], newest[9]]),
+                u16::from_le_bytes([newest[12], newest[13]]),
+            ),
+            (5, 0, unknown.status().expect("status").field())
+        );
+        // The log keeps the last 64: after 65 more errors, entries 70 down to 7.
+        for _ in 0..65 {
+            host.io(
+                1,
+                Sqe {
+                    opcode: 0x7e,
+                    namespace_id: 1,
+                    ..Sqe::default()
+                },
+                Vec::new(),
+                0,
+            )
+            .await
+            .expect_err("opcode");
+        }
+        let full = host
+            .log_page(LOG_ERROR, 0, 64 * 64, false)
+            .await
+            .expect("error log");
+        let counts: Vec<u64> = full
+            .chunks_exact(64)
+            .map(|e| u64::from_le_bytes(e[0..8].try_into().expect("in range")))
+            .collect();
+        assert_eq!(counts, (7..=70).rev().collect::<Vec<u64>>());
         let feature = |id: u8, cdw11: u32, len: u32| host.get_feature(id, cdw11, len);
         let kato = feature(FEATURE_KEEP_ALIVE_TIMER, 0, 0)
             .await

@@ -87,6 +87,14 @@ fio --name=write --filename="$device" --direct=1 --ioengine=libaio --iodepth=16 
 fio --name=large --filename="$device" --direct=1 --ioengine=libaio --iodepth=4 \
   --rw=write --bs=256k --offset=32M --size=16M --verify=crc32c --verify_fatal=1 | grep -E 'IOPS|err='
 
+step "a read past the end fails, and the error log names its LBA"
+if nvme read "$device" -n 1 -s $((0x40000 - 1)) -c 1 -z 1024 -d /dev/null 2>&1; then
+  echo "nvme_tcp: a read past the end succeeded" >&2
+  exit 1
+fi
+nvme error-log "$device" -e 1 | tee /tmp/error-log
+grep -Eiq '^lba[[:space:]]*:[[:space:]]*(0x3ffff|262143)' /tmp/error-log
+
 step "flush"
 nvme flush "$device" -n 1
 
