@@ -189,19 +189,15 @@ async fn every_command_with_and_without_digests() {
             Some(0x0b),
             "{no_namespace}"
         );
-        let bad_opcode = host
-            .io(
-                0,
-                Sqe {
-                    opcode: 0x7e,
-                    namespace_id: 1,
-                    ..Sqe::default()
-                },
-                Vec::new(),
-                0,
-            )
-            .await
-            .expect_err("opcode");
+        let unknown_opcode = |queue: usize| {
+            let sqe = Sqe {
+                opcode: 0x7e,
+                namespace_id: 1,
+                ..Sqe::default()
+            };
+            host.io(queue, sqe, Vec::new(), 0)
+        };
+        let bad_opcode = unknown_opcode(0).await.expect_err("opcode");
         assert_eq!(bad_opcode.status(), Some(Status::INVALID_OPCODE.with_dnr()));
         // A command above MDTS is refused; the host's read and write split at MDTS.
         let too_large = host
@@ -321,18 +317,7 @@ async fn every_command_with_and_without_digests() {
         );
         // The log keeps the last 64: after 65 more errors, entries 70 down to 7.
         for _ in 0..65 {
-            host.io(
-                1,
-                Sqe {
-                    opcode: 0x7e,
-                    namespace_id: 1,
-                    ..Sqe::default()
-                },
-                Vec::new(),
-                0,
-            )
-            .await
-            .expect_err("opcode");
+            unknown_opcode(1).await.expect_err("opcode");
         }
         let full = host
             .log_page(LOG_ERROR, 0, 64 * 64, false)
