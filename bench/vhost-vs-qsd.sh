@@ -45,16 +45,24 @@ if [ "${1:-}" != "--guest" ]; then
     for _ in $(seq 100); do [ -S "$work/qsd.sock" ] && [ -S "$work/vhost.0" ] && break; sleep 0.1; done
     console=$work/console.log
     # Each server's CPU time over each case: the guest prints BEGIN and END around every
-    # fio run; a watcher of the console samples /proc/PID/stat at each.
+    # fio run; a watcher of the console samples /proc/PID/stat at each. It also samples
+    # QEMU's write() calls (/proc/PID/io): under TCG each guest notification of a vring
+    # (a kick) is a write to that vring's eventfd, so their count per I/O says how often
+    # the guest had to kick each server.
     target_pid=${pids[0]}; qsd_pid=${pids[1]}
     ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+    writes() { awk '$1 == "syscw:" {print $2}' "/proc/$1/io" 2>/dev/null || echo 0; }
     mkfifo "$work/marks"
     # (Read straight from the FIFO: a filter such as tr would hold lines in its buffer.)
     while read -r tag who rw qd _; do
         pid=$target_pid; [ "$who" = qsd ] && pid=$qsd_pid; qd=${qd%$'\r'}
         case $tag in
-            BEGIN) start=$(ticks "$pid") ;;
-            END) echo "CPU $who $rw $qd $(($(ticks "$pid") - start))" >>"$work/cpu" ;;
+            BEGIN)
+                qemu=$(pgrep -f "^[^ ]*qemu-system[^ ]* .*$work/vhost.0" | head -1)
+                start=$(ticks "$pid"); start_writes=$(writes "${qemu:-self}") ;;
+            END)
+                echo "CPU $who $rw $qd $(($(ticks "$pid") - start))" >>"$work/cpu"
+                echo "KICKS $who $rw $qd $(($(writes "${qemu:-self}") - start_writes))" >>"$work/cpu" ;;
         esac
     done <"$work/marks" &
     watcher=$!
@@ -70,14 +78,15 @@ if [ "${1:-}" != "--guest" ]; then
         echo "|---|---:|---:|---:|---:|---:|"
         awk -v peer=qsd -f "$SCRIPT_DIR/guest-results.awk" "$console"
         echo
-        echo "Server CPU time and the guest's interrupts from the disk per I/O (over the case, 2 s of ramp and the run, per I/O at the rate fio counted; all rounds):"
+        echo "Server CPU time, the guest's interrupts from the disk and QEMU's write() calls (kicks) per I/O (over the case, 2 s of ramp and the run, per I/O at the rate fio counted; all rounds):"
         echo
-        echo "| case | qsd CPU µs/IO | Basalt CPU µs/IO | Basalt / qsd | guest interrupts/IO, qsd | guest interrupts/IO, Basalt |"
-        echo "|---|---:|---:|---:|---:|---:|"
+        echo "| case | qsd CPU µs/IO | Basalt CPU µs/IO | Basalt / qsd | guest interrupts/IO, qsd | guest interrupts/IO, Basalt | QEMU writes/IO, qsd | QEMU writes/IO, Basalt |"
+        echo "|---|---:|---:|---:|---:|---:|---:|---:|"
         awk -v runtime="$RUNTIME" -v hz="$(getconf CLK_TCK)" '
             /^RESULT / { ios[$2, $3 " QD" $4] += $5 * (runtime + 2) }
             /^CPU / { key = $3 " QD" $4; if (!(key in seen)) { order[++n] = key; seen[key] = 1 }; cpu[$2, key] += $5 }
             /^IRQS / { irqs[$2, $3 " QD" $4] += $5 }
+            /^KICKS / { kicks[$2, $3 " QD" $4] += $5 }
             END {
                 for (i = 1; i <= n; i++) {
                     k = order[i]
@@ -85,8 +94,9 @@ if [ "${1:-}" != "--guest" ]; then
                         who = w ? "basalt" : "qsd"
                         us[who] = ios[who, k] > 0 ? cpu[who, k] / hz * 1e6 / ios[who, k] : 0
                         per[who] = ios[who, k] > 0 ? irqs[who, k] / ios[who, k] : 0
+                        kick[who] = ios[who, k] > 0 ? kicks[who, k] / ios[who, k] : 0
                     }
-                    printf "| 4k %s | %.1f | %.1f | %.2f | %.2f | %.2f |\n", k, us["qsd"], us["basalt"], (us["qsd"] > 0 ? us["basalt"] / us["qsd"] : 0), per["qsd"], per["basalt"]
+                    printf "| 4k %s | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", k, us["qsd"], us["basalt"], (us["qsd"] > 0 ? us["basalt"] / us["qsd"] : 0), per["qsd"], per["basalt"], kick["qsd"], kick["basalt"]
                 }
             }' <(tr -d '\r' <"$console") "$work/cpu"
         echo
