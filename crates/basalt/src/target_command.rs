@@ -32,9 +32,10 @@ pub struct TargetArgs {
     /// the first reactor twice the connections of the second).
     #[arg(long, value_delimiter = ',')]
     pub reactor_weights: Vec<u32>,
-    /// Microseconds an idle NVMe/TCP queue pair polls its socket before its reactor
-    /// sleeps (0: no polling). Pays when the reactors have CPUs of their own (`-m` and
-    /// `taskset`); on a machine shared with the clients it takes CPU they need.
+    /// Microseconds an NVMe/TCP queue pair polls its socket and its commands in flight
+    /// before its reactor sleeps (0: no polling). Pays most when the reactors have CPUs of
+    /// their own (`-m` and `taskset`); on a machine shared with the clients it offers the
+    /// CPU to them at each round.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub poll_us: u64,
 }

@@ -1,8 +1,10 @@
 //! Verifiable block contents.
 //!
 //! A block written by the bench carries its offset, a generation number (how many times
-//! this block has been written in this run) and a pseudo-random body derived from both, so
-//! a read-back detects stale data, misdirected writes and corruption, and says which.
+//! this block has been written in this run) and, with `--verify`, a pseudo-random body
+//! derived from both, so a read-back detects stale data, misdirected writes and
+//! corruption, and says which. Without it every block carries one body under its own
+//! stamp.
 
 /// Marks a block written by `basalt bench`.
 const MAGIC: u32 = 0xba5a_17be;

@@ -209,20 +209,37 @@ mod tests {
         assert!(again.iter().all(|b| *b == 0));
         assert_eq!(again.len(), 4000);
         drop(again);
-        let copied = DmaBuf::from_slice(&[7u8; 100]);
+        let mut copied = DmaBuf::from_slice(&[7u8; 100]);
         assert_eq!(copied.as_ptr() as usize, address);
         assert_eq!(&copied[..], &[7u8; 100][..]);
-        let larger = DmaBuf::zeroed(8192);
+        copied.fill(0x5a);
+        drop(copied);
+        // A freed page is not handed out for another capacity.
+        let mut larger = DmaBuf::zeroed(8192);
         assert_ne!(larger.as_ptr() as usize, address);
         assert!(larger.iter().all(|b| *b == 0));
-        // Beyond the cached sizes, and across threads, buffers still work.
+        larger.fill(0x3c);
+        drop(larger);
+        let again = DmaBuf::zeroed(8192);
+        assert!(
+            again.iter().all(|b| *b == 0),
+            "a reused 8 KiB buffer is zeroed"
+        );
+        // Beyond the cached sizes, and buffers freed on another thread than their own
+        // (kept there, up to the limit), still work.
         let huge = DmaBuf::zeroed((CACHED_PAGES_MAX + 1) * DMA_ALIGN);
+        let mut page = DmaBuf::zeroed(4096);
+        page.fill(9);
         let moved = std::thread::spawn(move || {
             drop(huge);
+            let address = page.as_ptr() as usize;
+            drop(page);
+            let reused = DmaBuf::zeroed(4096);
+            let same = reused.as_ptr() as usize == address;
             let mut kept: Vec<DmaBuf> = (0..300).map(|_| DmaBuf::zeroed(4096)).collect();
             kept.iter_mut().for_each(|buf| buf.fill(1));
             drop(kept);
-            DmaBuf::zeroed(4096).iter().all(|b| *b == 0)
+            same && reused.iter().all(|b| *b == 0) && DmaBuf::zeroed(4096).iter().all(|b| *b == 0)
         });
         assert!(moved.join().expect("thread"));
     }

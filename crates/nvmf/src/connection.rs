@@ -125,18 +125,16 @@ pub async fn serve(
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
         let reading = connection.reading;
-        // Idle: look for the next command for a while before the reactor sleeps, never past
-        // the next deadline. Not when the controller is gone or a deadline has come: the
-        // select below sees to those.
-        if !poll.is_zero() && can_read && !has_output && !has_in_flight && !connection.is_closed() {
+        // Idle, or waiting for commands under way (an image bdev's replies from its OSDs):
+        // look for the next command or a completion for a while before the reactor sleeps,
+        // never past the next deadline. Not when the controller is gone or a deadline has
+        // come: the select below sees to those.
+        if !poll.is_zero() && can_read && !has_output && !connection.is_closed() {
             let now = Instant::now();
             let poll = deadline.map_or(poll, |deadline| {
                 poll.min(deadline.saturating_duration_since(now))
             });
-            if !poll.is_zero()
-                && let Some(read) = connection.poll_for_input(&mut reader, poll).await
-            {
-                connection.on_read(read);
+            if !poll.is_zero() && connection.poll_for_work(&mut reader, poll).await {
                 continue;
             }
         }
@@ -219,22 +217,41 @@ fn ready(response: Response) -> ResponseFuture {
 }
 
 impl Connection {
-    /// Tries to read for up to `poll`, letting the reactor's other tasks run between tries
-    /// (each yield also has the reactor look at its other sockets). `None`: nothing came.
-    async fn poll_for_input(
+    /// Tries for up to `poll` to read or to complete commands under way, letting the
+    /// reactor's other tasks run between tries (each yield also has the reactor look at
+    /// its other sockets, among them an image bdev's connections to its OSDs) and first
+    /// offering the CPU to any other runnable thread (the OSDs of `basalt dev` share the
+    /// machine: without it, QD1 writes to an image took longer with polling). Whether
+    /// something came (bytes read, the end or an error of the socket, completions
+    /// answered).
+    async fn poll_for_work(
         &mut self,
         reader: &mut tokio::net::tcp::OwnedReadHalf,
         poll: std::time::Duration,
-    ) -> Option<io::Result<usize>> {
+    ) -> bool {
         let start = std::time::Instant::now();
         loop {
             match reader.try_read_buf(&mut self.input) {
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                read => return Some(read),
+                read => {
+                    self.on_read(read);
+                    return true;
+                }
+            }
+            if !self.in_flight.is_empty() {
+                let responses =
+                    poll_fn(|cx| Poll::Ready(poll_ready(&mut self.in_flight, cx))).await;
+                if let Poll::Ready(responses) = responses {
+                    for (response, data_limit, site) in responses {
+                        self.respond(response, data_limit, &site);
+                    }
+                    return true;
+                }
             }
             if start.elapsed() >= poll {
-                return None;
+                return false;
             }
+            basalt_io::process::yield_cpu();
             tokio::task::yield_now().await;
         }
     }
@@ -425,11 +442,12 @@ impl Connection {
     }
 
     fn push(&mut self, future: ResponseFuture, data_limit: u32, site: ErrorSite) {
+        let bound = self.queue.is_some();
         self.in_flight.push(InFlight {
             future,
             data_limit,
             async_event: false,
-            site,
+            site: ErrorSite { bound, ..site },
         });
     }
 
@@ -506,7 +524,10 @@ impl Connection {
                 future: Box::pin(async move { Response::dw0(id, controller.next_event().await) }),
                 data_limit: 0,
                 async_event: true,
-                site: ErrorSite::of(&sqe),
+                site: ErrorSite {
+                    bound: true,
+                    ..ErrorSite::of(&sqe)
+                },
             });
             return;
         }
@@ -762,6 +783,7 @@ impl Connection {
             (queue.qid, queue.sq_flow_control_disabled)
         });
         if !response.status.is_success()
+            && site.bound
             && let Some(queue) = &self.queue
         {
             queue

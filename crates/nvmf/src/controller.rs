@@ -128,24 +128,33 @@ struct ControllerState {
 }
 
 /// Where a command was aimed, for its entry in the error log should it fail: its opcode,
-/// namespace and starting LBA field (CDW10-11).
+/// namespace and starting LBA field (CDW10-11), and whether its connection had a queue
+/// (and so a controller) when it came.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ErrorSite {
     /// The command's opcode.
     pub opcode: u8,
-    /// Its namespace.
+    /// Its namespace (0 for Fabrics commands, whose bytes 4-7 are their type).
     pub nsid: u32,
     /// CDW10 and CDW11, the starting LBA of the commands that have one.
     pub slba: u64,
+    /// The connection was bound to a queue when the command came: a command refused
+    /// before Connect is no controller's error, even if it is answered after one.
+    pub bound: bool,
 }
 
 impl ErrorSite {
-    /// The site of `sqe`.
+    /// The site of `sqe` (not bound yet: the connection sets that).
     pub fn of(sqe: &crate::command::Sqe) -> Self {
         Self {
             opcode: sqe.opcode,
-            nsid: sqe.namespace_id,
+            nsid: if sqe.opcode == FABRICS {
+                0
+            } else {
+                sqe.namespace_id
+            },
             slba: u64::from(sqe.cdw10) | (u64::from(sqe.cdw11) << 32),
+            bound: false,
         }
     }
 }
@@ -527,10 +536,10 @@ impl Controller {
                 let (generation, records) = discovery();
                 identify::discovery(generation, &records)
             }
+            LOG_ERROR => identify::error_log(&self.lock().errors),
             _ if discovery_controller => {
                 return Response::status(id, Status::INVALID_LOG_PAGE.with_dnr());
             }
-            LOG_ERROR => identify::error_log(&self.lock().errors),
             LOG_HEALTH => identify::health(&HealthCounters {
                 error_log_entries: self.lock().error_count,
                 bytes_read: self.counters.bytes_read.load(Ordering::Relaxed),

@@ -38,6 +38,8 @@ pub enum HostError {
         status: Status,
         /// Completion dword 0.
         dw0: u32,
+        /// The command's identifier.
+        command_id: u16,
     },
     /// The controller broke the protocol, or terminated the connection.
     #[error("nvme/tcp protocol: {0}")]
@@ -52,6 +54,14 @@ impl HostError {
     pub fn status(&self) -> Option<Status> {
         match self {
             HostError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The identifier of the command that failed with a status.
+    pub fn command_id(&self) -> Option<u16> {
+        match self {
+            HostError::Status { command_id, .. } => Some(*command_id),
             _ => None,
         }
     }
@@ -286,6 +296,7 @@ pub fn check(completion: Completion) -> Result<Completion, HostError> {
         Err(HostError::Status {
             status: completion.cqe.status,
             dw0: completion.cqe.dw0,
+            command_id: completion.cqe.command_id,
         })
     }
 }

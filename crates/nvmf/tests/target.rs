@@ -259,27 +259,28 @@ async fn every_command_with_and_without_digests() {
             (
                 u64::from_le_bytes(e[0..8].try_into().expect("in range")),
                 u16_at(8),
+                u16_at(10),
                 u16_at(12),
+                u16_at(14),
                 u64::from_le_bytes(e[16..24].try_into().expect("in range")),
                 u32::from_le_bytes(e[24..28].try_into().expect("in range")),
             )
         };
         let qid = host.queue(0).qid;
+        let seen = |count: u64, error: &basalt_nvmf::host::HostError, lba: u64, nsid: u32| {
+            let status = error.status().expect("status").field();
+            let command_id = error.command_id().expect("command id");
+            (count, qid, command_id, status, 0xffff, lba, nsid)
+        };
         assert_eq!(
             [entry(0), entry(1), entry(2), entry(3)],
             [
-                (4, qid, too_large.status().expect("status").field(), 0, 1),
-                (3, qid, Status::INVALID_OPCODE.with_dnr().field(), 0, 1),
-                (2, qid, no_namespace.status().expect("status").field(), 0, 7),
-                (
-                    1,
-                    qid,
-                    past_end.status().expect("status").field(),
-                    BLOCKS - 1,
-                    1
-                ),
+                seen(4, &too_large, 0, 1),
+                seen(3, &bad_opcode, 0, 1),
+                seen(2, &no_namespace, 0, 7),
+                seen(1, &past_end, BLOCKS - 1, 1),
             ],
-            "(count, sqid, status, lba, nsid), newest first"
+            "(count, sqid, cid, status, parameter location, lba, nsid), newest first"
         );
         assert_eq!(&errors[4 * 64..], &[0u8; 64][..], "no fifth entry");
         let abort = Sqe {
@@ -385,11 +386,13 @@ async fn add_namespace(fixture: &Fixture, name: &str) -> Value {
 }
 
 /// A malloc bdev that says whether its completed writes may sit in a volatile cache (as a
-/// file bdev's do), and counts the writes (with and without FUA) and flushes that reach it.
+/// file bdev's do), counts the writes (with and without FUA) and flushes that reach it,
+/// and may take its time over reads (as an image bdev waits for its OSDs).
 struct Counting {
     inner: basalt_bdev::malloc::MallocBdev,
     volatile_cache: bool,
     counts: Arc<[AtomicU64; 3]>,
+    read_delay: Option<Duration>,
 }
 
 const FUA_WRITES: usize = 0;
@@ -399,11 +402,21 @@ const FLUSHES: usize = 2;
 impl Counting {
     /// Registers one named `name` with the fixture's bdevs; its counters.
     fn register(fixture: &Fixture, name: &str, volatile_cache: bool) -> Arc<[AtomicU64; 3]> {
+        Self::register_with(fixture, name, volatile_cache, None)
+    }
+
+    fn register_with(
+        fixture: &Fixture,
+        name: &str,
+        volatile_cache: bool,
+        read_delay: Option<Duration>,
+    ) -> Arc<[AtomicU64; 3]> {
         let counts: Arc<[AtomicU64; 3]> = Arc::default();
         let bdev = Counting {
             inner: basalt_bdev::malloc::MallocBdev::new_named(name, BLOCK, BLOCKS),
             volatile_cache,
             counts: counts.clone(),
+            read_delay,
         };
         let construct = basalt_common::ConfigCall {
             method: "test".to_string(),
@@ -422,7 +435,13 @@ impl Bdev for Counting {
         self.inner.info()
     }
     fn read(&self, extent: Extent) -> BdevFuture<'_, DmaBuf> {
-        self.inner.read(extent)
+        match self.read_delay {
+            Some(delay) => Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                self.inner.read(extent).await
+            }),
+            None => self.inner.read(extent),
+        }
     }
     fn write(&self, extent: Extent, data: DmaBuf, fua: bool) -> BdevFuture<'_, ()> {
         let which = if fua { FUA_WRITES } else { PLAIN_WRITES };
@@ -770,6 +789,16 @@ async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
     .await
     .expect("discovery connect");
     assert_eq!(discovery.identify[111], 2, "a discovery controller");
+    // Its error log is served as its ELPE says, empty: nothing failed on it.
+    let errors = discovery
+        .log_page(LOG_ERROR, 0, 64, false)
+        .await
+        .expect("error log");
+    assert_eq!(
+        (discovery.identify[262], errors),
+        (63, vec![0; 64]),
+        "ELPE and the discovery controller's error log"
+    );
     let header = discovery
         .log_page(LOG_DISCOVERY, 0, 1024, false)
         .await
@@ -1053,6 +1082,29 @@ async fn bad_digests_and_oversized_data_pdus() {
     data[16..20].copy_from_slice(&8192u32.to_le_bytes());
     stream.write_all(&data).await.expect("send");
     expect_term_req(&mut stream, 0x05, "data transfer limit exceeded").await;
+}
+
+/// A queue pair that polls while its commands are under way answers each as soon as it
+/// completes, not when the poll runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_queue_pair_answers_commands_as_they_complete() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    fixture.reactors.set_poll(Duration::from_secs(1));
+    Counting::register_with(&fixture, "Slow0", false, Some(Duration::from_millis(2)));
+    assert_eq!(add_namespace(&fixture, "Slow0").await, json!(2));
+    let host = Host::connect(fixture.address, NQN, HostOptions::default())
+        .await
+        .expect("connect");
+    let start = std::time::Instant::now();
+    for lba in 0..10 {
+        host.read(0, 2, lba, 1, BLOCK).await.expect("read");
+    }
+    let took = start.elapsed();
+    // Answered only once the poll ran out, ten reads would take ten seconds.
+    assert!(
+        took < Duration::from_secs(2),
+        "ten 2 ms reads took {took:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
