@@ -37,6 +37,10 @@ use crate::target::{BoundQueue, NvmfTarget};
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bytes read from the socket at a time, at least.
 const READ_CHUNK_BYTES: usize = 256 << 10;
+/// Commands under way up to which a polling connection polls for their completion (an
+/// admin queue's outstanding Asynchronous Event Request counts).
+const POLL_IN_FLIGHT_MAX: usize = 1;
+
 /// Unwritten output past which the connection stops reading commands.
 const OUTPUT_BYTES_MAX: usize = 16 << 20;
 
@@ -125,11 +129,18 @@ pub async fn serve(
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
         let reading = connection.reading;
-        // Idle, or waiting for commands under way (an image bdev's replies from its OSDs):
-        // look for the next command or a completion for a while before the reactor sleeps,
-        // never past the next deadline. Not when the controller is gone or a deadline has
-        // come: the select below sees to those.
-        if !poll.is_zero() && can_read && !has_output && !connection.is_closed() {
+        // Idle, or waiting for a lone command under way (an image bdev's reply from its
+        // OSDs): look for the next command or the completion for a while before the reactor
+        // sleeps, never past the next deadline. Not with several commands under way: they
+        // complete often enough, and a poller there takes CPU that the bdev's OSDs on a
+        // shared machine need (QD32 writes to an image fell a quarter). Not when the
+        // controller is gone or a deadline has come: the select below sees to those.
+        if !poll.is_zero()
+            && can_read
+            && !has_output
+            && connection.in_flight.len() <= POLL_IN_FLIGHT_MAX
+            && !connection.is_closed()
+        {
             let now = Instant::now();
             let poll = deadline.map_or(poll, |deadline| {
                 poll.min(deadline.saturating_duration_since(now))
