@@ -4,7 +4,7 @@
 # 4 KiB blocks); `basalt bench --nvmf` (our initiator) measures 4k random writes then
 # reads at QD1 and QD32 over the 256 MiB it writes. The path `basalt dev` serves, with
 # the target's polling as the variable: each round starts the target once per value of
-# TARGET_POLLS (`basalt target --poll-us`), alternating.
+# TARGET_POLLS (`basalt target --poll-us`), in reverse order in even rounds.
 #
 # Usage: bench/image-nvmf.sh [REPORT.md]
 # Environment: TARGET_POLLS (default "0 500"), ROUNDS (default 2), RUNTIME (seconds per
@@ -29,22 +29,38 @@ start_cluster "$DEVICE_SIZE"
 create_pool bench "$PGS"
 "$BASALT" image create bench/img --size 1GiB --mon "$MON" >/dev/null
 
+SOCK=$BASE_DIR/rpc.sock
+rpc() { "$BASALT" rpc -s "$SOCK" "$@" >/dev/null; }
+
 # start_target POLL_US: sets TARGET_PID and URI.
 start_target() {
-    local sock=$BASE_DIR/rpc.sock port
-    rm -f "$sock"
-    "$BASALT" target -r "$sock" --poll-us "$1" >"$BASE_DIR/target.log" 2>&1 &
+    local port=""
+    rm -f "$SOCK"
+    "$BASALT" target -r "$SOCK" --poll-us "$1" >"$BASE_DIR/target.log" 2>&1 &
     TARGET_PID=$!; pids+=("$TARGET_PID")
-    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
-    [ -S "$sock" ] || die "basalt target did not start: $(cat "$BASE_DIR/target.log")"
-    rpc() { "$BASALT" rpc -s "$sock" "$@" >/dev/null; }
+    for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
+    [ -S "$SOCK" ] || die "basalt target did not start: $(cat "$BASE_DIR/target.log")"
     rpc bdev_basalt_create "{\"name\":\"img\",\"pool\":\"bench\",\"image\":\"img\",\"mons\":[\"$MON\"],\"block_size\":4096}"
     rpc nvmf_create_transport '{"trtype":"TCP"}'
     rpc nvmf_create_subsystem "{\"nqn\":\"$NQN\",\"allow_any_host\":true}"
     rpc nvmf_subsystem_add_ns "{\"nqn\":\"$NQN\",\"namespace\":{\"bdev_name\":\"img\"}}"
-    port=$(free_port)
-    rpc nvmf_subsystem_add_listener "{\"nqn\":\"$NQN\",\"listen_address\":{\"trtype\":\"TCP\",\"adrfam\":\"IPv4\",\"traddr\":\"127.0.0.1\",\"trsvcid\":\"$port\"}}"
+    # A free port may be taken before the listener binds it (the image's own connections):
+    # try another.
+    for _ in 1 2 3 4 5; do
+        port=$(free_port)
+        rpc nvmf_subsystem_add_listener "{\"nqn\":\"$NQN\",\"listen_address\":{\"trtype\":\"TCP\",\"adrfam\":\"IPv4\",\"traddr\":\"127.0.0.1\",\"trsvcid\":\"$port\"}}" 2>/dev/null && break
+        port=""
+    done
+    [ -n "$port" ] || die "no listener could bind a port"
     URI="nvme+tcp://127.0.0.1:$port/$NQN"
+}
+
+# stop_target: stops it and forgets its pid (so that the cleanup kills no other process).
+stop_target() {
+    kill "$TARGET_PID"; wait "$TARGET_PID" 2>/dev/null || true
+    local kept=() pid
+    for pid in "${pids[@]}"; do [ "$pid" = "$TARGET_PID" ] || kept+=("$pid"); done
+    pids=("${kept[@]}")
 }
 
 # measure RW QD: prints "IOPS MEAN_US P99_US".
@@ -58,20 +74,23 @@ print("%.0f %.1f %.1f" % (d["iops"], l["mean_us"], dict(l["percentiles_us"]).get
 
 rows=()
 for round in $(seq "$ROUNDS"); do
-    for poll in $TARGET_POLLS; do
+    polls=$TARGET_POLLS
+    [ $((round % 2)) = 0 ] && polls=$(echo "$TARGET_POLLS" | awk '{for (i = NF; i > 0; i--) printf "%s ", $i}')
+    for poll in $polls; do
         start_target "$poll"
         for rw in randwrite randread; do
             for qd in 1 32; do
-                read -r iops mean p99 < <(measure "$rw" "$qd")
+                out=$(measure "$rw" "$qd") || die "the bench failed ($rw QD$qd, --poll-us $poll); see $BASE_DIR/target.log (KEEP=1 keeps it)"
+                read -r iops mean p99 <<<"$out"
                 rows+=("| $round | $poll | 4k $rw QD$qd | $iops | $mean | $p99 |")
             done
         done
-        kill "$TARGET_PID"; wait "$TARGET_PID" 2>/dev/null || true
+        stop_target
     done
 done
 
 {
-    echo "# A 3-replica image over NVMe/TCP ($(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD), ${RUNTIME}s per case, $PGS PGs, $DEVICE_SIZE OSD devices${OSD_ARGS:+, OSDs run with $OSD_ARGS})"
+    echo "# A 3-replica image over NVMe/TCP ($(date -u +%Y-%m-%d), commit $(git describe --always --dirty), ${RUNTIME}s per case, $PGS PGs, $DEVICE_SIZE OSD devices${OSD_ARGS:+, OSDs run with $OSD_ARGS})"
     echo
     echo "| round | target --poll-us | case | IOPS | mean µs | p99 µs |"
     echo "|---:|---:|---|---:|---:|---:|"

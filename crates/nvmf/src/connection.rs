@@ -37,8 +37,9 @@ use crate::target::{BoundQueue, NvmfTarget};
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bytes read from the socket at a time, at least.
 const READ_CHUNK_BYTES: usize = 256 << 10;
-/// Commands under way up to which a polling connection polls for their completion (an
-/// admin queue's outstanding Asynchronous Event Request counts).
+/// Commands under way up to which a polling connection polls for their completion. An
+/// admin queue with an Asynchronous Event Request outstanding (waiting for an event, not
+/// for I/O) does not poll.
 const POLL_IN_FLIGHT_MAX: usize = 1;
 
 /// Unwritten output past which the connection stops reading commands.
@@ -139,6 +140,10 @@ pub async fn serve(
             && can_read
             && !has_output
             && connection.in_flight.len() <= POLL_IN_FLIGHT_MAX
+            && !connection
+                .in_flight
+                .iter()
+                .any(|command| command.async_event)
             && !connection.is_closed()
         {
             let now = Instant::now();
@@ -259,7 +264,9 @@ impl Connection {
                     return true;
                 }
             }
-            if start.elapsed() >= poll {
+            // A teardown meanwhile (a keep-alive expiry, a deleted subsystem) is the
+            // select's to see.
+            if start.elapsed() >= poll || self.is_closed() {
                 return false;
             }
             basalt_io::process::yield_cpu();
