@@ -25,34 +25,22 @@ REPORT=${1:-}
 NQN=nqn.2016-06.io.basalt:image
 [ -x "$BASALT" ] || cargo build --release -p basalt
 . bench/cluster-lib.sh
+. bench/nvmf-lib.sh
 start_cluster "$DEVICE_SIZE"
 create_pool bench "$PGS"
 "$BASALT" image create bench/img --size 1GiB --mon "$MON" >/dev/null
 
 SOCK=$BASE_DIR/rpc.sock
-rpc() { "$BASALT" rpc -s "$SOCK" "$@" >/dev/null; }
 
 # start_target POLL_US: sets TARGET_PID and URI.
 start_target() {
-    local port=""
     rm -f "$SOCK"
     "$BASALT" target -r "$SOCK" --poll-us "$1" >"$BASE_DIR/target.log" 2>&1 &
     TARGET_PID=$!; pids+=("$TARGET_PID")
     for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
     [ -S "$SOCK" ] || die "basalt target did not start: $(cat "$BASE_DIR/target.log")"
-    rpc bdev_basalt_create "{\"name\":\"img\",\"pool\":\"bench\",\"image\":\"img\",\"mons\":[\"$MON\"],\"block_size\":4096}"
-    rpc nvmf_create_transport '{"trtype":"TCP"}'
-    rpc nvmf_create_subsystem "{\"nqn\":\"$NQN\",\"allow_any_host\":true}"
-    rpc nvmf_subsystem_add_ns "{\"nqn\":\"$NQN\",\"namespace\":{\"bdev_name\":\"img\"}}"
-    # A free port may be taken before the listener binds it (the image's own connections):
-    # try another.
-    for _ in 1 2 3 4 5; do
-        port=$(free_port)
-        rpc nvmf_subsystem_add_listener "{\"nqn\":\"$NQN\",\"listen_address\":{\"trtype\":\"TCP\",\"adrfam\":\"IPv4\",\"traddr\":\"127.0.0.1\",\"trsvcid\":\"$port\"}}" 2>/dev/null && break
-        port=""
-    done
-    [ -n "$port" ] || die "no listener could bind a port"
-    URI="nvme+tcp://127.0.0.1:$port/$NQN"
+    "$BASALT" rpc -s "$SOCK" bdev_basalt_create "{\"name\":\"img\",\"pool\":\"bench\",\"image\":\"img\",\"mons\":[\"$MON\"],\"block_size\":4096}" >/dev/null
+    nvmf_export "$SOCK" img "$NQN" || die "the image could not be exported"
 }
 
 # stop_target: stops it and forgets its pid (so that the cleanup kills no other process).

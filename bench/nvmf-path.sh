@@ -58,18 +58,8 @@ s='$SIZE'; m=re.fullmatch(r'(\d+)([KMGT]i?B?)?', s)
 n=int(m.group(1)); u=(m.group(2) or '').rstrip('B').rstrip('i')
 print(n * {'':1,'K':1<<10,'M':1<<20,'G':1<<30,'T':1<<40}[u])")
 rpc bdev_malloc_create "{\"name\":\"m0\",\"num_blocks\":$((size_bytes / 4096)),\"block_size\":4096}"
-rpc nvmf_create_transport '{"trtype":"TCP"}'
-rpc nvmf_create_subsystem "{\"nqn\":\"$NQN\",\"allow_any_host\":true}"
-rpc nvmf_subsystem_add_ns "{\"nqn\":\"$NQN\",\"namespace\":{\"bdev_name\":\"m0\"}}"
-port=""
-for candidate in $(seq 14420 14520); do
-    if "$BASALT" rpc -s "$SOCK" nvmf_subsystem_add_listener "{\"nqn\":\"$NQN\",\"listen_address\":{\"trtype\":\"TCP\",\"adrfam\":\"IPv4\",\"traddr\":\"127.0.0.1\",\"trsvcid\":\"$candidate\"}}" >/dev/null 2>&1; then
-        port=$candidate
-        break
-    fi
-done
-[ -n "$port" ] || die "no free port in 14420-14520"
-URI="nvme+tcp://127.0.0.1:$port/$NQN"
+. "$SCRIPT_DIR/nvmf-lib.sh"
+nvmf_export "$SOCK" m0 "$NQN" || die "the malloc bdev could not be exported"
 log "target pid $TARGET_PID, $URI"
 "$BASALT" bench --nvmf "$URI" --rw write --bs 128KiB --iodepth 8 --io-count $((size_bytes >> 17)) >/dev/null
 

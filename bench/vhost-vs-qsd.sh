@@ -51,18 +51,19 @@ if [ "${1:-}" != "--guest" ]; then
     # the guest had to kick each server.
     target_pid=${pids[0]}; qsd_pid=${pids[1]}
     ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-    writes() { awk '$1 == "syscw:" {print $2}' "/proc/$1/io" 2>/dev/null || echo 0; }
+    # (0 when QEMU was not found: the kicks column then reads 0.)
+    writes() { [ -n "$1" ] && awk '$1 == "syscw:" {print $2}' "/proc/$1/io" 2>/dev/null || echo 0; }
     mkfifo "$work/marks"
     # (Read straight from the FIFO: a filter such as tr would hold lines in its buffer.)
     while read -r tag who rw qd _; do
         pid=$target_pid; [ "$who" = qsd ] && pid=$qsd_pid; qd=${qd%$'\r'}
         case $tag in
             BEGIN)
-                qemu=$(pgrep -f "^[^ ]*qemu-system[^ ]* .*$work/vhost.0" | head -1)
-                start=$(ticks "$pid"); start_writes=$(writes "${qemu:-self}") ;;
+                qemu=$(pgrep -f "^[^ ]*qemu-system[^ ]* .*$work/vhost.0" | head -1 || true)
+                start=$(ticks "$pid"); start_writes=$(writes "$qemu") ;;
             END)
                 echo "CPU $who $rw $qd $(($(ticks "$pid") - start))" >>"$work/cpu"
-                echo "KICKS $who $rw $qd $(($(writes "${qemu:-self}") - start_writes))" >>"$work/cpu" ;;
+                echo "KICKS $who $rw $qd $(($(writes "$qemu") - start_writes))" >>"$work/cpu" ;;
         esac
     done <"$work/marks" &
     watcher=$!

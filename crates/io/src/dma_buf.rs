@@ -24,12 +24,16 @@ struct Cache {
 }
 
 impl Cache {
+    /// The index of `capacity` in [`Cache::free`], if buffers of it are kept.
+    fn class_of(capacity: usize) -> Option<usize> {
+        (capacity / DMA_ALIGN)
+            .checked_sub(1)
+            .filter(|&index| index < CACHED_PAGES_MAX)
+    }
+
     /// A kept allocation of `capacity` bytes, if any.
     fn take(capacity: usize) -> Option<NonNull<u8>> {
-        let index = (capacity / DMA_ALIGN).checked_sub(1)?;
-        if index >= CACHED_PAGES_MAX {
-            return None;
-        }
+        let index = Self::class_of(capacity)?;
         CACHE
             .try_with(|cache| cache.borrow_mut().free[index].pop())
             .ok()
@@ -39,12 +43,9 @@ impl Cache {
     /// Keeps `ptr` (an allocation of `capacity` bytes) for reuse, or gives it back when
     /// this thread keeps enough of that capacity (or is exiting).
     fn keep(ptr: NonNull<u8>, capacity: usize) -> Result<(), NonNull<u8>> {
-        let Some(index) = (capacity / DMA_ALIGN).checked_sub(1) else {
+        let Some(index) = Self::class_of(capacity) else {
             return Err(ptr);
         };
-        if index >= CACHED_PAGES_MAX {
-            return Err(ptr);
-        }
         let limit = (CACHED_BYTES_PER_CAPACITY / capacity).max(1);
         CACHE
             .try_with(|cache| {

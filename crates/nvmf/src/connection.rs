@@ -46,8 +46,8 @@ const POLL_IN_FLIGHT_MAX: usize = 1;
 const OUTPUT_BYTES_MAX: usize = 16 << 20;
 
 /// A command under way: its future, how many bytes of data the host takes back (its
-/// SGL length), where it was aimed, and whether it is an Asynchronous Event Request (waits for an event, no
-/// I/O: dropped when the connection ends).
+/// SGL length), where it was aimed, and whether it is an Asynchronous Event Request
+/// (waits for an event, no I/O: dropped when the connection ends).
 struct InFlight {
     future: ResponseFuture,
     data_limit: u32,
@@ -136,16 +136,7 @@ pub async fn serve(
         // complete often enough, and a poller there takes CPU that the bdev's OSDs on a
         // shared machine need (QD32 writes to an image fell a quarter). Not when the
         // controller is gone or a deadline has come: the select below sees to those.
-        if !poll.is_zero()
-            && can_read
-            && !has_output
-            && connection.in_flight.len() <= POLL_IN_FLIGHT_MAX
-            && !connection
-                .in_flight
-                .iter()
-                .any(|command| command.async_event)
-            && !connection.is_closed()
-        {
+        if !poll.is_zero() && can_read && !has_output && connection.may_poll() {
             let now = Instant::now();
             let poll = deadline.map_or(poll, |deadline| {
                 poll.min(deadline.saturating_duration_since(now))
@@ -158,9 +149,7 @@ pub async fn serve(
         tokio::select! {
             biased;
             responses = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
-                for (response, data_limit, site) in responses {
-                    connection.respond(response, data_limit, &site);
-                }
+                connection.respond_all(responses);
             }
             written = writer.write(&connection.output[connection.output_start..]), if has_output => {
                 match written {
@@ -258,9 +247,7 @@ impl Connection {
                 let responses =
                     poll_fn(|cx| Poll::Ready(poll_ready(&mut self.in_flight, cx))).await;
                 if let Poll::Ready(responses) = responses {
-                    for (response, data_limit, site) in responses {
-                        self.respond(response, data_limit, &site);
-                    }
+                    self.respond_all(responses);
                     return true;
                 }
             }
@@ -459,12 +446,32 @@ impl Connection {
         }
     }
 
+    /// Whether the connection may poll: at most [`POLL_IN_FLIGHT_MAX`] commands under way,
+    /// none of them an Asynchronous Event Request, and the controller still there.
+    fn may_poll(&self) -> bool {
+        self.in_flight.len() <= POLL_IN_FLIGHT_MAX
+            && !self.in_flight.iter().any(|command| command.async_event)
+            && !self.is_closed()
+    }
+
     fn push(&mut self, future: ResponseFuture, data_limit: u32, site: ErrorSite) {
+        self.enqueue(future, data_limit, site, false);
+    }
+
+    /// Puts a command under way; it counts as a controller's (for the error log) when the
+    /// connection is bound to a queue now.
+    fn enqueue(
+        &mut self,
+        future: ResponseFuture,
+        data_limit: u32,
+        site: ErrorSite,
+        async_event: bool,
+    ) {
         let bound = self.queue.is_some();
         self.in_flight.push(InFlight {
             future,
             data_limit,
-            async_event: false,
+            async_event,
             site: ErrorSite { bound, ..site },
         });
     }
@@ -538,15 +545,8 @@ impl Connection {
                 return;
             }
             let controller = controller.clone();
-            self.in_flight.push(InFlight {
-                future: Box::pin(async move { Response::dw0(id, controller.next_event().await) }),
-                data_limit: 0,
-                async_event: true,
-                site: ErrorSite {
-                    bound: true,
-                    ..ErrorSite::of(&sqe)
-                },
-            });
+            let event = Box::pin(async move { Response::dw0(id, controller.next_event().await) });
+            self.enqueue(event, 0, ErrorSite::of(&sqe), true);
             return;
         }
         let target = &self.target;
@@ -788,6 +788,12 @@ impl Connection {
             _ => Response::status(id, Status::INVALID_OPCODE.with_dnr()),
         };
         self.push_response(response, ErrorSite::of(&sqe));
+    }
+
+    fn respond_all(&mut self, responses: Vec<(Response, u32, ErrorSite)>) {
+        for (response, data_limit, site) in responses {
+            self.respond(response, data_limit, &site);
+        }
     }
 
     /// Encodes a command's end: C2HData with its data, then a response capsule unless

@@ -481,9 +481,6 @@ struct Core {
     hard_states: HashMap<PgId, basalt_replication::HardState>,
     /// PGs whose last hard state (a commit index change) is not written yet.
     lazy_commit: std::collections::HashSet<PgId>,
-    /// This turn handled work under way ([`Event::is_work`]): polling may catch its next
-    /// step.
-    busy: bool,
     /// Log bytes of the writes proposed here and not yet answered.
     pending_bytes: u64,
     /// The core's own queue, for the tasks it starts.
@@ -578,7 +575,6 @@ impl Core {
     }
 
     fn handle(&mut self, event: Event) -> Result<(), OsdError> {
-        self.busy |= event.is_work();
         match event {
             Event::Request { message, reply } => self.request(message, reply),
             Event::Raft { pg, message } => self.raft_message(pg, message),
@@ -2908,7 +2904,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         actions: Vec::new(),
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
-        busy: false,
         pending_bytes: 0,
         events: core_events,
         durable: HashMap::new(),
@@ -2957,11 +2952,16 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ticks = 0u64;
         loop {
+            // This turn handled work under way (`Event::is_work`): polling may catch its
+            // next step.
+            let mut busy = false;
             tokio::select! {
                 event = inbox.recv() => {
                     let Some(event) = event else { return Ok(()) };
+                    busy |= event.is_work();
                     core.handle(event)?;
                     while let Ok(event) = inbox.try_recv() {
+                        busy |= event.is_work();
                         core.handle(event)?;
                     }
                 }
@@ -2983,10 +2983,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
-            if polling
-                && std::mem::take(&mut core.busy)
-                && load.light(core.log.stats(), std::time::Instant::now())
-            {
+            if polling && busy && load.light(core.log.stats(), std::time::Instant::now()) {
                 turns.notify_one();
             }
         }
@@ -3043,11 +3040,10 @@ impl WriteLoad {
 }
 
 /// Keeps the OSD's thread busy for `poll` after a turn of its core (the core asks for it
-/// after a turn with work under way, `Core::busy`, while [`WriteLoad`] finds the writes
-/// light): the task yields to the runtime in a loop,
-/// and each yield has the runtime look at its sockets and the device's completion eventfd
-/// without sleeping, so an acknowledgement or a completion expected within `poll` is taken
-/// without the wake-up of a sleeping thread (25-30 µs on this machine's vCPUs). Each round
+/// after a turn with work under way, [`Event::is_work`], while [`WriteLoad`] finds the
+/// writes light): the task yields to the runtime in a loop, and each yield has the runtime
+/// look at its sockets and the device's completion eventfd without sleeping, so an
+/// acknowledgement or a completion expected within `poll` is taken without the wake-up of a sleeping thread (25-30 µs on this machine's vCPUs). Each round
 /// first offers the CPU to any other runnable thread (`sched_yield`): without that, three
 /// polling OSDs on two vCPUs doubled the QD1 write latency (docs/benchmarks.md). A turn
 /// during the window starts a new one when it ends. Off by default: the CPU stays busy
