@@ -232,7 +232,7 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     let socket = dir.join("target.sock");
     let target = Target::new(
         crate::core_count(),
-        basalt_io::Placement::IncomingCpu,
+        basalt_io::Placement::RoundRobin,
         dir.to_path_buf(),
     )
     .context("starting the reactors")?;

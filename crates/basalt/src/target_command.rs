@@ -23,10 +23,10 @@ pub struct TargetArgs {
     /// Reactor threads serving frontend connections (default: one per core).
     #[arg(short = 'm', long)]
     pub reactors: Option<usize>,
-    /// Where new connections (NBD connections, NVMe/TCP queue pairs) go: incoming-cpu (the
-    /// reactor on the CPU the connection's packets arrive on), round-robin, or
-    /// weighted-round-robin (smooth, by --reactor-weights).
-    #[arg(long, default_value = "incoming-cpu")]
+    /// Where new connections (NBD connections, NVMe/TCP queue pairs) go: round-robin (each
+    /// to the next reactor), incoming-cpu (the reactor on the CPU the connection's packets
+    /// arrive on), or weighted-round-robin (smooth, by --reactor-weights).
+    #[arg(long, default_value = "round-robin")]
     pub reactor_placement: Placement,
     /// Weights of the reactors for weighted-round-robin, one per reactor (e.g. 2,1 gives
     /// the first reactor twice the connections of the second).

@@ -533,3 +533,58 @@ fn nvmf_methods_name_what_is_wrong() {
     target.rpc_ok("bdev_malloc_delete", json!({"name": "m0"}));
     target.rpc_err("nvmf_delete_subsystem", json!({"nqn": nqn}), NO_DEVICE);
 }
+
+/// Without `--reactor-placement`, a controller's queue pairs go round robin over the
+/// reactors (as the issue and SPDK's target have it), not all to the reactor of the CPU
+/// the host's packets arrive on.
+#[test]
+fn queue_pairs_go_round_robin_over_the_reactors_by_default() {
+    let dir = ScratchDir::new("rpc-placement");
+    let target = TargetProcess::start(&dir.path, &["-m", "2"]);
+    let nqn = "nqn.2016-06.io.basalt:placement";
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"num_blocks": 256, "block_size": 512, "name": "m0"}),
+    );
+    target.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
+    target.rpc_ok(
+        "nvmf_create_subsystem",
+        json!({"nqn": nqn, "allow_any_host": true}),
+    );
+    target.rpc_ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": nqn, "namespace": {"bdev_name": "m0"}}),
+    );
+    let port = free_port();
+    target.rpc_ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "adrfam": "IPv4",
+            "traddr": "127.0.0.1", "trsvcid": port.to_string()}}),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let options = basalt_nvmf::host::HostOptions {
+        io_queues: 3,
+        ..basalt_nvmf::host::HostOptions::default()
+    };
+    let host = runtime
+        .block_on(basalt_nvmf::host::Host::connect(address, nqn, options))
+        .expect("connect");
+    let qpairs = target.rpc_ok("nvmf_subsystem_get_qpairs", json!({"nqn": nqn}));
+    let threads: Vec<&str> = qpairs
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|qpair| qpair["thread"].as_str())
+        .collect();
+    assert_eq!(threads.len(), 4, "admin and 3 I/O queues: {qpairs}");
+    assert!(
+        threads.windows(2).all(|pair| pair[0] != pair[1]),
+        "consecutive queue pairs alternate between the 2 reactors: {qpairs}"
+    );
+    drop(host);
+    target.stop();
+}

@@ -25,11 +25,11 @@ pub const REACTOR_COUNT_MAX: usize = 256;
 /// How new connections are spread over the reactors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Placement {
-    /// Each new connection to the next reactor.
+    /// Each new connection to the next reactor (the default, as SPDK's target does).
+    #[default]
     RoundRobin,
     /// To the reactor pinned to the CPU where the connection's packets arrive; round robin
     /// when no reactor is on that CPU.
-    #[default]
     IncomingCpu,
     /// Smooth weighted round robin over the reactors' weights (see
     /// [`Reactors::set_weights`]; equal weights by default, which is round robin): a
