@@ -8,112 +8,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use basalt_bdev::registry::BdevKind;
-use basalt_bdev::{Bdev, BdevFuture, BdevRegistry, Extent};
+use basalt_bdev::{Bdev, BdevFuture, Extent};
 use basalt_io::DmaBuf;
 use basalt_io::Reactors;
-use basalt_nvmf::NvmfTarget;
 use basalt_nvmf::command::*;
 use basalt_nvmf::completion::Status;
 use basalt_nvmf::host::{Host, HostOptions};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const NQN: &str = "nqn.2016-06.io.basalt:test";
-const BLOCK: u32 = 512;
-const BLOCKS: u64 = 16384; // 8 MiB
-
-struct Fixture {
-    target: Arc<NvmfTarget>,
-    registry: BdevRegistry,
-    address: SocketAddr,
-    reactors: Arc<Reactors>,
-}
-
-async fn rpc(
-    fixture: &Fixture,
-    method: &str,
-    params: Value,
-) -> Result<Value, basalt_common::RpcError> {
-    basalt_nvmf::rpc::call(&fixture.target, &fixture.registry, method, params)
-        .await
-        .expect("an nvmf method")
-}
-
-fn add_malloc(registry: &BdevRegistry, name: &str) {
-    let params = json!({"name": name, "num_blocks": BLOCKS, "block_size": BLOCK});
-    basalt_bdev::rpc::call(registry, "bdev_malloc_create", params)
-        .expect("a bdev method")
-        .expect("malloc bdev");
-}
-
-/// A target with one subsystem (allow any host) exporting an 8 MiB malloc bdev on a free
-/// loopback port.
-async fn fixture(transport: Value) -> Fixture {
-    fixture_on(
-        Reactors::start(1, "test-reactor").expect("reactors"),
-        transport,
-    )
-    .await
-}
-
-async fn fixture_on(reactors: Reactors, transport: Value) -> Fixture {
-    let reactors = Arc::new(reactors);
-    let target = NvmfTarget::new(reactors.clone());
-    let registry = BdevRegistry::new();
-    add_malloc(&registry, "Malloc0");
-    let mut fixture = Fixture {
-        target,
-        registry,
-        address: "127.0.0.1:0".parse().expect("address"),
-        reactors,
-    };
-    rpc(&fixture, "nvmf_create_transport", transport)
-        .await
-        .expect("transport");
-    rpc(
-        &fixture,
-        "nvmf_create_subsystem",
-        json!({"nqn": NQN, "allow_any_host": true, "serial_number": "BASALT0001"}),
-    )
-    .await
-    .expect("subsystem");
-    assert_eq!(add_namespace(&fixture, "Malloc0").await, json!(1));
-    rpc(
-        &fixture,
-        "nvmf_subsystem_add_listener",
-        json!({"nqn": NQN, "listen_address": {"trtype": "tcp", "adrfam": "IPv4", "traddr": "127.0.0.1", "trsvcid": "0"}}),
-    )
-    .await
-    .expect("listener");
-    let subsystems = rpc(&fixture, "nvmf_get_subsystems", json!({"nqn": NQN}))
-        .await
-        .expect("get");
-    let port: u16 = subsystems[0]["listen_addresses"][0]["trsvcid"]
-        .as_str()
-        .expect("trsvcid")
-        .parse()
-        .expect("port");
-    fixture.address = SocketAddr::from(([127, 0, 0, 1], port));
-    fixture
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
-async fn read_write_cycle(host: &Host, queue: usize, lba: u64, len: usize, seed: u8) {
-    let data = pattern(seed, len);
-    host.write(queue, 1, lba, data.clone(), BLOCK, false)
-        .await
-        .expect("write");
-    let back = host
-        .read(queue, 1, lba, (len / BLOCK as usize) as u32, BLOCK)
-        .await
-        .expect("read");
-    assert_eq!(back, data, "lba {lba}, {len} bytes");
-}
+mod support;
+use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_command_with_and_without_digests() {
@@ -372,17 +277,6 @@ async fn every_command_with_and_without_digests() {
         );
         drop(host);
     }
-}
-
-/// Exports bdev `name` as the next namespace of [`NQN`]; its nsid.
-async fn add_namespace(fixture: &Fixture, name: &str) -> Value {
-    rpc(
-        fixture,
-        "nvmf_subsystem_add_ns",
-        json!({"nqn": NQN, "namespace": {"bdev_name": name}}),
-    )
-    .await
-    .expect("namespace")
 }
 
 /// A malloc bdev that says whether its completed writes may sit in a volatile cache (as a
