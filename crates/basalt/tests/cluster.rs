@@ -174,7 +174,14 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
     assert_eq!(info["size_bytes"], 1u64 << 30);
     assert_eq!(info["object_size_bytes"], 1u64 << 20);
     refused(&["pool", "rm", "p"], "still holds 1 image");
+    // A client that writes past the image's end (1024 objects of 1 MiB) is refused, the
+    // last object is not; once the image grows, the same write goes in.
+    assert_eq!(write_object(&cluster, "img", 1023), Ok(()));
+    let past = write_object(&cluster, "img", 1024).expect_err("a write past the end");
+    assert!(past.contains("past the image"), "{past}");
+    write_object(&cluster, "img", 1 << 40).expect_err("a write far past the end");
     cluster.cli_ok(&["image", "resize", "p/img", "--size", "2GiB"]);
+    assert_eq!(write_object(&cluster, "img", 1024), Ok(()));
     assert_eq!(
         cluster.cli_json(&["image", "ls", "p"])[0]["size_bytes"],
         2u64 << 30
@@ -194,6 +201,66 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         .env("BASALT_CONF", dir.join("missing.toml")));
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("missing.toml"));
+}
+
+/// Writes 4 KiB at the start of object `number` of image `name` straight to the OSD that
+/// leads its PG (a one-OSD cluster, pool of size 1), as a client would, asking again while
+/// the PG has no leader yet: `Err` with the OSD's reason if refused.
+fn write_object(cluster: &ClusterProcesses, name: &str, number: u64) -> Result<(), String> {
+    use basalt_wire::message::{Message, Status};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let monitors: Vec<std::net::SocketAddr> = cluster
+        .mon_addresses()
+        .iter()
+        .map(|address| address.parse().expect("a monitor address"))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    runtime.block_on(async {
+        loop {
+            let map = basalt_mon::MonClient::new(monitors.clone())
+                .map()
+                .await
+                .expect("the map");
+            let image = map
+                .images
+                .values()
+                .find(|image| image.name == name)
+                .expect("the image");
+            let object = basalt_common::ObjectKey {
+                image: image.id,
+                number,
+            };
+            let pg = map.pools[&image.pool].pg_of(object);
+            let osd = map.osds.values().next().expect("an osd");
+            let address = osd.address.parse().expect("address");
+            let client = basalt_wire::tcp::Client::connect(address)
+                .await
+                .expect("connect to the osd");
+            let write = Message::Write {
+                pg,
+                epoch: map.epoch,
+                object,
+                offset_bytes: 0,
+                data: vec![7; 4096],
+            };
+            match client.call(&write).await.expect("an answer") {
+                Message::Reply {
+                    status: Status::Ok, ..
+                } => return Ok(()),
+                Message::Reply {
+                    status: Status::NotLeader { .. } | Status::StaleEpoch { .. },
+                    ..
+                } if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Message::Reply { status, .. } => return Err(format!("{status:?}")),
+                other => panic!("not a reply: {other:?}"),
+            }
+        }
+    })
 }
 
 #[test]

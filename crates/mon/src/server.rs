@@ -500,7 +500,14 @@ impl Core {
 
     fn handle(&mut self, event: Event) {
         match event {
-            Event::Raft(message) => self.raft.step(MON_GROUP, message),
+            Event::Raft(message) => {
+                // The monitors are a fixed set (raft ids 1 to n): a sender outside it is
+                // no monitor of ours, and a leader outside it would have no address.
+                let monitors = self.monitor.peers.len() as u64;
+                if (1..=monitors).contains(&message.from) {
+                    self.raft.step(MON_GROUP, message);
+                }
+            }
             Event::Propose { command, reply } => {
                 let data = serde_json::to_vec(&command).expect("commands encode");
                 match self.raft.propose(MON_GROUP, data) {
@@ -565,7 +572,11 @@ impl Core {
                 }
             }
         }
-        let leader = self.raft.leader(MON_GROUP).map(|osd| osd.0 as usize);
+        let leader = self
+            .raft
+            .leader(MON_GROUP)
+            .map(|osd| osd.0 as usize)
+            .filter(|rank| *rank < self.monitor.peers.len());
         self.leader.send_if_modified(|current| {
             let changed = *current != leader;
             *current = leader;

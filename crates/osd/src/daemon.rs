@@ -708,6 +708,10 @@ impl Core {
     /// A raft message from a peer. A snapshot that this replica needs is not stepped at
     /// once: the PG's objects are fetched first (see [`crate::snapshot`]).
     fn raft_message(&mut self, pg: PgId, message: RaftMessage) {
+        if carries_references(&message) {
+            tracing::warn!(%pg, from = message.from, "raft entries with payload references refused");
+            return;
+        }
         let Some((index, leader)) = MultiRaft::snapshot_of(&message) else {
             self.raft.step(pg, message);
             return;
@@ -1121,6 +1125,18 @@ impl Core {
             return Err(invalid(format!(
                 "range {offset_bytes}+{len_bytes} is outside the {}-byte object",
                 image.object_size_bytes
+            )));
+        }
+        // Past the image's end: a client that knows the image larger (a newer map) asks
+        // again; anything else is refused rather than stored where no read reaches.
+        let end = object
+            .number
+            .checked_mul(image.object_size_bytes)
+            .and_then(|start| start.checked_add(u64::from(offset_bytes) + len_bytes));
+        if end.is_none_or(|end| end > image.size_bytes) {
+            return Err(unknown(format!(
+                "object {}.{} range {offset_bytes}+{len_bytes} is past the image's {} bytes",
+                object.image.0, object.number, image.size_bytes
             )));
         }
         if !self.raft.hosts(pg) {
@@ -2403,6 +2419,16 @@ fn throttle(led: &[(PgId, PgMove)], max: usize) -> Vec<PgId> {
         .collect()
 }
 
+/// Whether a raft message carries references to payloads on a device. They stay on their
+/// OSD (one is hydrated into its write before it is sent): one from the network would
+/// point an object at any of this device's bytes.
+fn carries_references(message: &RaftMessage) -> bool {
+    message
+        .get_entries()
+        .iter()
+        .any(|entry| entry.data.first() == Some(&kind::WRITE_REF))
+}
+
 fn io_error(path: &Path) -> impl Fn(std::io::Error) -> OsdError + '_ {
     move |source| OsdError::Io {
         path: path.display().to_string(),
@@ -3099,6 +3125,37 @@ mod tests {
         };
         assert!(append.is_work());
         assert!(!Event::MembershipChecked { pg: pg(1) }.is_work());
+    }
+
+    /// An append whose entries hold payload references (never sent by an OSD) is refused;
+    /// one with the writes themselves is not.
+    #[test]
+    fn payload_references_from_the_network_are_refused() {
+        let reference = PayloadRef {
+            object: ObjectKey {
+                image: basalt_common::ImageId(1),
+                number: 0,
+            },
+            offset_bytes: 0,
+            len_bytes: 4096,
+            device_offset_bytes: 1 << 20,
+        };
+        let append = |data: Vec<u8>| {
+            let mut message = RaftMessage::default();
+            message.mut_entries().push(basalt_replication::RaftEntry {
+                data: data.into(),
+                ..Default::default()
+            });
+            message
+        };
+        assert!(carries_references(&append(reference.encode())));
+        let write = ObjectOp::Write {
+            object: reference.object,
+            offset_bytes: 0,
+            data: vec![7; 4096],
+        };
+        assert!(!carries_references(&append(write.encode())));
+        assert!(!carries_references(&RaftMessage::default()));
     }
 
     #[test]

@@ -132,6 +132,10 @@ impl Chunk {
                 if len == 0 || len > RUN_BYTES_MAX {
                     return Err(ChunkError("run length out of range"));
                 }
+                // No object is larger: a run past it would map bytes no image reads.
+                if u64::from(offset) + len > basalt_mon::map::OBJECT_SIZE_MAX {
+                    return Err(ChunkError("run past the largest object"));
+                }
                 runs.push((offset, take(len as usize)?.to_vec()));
             }
             objects.push((key, runs));
@@ -301,7 +305,7 @@ mod tests {
         #[test]
         fn chunks_round_trip(
             objects in proptest::collection::vec(
-                (any::<u64>(), proptest::collection::vec((any::<u32>(), proptest::collection::vec(any::<u8>(), 1..40)), 0..4)),
+                (any::<u64>(), proptest::collection::vec((0u32..(63 << 20), proptest::collection::vec(any::<u8>(), 1..40)), 0..4)),
                 0..5,
             ),
             next in proptest::option::of((any::<u64>(), any::<u32>())),
@@ -311,6 +315,17 @@ mod tests {
                 next: next.map(|(number, offset)| (key(number), offset)),
             };
             prop_assert_eq!(Chunk::decode(&chunk.encode()), Ok(chunk));
+        }
+
+        /// A run past the largest object an image may have is refused, however it fits
+        /// in 32 bits.
+        #[test]
+        fn runs_past_the_largest_object_are_refused(offset in ((64u32 << 20) - 39)..=u32::MAX) {
+            let chunk = Chunk {
+                objects: vec![(key(1), vec![(offset, vec![7; 40])])],
+                next: None,
+            };
+            prop_assert!(Chunk::decode(&chunk.encode()).is_err());
         }
 
         #[test]

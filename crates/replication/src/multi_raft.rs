@@ -341,7 +341,44 @@ fn raft_id(osd: OsdId) -> u64 {
 }
 
 fn osd_of(raft_id: u64) -> OsdId {
-    OsdId(u32::try_from(raft_id - 1).expect("raft ids come from osd ids"))
+    checked_osd_of(raft_id).expect("raft ids come from osd ids")
+}
+
+/// The OSD a raft id from the network names, if it names one.
+fn checked_osd_of(raft_id: u64) -> Option<OsdId> {
+    raft_id
+        .checked_sub(1)
+        .and_then(|id| u32::try_from(id).ok())
+        .map(OsdId)
+}
+
+/// Whether a message from the network may be stepped: one of the kinds replicas send each
+/// other, addressed to `me` from another OSD, with a term (all but a snapshot's status,
+/// which is ours, carry one). raft-rs trusts its peers: a proposal from the network (ours
+/// are never forwarded: only leaders propose) or a heartbeat committing past the log would
+/// stop the process, and a sender that names no OSD would stop it when answered.
+fn admissible(me: OsdId, message: &Message) -> bool {
+    use MessageType::*;
+    let kind = message.get_msg_type();
+    let exchanged = matches!(
+        kind,
+        MsgAppend
+            | MsgAppendResponse
+            | MsgRequestVote
+            | MsgRequestVoteResponse
+            | MsgRequestPreVote
+            | MsgRequestPreVoteResponse
+            | MsgSnapshot
+            | MsgHeartbeat
+            | MsgHeartbeatResponse
+            | MsgTimeoutNow
+            | MsgSnapStatus
+    );
+    exchanged
+        && message.to == raft_id(me)
+        && message.from != message.to
+        && checked_osd_of(message.from).is_some()
+        && (message.term != 0 || kind == MsgSnapStatus)
 }
 
 impl MultiRaft {
@@ -548,12 +585,11 @@ impl MultiRaft {
 
     /// Whether a raft message carries a snapshot, and if so its index and the OSD it is from.
     pub fn snapshot_of(message: &Message) -> Option<(u64, OsdId)> {
-        (message.get_msg_type() == MessageType::MsgSnapshot && message.from != 0).then(|| {
-            (
-                message.get_snapshot().get_metadata().index,
-                osd_of(message.from),
-            )
-        })
+        if message.get_msg_type() != MessageType::MsgSnapshot {
+            return None;
+        }
+        let from = checked_osd_of(message.from)?;
+        Some((message.get_snapshot().get_metadata().index, from))
     }
 
     /// The message a follower sends to tell the leader (`to`) that it could not install
@@ -719,9 +755,20 @@ impl MultiRaft {
     }
 
     /// Delivers a message from another OSD. Messages for unknown PGs are dropped (the PG
-    /// moved, or the map is newer than ours); raft errors on a message mean it was stale.
-    pub fn step(&mut self, pg: PgId, message: Message) {
+    /// moved, or the map is newer than ours), and so are messages no replica sends (see
+    /// [`admissible`]); raft errors on a message mean it was stale.
+    pub fn step(&mut self, pg: PgId, mut message: Message) {
+        if !admissible(self.osd, &message) {
+            tracing::debug!(%pg, kind = ?message.get_msg_type(), from = message.from, to = message.to, "raft message refused");
+            return;
+        }
         if let Some(group) = self.groups.get_mut(&pg) {
+            if message.get_msg_type() == MessageType::MsgHeartbeat {
+                // A leader commits no further than a follower's log reaches; raft-rs stops
+                // the process on a heartbeat that does.
+                let last = group.node.raft.raft_log.last_index();
+                message.commit = message.commit.min(last);
+            }
             if message.get_msg_type() == MessageType::MsgSnapStatus {
                 // A follower's word on a snapshot (raft-rs takes it as a local report, and
                 // ignores it unless a snapshot is being sent): nothing, if it names another
@@ -1386,5 +1433,62 @@ mod tests {
         }
         trio.replicas[restarted].step(PG, ask(60, b""));
         assert!(answered(&trio.settle()), "the vote went unanswered");
+    }
+
+    /// Messages no replica sends are refused before raft-rs sees them: each of these
+    /// stopped the process before (raft-rs's fatal errors, or a sender that names no OSD
+    /// when answered), and the group goes on committing.
+    #[test]
+    fn forged_raft_messages_are_refused_not_fatal() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let follower = (leader + 1) % 3;
+        let term = trio.replicas[leader].term(PG).expect("a term");
+        let forged = |kind: MessageType, from: u64, to: u64, term: u64| {
+            let mut message = Message::default();
+            message.set_msg_type(kind);
+            message.from = from;
+            message.to = to;
+            message.term = term;
+            message
+        };
+        let leader_id = raft_id(OsdId(leader as u32));
+        let follower_id = raft_id(OsdId(follower as u32));
+        // An empty proposal, forwarded by a follower to the leader.
+        trio.replicas[follower].step(
+            PG,
+            forged(MessageType::MsgPropose, leader_id, follower_id, 0),
+        );
+        trio.replicas[leader].step(
+            PG,
+            forged(MessageType::MsgPropose, follower_id, leader_id, 0),
+        );
+        // A heartbeat committing far past the follower's log.
+        let mut beat = forged(MessageType::MsgHeartbeat, leader_id, follower_id, term);
+        beat.commit = u64::MAX;
+        trio.replicas[follower].step(PG, beat);
+        // Senders that name no OSD, and a message addressed to another.
+        trio.replicas[follower].step(PG, forged(MessageType::MsgAppend, 0, follower_id, 1));
+        trio.replicas[follower].step(PG, forged(MessageType::MsgAppend, 1 << 33, follower_id, 1));
+        trio.replicas[follower].step(PG, forged(MessageType::MsgAppend, leader_id, 1 << 33, term));
+        assert_eq!(
+            MultiRaft::snapshot_of(&forged(
+                MessageType::MsgSnapshot,
+                1 << 33,
+                follower_id,
+                term
+            )),
+            None,
+            "a snapshot from no OSD"
+        );
+        let committed = trio.replicas[leader].committed(PG).expect("committed");
+        trio.replicas[leader]
+            .propose(PG, b"after".to_vec())
+            .expect("propose");
+        trio.settle();
+        assert_eq!(trio.replicas[leader].term(PG), Some(term), "no election");
+        for replica in &trio.replicas {
+            assert!(replica.committed(PG).expect("committed") > committed);
+        }
     }
 }

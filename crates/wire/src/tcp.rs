@@ -34,6 +34,13 @@ use crate::message::{Message, MessageError};
 const READ_CHUNK_BYTES: usize = 256 << 10;
 /// Request id of one-way messages (no reply expected).
 pub const ONE_WAY: u64 = 0;
+/// Requests of one connection under way at most: past it, a server reads no more of the
+/// connection until some are answered, so a peer that sends without reading its replies
+/// is held back by TCP rather than by the server's memory.
+const UNANSWERED_MAX: u64 = 4096;
+/// Reply bytes waiting for a connection's socket past which a server reads no more
+/// requests from it.
+const BACKLOG_BYTES_MAX: usize = if cfg!(test) { 4 << 20 } else { 64 << 20 };
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,11 +68,13 @@ pub enum TransportError {
 pub type Handler =
     Arc<dyn Fn(Message) -> Pin<Box<dyn Future<Output = Option<Message>> + Send>> + Send + Sync>;
 
-/// Reads frames off a stream and hands each decoded message to `deliver` with its id.
-/// Returns when the peer closes; a malformed frame or message ends the connection.
-async fn read_frames<R: AsyncRead + Unpin>(
+/// Reads frames off a stream and hands each decoded message to `deliver` with its id,
+/// reading more only once `room` is ready. Returns when the peer closes; a malformed frame
+/// or message ends the connection.
+async fn read_frames<R: AsyncRead + Unpin, Room: Future<Output = ()>>(
     mut reader: R,
     mut deliver: impl FnMut(u64, Message),
+    mut room: impl FnMut() -> Room,
 ) -> io::Result<()> {
     let mut buffer: Vec<u8> = Vec::with_capacity(READ_CHUNK_BYTES);
     let mut start = 0;
@@ -90,6 +99,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
             buffer.drain(..start);
             start = 0;
         }
+        room().await;
         buffer.reserve(READ_CHUNK_BYTES);
         if reader.read_buf(&mut buffer).await? == 0 {
             return Ok(());
@@ -107,6 +117,8 @@ struct OutgoingShared {
     socket: OwnedWriteHalf,
     state: Mutex<OutgoingState>,
     wake: Notify,
+    /// Told each time the writer task has written what it took.
+    written: Notify,
 }
 
 #[derive(Default)]
@@ -115,6 +127,8 @@ struct OutgoingState {
     queued: Vec<u8>,
     /// The writer task holds bytes taken from `queued` that are not all written yet.
     writing: bool,
+    /// How many bytes it took.
+    writing_bytes: usize,
     /// A write failed: nothing more is sent.
     failed: bool,
     /// Live [`Outgoing`] handles.
@@ -131,6 +145,7 @@ impl Outgoing {
                 ..OutgoingState::default()
             }),
             wake: Notify::new(),
+            written: Notify::new(),
         });
         let writer = shared.clone();
         let task = tokio::spawn(async move {
@@ -167,6 +182,24 @@ impl Outgoing {
         drop(state);
         self.shared.wake.notify_one();
         Ok(())
+    }
+}
+
+impl Outgoing {
+    /// Waits until fewer than `max_bytes` are waiting for the socket.
+    async fn backlog_below(&self, max_bytes: usize) {
+        loop {
+            let written = self.shared.written.notified();
+            tokio::pin!(written);
+            written.as_mut().enable();
+            {
+                let state = self.shared.state();
+                if state.failed || state.queued.len() + state.writing_bytes < max_bytes {
+                    return;
+                }
+            }
+            written.await;
+        }
     }
 }
 
@@ -208,6 +241,7 @@ impl OutgoingShared {
                 } else {
                     std::mem::swap(&mut batch, &mut state.queued);
                     state.writing = true;
+                    state.writing_bytes = batch.len();
                 }
             }
             if batch.is_empty() {
@@ -226,6 +260,8 @@ impl OutgoingShared {
                 }
             }
             batch.clear();
+            self.state().writing_bytes = 0;
+            self.written.notify_waiters();
         }
     }
 }
@@ -252,26 +288,53 @@ impl Drop for Forget<'_> {
 
 /// Counts a request as unanswered until it is answered or its task ends otherwise (a
 /// handler that panics or never replies does not leave the count high).
-struct Unanswered(Option<Arc<AtomicU64>>);
+struct Unanswered(Option<Arc<UnansweredCount>>);
+
+/// How many requests of a connection are unanswered, and a bell rung at each answer.
+#[derive(Default)]
+struct UnansweredCount {
+    count: AtomicU64,
+    answered: Notify,
+}
+
+impl UnansweredCount {
+    /// Counts one answered; whether it was the only one unanswered.
+    fn answer(&self) -> bool {
+        let alone = self.count.fetch_sub(1, Ordering::Relaxed) == 1;
+        self.answered.notify_waiters();
+        alone
+    }
+
+    /// Waits until fewer than `max` are unanswered.
+    async fn below(&self, max: u64) {
+        loop {
+            let answered = self.answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if self.count.load(Ordering::Relaxed) < max {
+                return;
+            }
+            answered.await;
+        }
+    }
+}
 
 impl Unanswered {
-    fn new(count: &Arc<AtomicU64>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
+    fn new(count: &Arc<UnansweredCount>) -> Self {
+        count.count.fetch_add(1, Ordering::Relaxed);
         Self(Some(count.clone()))
     }
 
     /// Counts it answered; whether it was the only one unanswered.
     fn answered(mut self) -> bool {
-        self.0
-            .take()
-            .is_some_and(|count| count.fetch_sub(1, Ordering::Relaxed) == 1)
+        self.0.take().is_some_and(|count| count.answer())
     }
 }
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
         if let Some(count) = self.0.take() {
-            count.fetch_sub(1, Ordering::Relaxed);
+            count.answer();
         }
     }
 }
@@ -305,11 +368,15 @@ impl Client {
         let pending: Pending = Arc::default();
         let replies = pending.clone();
         let reader_task = tokio::spawn(async move {
-            let result = read_frames(reader, |id, message| {
-                if let Some(call) = lock(&replies).calls.remove(&id) {
-                    let _ = call.send(message);
-                }
-            })
+            let result = read_frames(
+                reader,
+                |id, message| {
+                    if let Some(call) = lock(&replies).calls.remove(&id) {
+                        let _ = call.send(message);
+                    }
+                },
+                || std::future::ready(()),
+            )
             .await;
             let reason = match result {
                 Ok(()) => "closed by the peer".to_string(),
@@ -427,22 +494,29 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
     let (reader, writer) = stream.into_split();
     let (outgoing, writer_task) = Outgoing::new(writer);
     // Requests of this connection not answered yet.
-    let unanswered = Arc::new(AtomicU64::new(0));
-    let result = read_frames(reader, |id, message| {
-        let reply = handler(message);
-        let outgoing = outgoing.clone();
-        let counted = (id != ONE_WAY).then(|| Unanswered::new(&unanswered));
-        tokio::spawn(async move {
-            let reply = reply.await;
-            let Some(counted) = counted else {
-                return;
-            };
-            let alone = counted.answered();
-            if let Some(reply) = reply {
-                let _ = outgoing.send(&reply.encode(id), alone);
-            }
-        });
-    })
+    let unanswered = Arc::new(UnansweredCount::default());
+    let result = read_frames(
+        reader,
+        |id, message| {
+            let reply = handler(message);
+            let outgoing = outgoing.clone();
+            let counted = (id != ONE_WAY).then(|| Unanswered::new(&unanswered));
+            tokio::spawn(async move {
+                let reply = reply.await;
+                let Some(counted) = counted else {
+                    return;
+                };
+                let alone = counted.answered();
+                if let Some(reply) = reply {
+                    let _ = outgoing.send(&reply.encode(id), alone);
+                }
+            });
+        },
+        || async {
+            unanswered.below(UNANSWERED_MAX).await;
+            outgoing.backlog_below(BACKLOG_BYTES_MAX).await;
+        },
+    )
     .await;
     if let Err(error) = result {
         tracing::debug!(%peer, %error, "connection closed on a bad frame");
@@ -610,6 +684,63 @@ mod tests {
             .expect("task")
             .expect("the reader saw whole frames");
         assert_eq!(seen, (0..frames).collect::<Vec<_>>(), "in the order sent");
+    }
+
+    /// A peer that sends requests without reading the replies: the server stops reading
+    /// its requests once the replies waiting for the socket pass the backlog, rather than
+    /// keep them all in memory, and every reply arrives once the peer reads.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_reads_no_replies_is_held_back() {
+        let handled = Arc::new(AtomicU64::new(0));
+        let counted = handled.clone();
+        let echo = echo(Arc::default());
+        let handler: Handler = Arc::new(move |message| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            echo(message)
+        });
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), handler)
+            .await
+            .expect("bind");
+        const REQUESTS: u64 = 200;
+        const TAG_BYTES: usize = 256 << 10;
+        let address = server.address();
+        let (start_reading, read) = std::sync::mpsc::channel::<()>();
+        let peer = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let mut stream = std::net::TcpStream::connect(address).expect("connect");
+            let mut writer = stream.try_clone().expect("clone");
+            let sender = std::thread::spawn(move || {
+                for id in 1..=REQUESTS {
+                    let frame = echo_request(0, &vec![id as u8; TAG_BYTES]).encode(id);
+                    writer.write_all(&frame).expect("send");
+                }
+            });
+            read.recv().expect("told to read");
+            let (mut bytes, mut replies) = (Vec::new(), 0);
+            let mut chunk = vec![0u8; 1 << 20];
+            while replies < REQUESTS {
+                let n = stream.read(&mut chunk).expect("read");
+                assert!(n > 0, "the server closed");
+                bytes.extend_from_slice(&chunk[..n]);
+                while let Some((_, used)) = frame::decode(&bytes).expect("a frame") {
+                    bytes.drain(..used);
+                    replies += 1;
+                }
+            }
+            sender.join().expect("sender");
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let held = handled.load(Ordering::Relaxed);
+        start_reading.send(()).expect("peer");
+        tokio::task::spawn_blocking(move || peer.join())
+            .await
+            .expect("task")
+            .expect("every reply arrived");
+        assert!(
+            held < REQUESTS / 2,
+            "{held} of {REQUESTS} requests of 256 KiB taken with no reply read"
+        );
+        assert_eq!(handled.load(Ordering::Relaxed), REQUESTS);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
