@@ -156,19 +156,45 @@ pub fn shut_down_listener(listener: &UnixListener) -> io::Result<()> {
 }
 
 /// An anonymous file of `len` zero bytes in memory (`memfd_create`, close-on-exec), to
-/// share by passing its descriptor; `name` shows in `/proc/PID/fd`.
+/// share by passing its descriptor; `name` shows in `/proc/PID/fd`. Its size is sealed:
+/// whoever it is shared with can map it without fearing that it shrinks under the map
+/// (a SIGBUS on the next access), and [`size_is_sealed`] tells such a file from others.
 pub fn memory_file(name: &str, len: u64) -> io::Result<std::fs::File> {
     let name = std::ffi::CString::new(name)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
     // SAFETY: `name` is a NUL-terminated string that outlives the call.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: memfd_create returned a new descriptor that nothing else owns.
     let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     file.set_len(len)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an integer and changes no memory of ours.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(file)
+}
+
+/// Whether `file` can neither shrink nor grow: a memory file sealed so (as
+/// [`memory_file`] makes them), whose size checked once stays true.
+pub fn size_is_sealed(file: &std::fs::File) -> io::Result<bool> {
+    // SAFETY: F_GET_SEALS takes no argument and changes no memory of ours.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        let error = io::Error::last_os_error();
+        // Not a file that takes seals at all.
+        return if error.raw_os_error() == Some(libc::EINVAL) {
+            Ok(false)
+        } else {
+            Err(error)
+        };
+    }
+    let fixed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    Ok(seals & fixed == fixed)
 }
 
 #[cfg(test)]

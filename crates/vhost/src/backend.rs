@@ -339,12 +339,27 @@ impl BlkBackend {
             if event_idx {
                 vring.disable_notification().map_err(io::Error::other)?;
             }
+            // A driver has at most a queue's worth of requests out; completed ones count
+            // until the guest is signalled, so twice that is never reached by a driver
+            // that follows the rules. One that offers heads still in flight gets no more
+            // taken until it kicks again with fewer out (else it could make the target
+            // hold any number of requests and their buffers).
+            let queue_size = usize::from(vring.get_ref().get_queue().size());
+            let room = (2 * queue_size).saturating_sub(completer.in_flight.load(Ordering::Acquire));
+            if room == 0 {
+                tracing::debug!(queue, "a guest offered more requests than its queue holds");
+                if event_idx {
+                    vring.enable_notification().map_err(io::Error::other)?;
+                }
+                break;
+            }
             let chains: Vec<_> = {
                 let mut state = vring.get_mut();
                 state
                     .get_queue_mut()
                     .iter(memory.memory())
                     .map_err(io::Error::other)?
+                    .take(room)
                     .collect()
             };
             for chain in chains {
@@ -457,15 +472,19 @@ impl BlkBackend {
             }
             _ => completer,
         };
-        // A write's data is copied out now, on this thread, into a buffer of the bdev's own.
+        // A write's data is copied out now, on this thread, into a buffer of the bdev's own;
+        // only once its size is known to be one the request may carry.
         let mut data = None;
         if request.kind == TYPE_OUT
             || request.kind == TYPE_DISCARD
             || request.kind == TYPE_WRITE_ZEROES
         {
             let len = request.readable_len();
-            let mut buffer = DmaBuf::zeroed(len.min(basalt_bdev::IO_BYTES_MAX) as usize);
-            if len > basalt_bdev::IO_BYTES_MAX
+            let mut buffer = match copy_size(&request, &*self.options.bdev) {
+                Some(size) => DmaBuf::zeroed(size),
+                None => DmaBuf::zeroed(0),
+            };
+            if buffer.len() as u64 != len
                 || read_runs(&*guest, &request.readable, &mut buffer).is_err()
             {
                 let used_len = u32::from(guest.write_obj(STATUS_IOERR, request.status).is_ok());
@@ -498,6 +517,27 @@ impl BlkBackend {
             self.reactors.spawn_on(chosen[turn % chosen.len()], task);
         }
     }
+}
+
+/// The bytes to copy out of guest memory for a request that carries data (a write, a
+/// discard's or a write zeroes' segments), if the request may carry that many: a write
+/// inside the bdev, or whole segments up to [`DISCARD_SEGMENTS_MAX`]. Checked before the
+/// buffer is allocated, so that a guest cannot make the target allocate what no valid
+/// request carries.
+fn copy_size(request: &Request, bdev: &dyn Bdev) -> Option<usize> {
+    let len = request.readable_len();
+    let valid = match request.kind {
+        TYPE_OUT => request
+            .sector
+            .checked_mul(SECTOR_SIZE)
+            .is_some_and(|offset| bdev.info().data_extent(offset, len).is_ok()),
+        _ => {
+            len > 0
+                && len.is_multiple_of(SEGMENT_SIZE as u64)
+                && len / SEGMENT_SIZE as u64 <= u64::from(DISCARD_SEGMENTS_MAX)
+        }
+    };
+    valid.then_some(len as usize)
 }
 
 /// Runs a request on the bdev; the status and the bytes written into the guest's buffers.
@@ -691,9 +731,9 @@ impl VhostUserBackend for BlkBackend {
             }
             return Ok(());
         }
-        // vhost-user-backend starts a thread per vring (again after each reconnect); on
-        // its first event it moves to the CPUs of the reactors that run its requests, so
-        // that handing a request over stays on those CPUs.
+        // vhost-user-backend starts one thread for the device's vrings (again after each
+        // reconnect); on its first event it moves to the CPUs of the reactors that run its
+        // requests, so that handing a request over stays on those CPUs.
         if !self.vring_cpus.is_empty() && !PLACED.get() {
             PLACED.set(true);
             if let Err(error) = basalt_io::pin_current_thread(&self.vring_cpus) {
@@ -706,7 +746,12 @@ impl VhostUserBackend for BlkBackend {
             )));
         };
         let ring = self.ring(thread_id);
-        self.process_queue(device_event, vring, ring.as_deref())
+        // A broken ring (an available index further ahead than the queue holds, a ring
+        // not ready) is that queue's: the thread goes on serving the device's other queues.
+        if let Err(error) = self.process_queue(device_event, vring, ring.as_deref()) {
+            tracing::debug!(queue = device_event, %error, "vring not processed");
+        }
+        Ok(())
     }
 }
 
@@ -803,6 +848,44 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A request's data is copied out of guest memory only when the request may carry
+    /// that much: a write inside the bdev, whole discard segments up to the limit.
+    #[test]
+    fn data_is_copied_only_for_requests_that_may_carry_it() {
+        let bdev = MallocBdev::new_named("m", 512, 64); // 32 KiB
+        let runs = |len: u32| {
+            vec![Run {
+                address: GuestAddress(0x1000),
+                len,
+            }]
+        };
+        let size = |kind: u32, sector: u64, len: u32| {
+            copy_size(&request(kind, sector, runs(len), vec![]), &bdev)
+        };
+        assert_eq!(size(TYPE_OUT, 0, 32 << 10), Some(32 << 10));
+        assert_eq!(size(TYPE_OUT, 1, 32 << 10), None, "past the end");
+        assert_eq!(
+            size(TYPE_OUT, u64::MAX / 256, 512),
+            None,
+            "offset overflows"
+        );
+        assert_eq!(
+            size(TYPE_OUT, 0, u32::MAX),
+            None,
+            "far larger than the bdev"
+        );
+        assert_eq!(size(TYPE_OUT, 0, 100), None, "not whole blocks");
+        let segments = DISCARD_SEGMENTS_MAX * SEGMENT_SIZE as u32;
+        assert_eq!(size(TYPE_DISCARD, 0, segments), Some(segments as usize));
+        assert_eq!(
+            size(TYPE_DISCARD, 0, segments + 16),
+            None,
+            "a segment too many"
+        );
+        assert_eq!(size(TYPE_WRITE_ZEROES, 0, 17), None, "not whole segments");
+        assert_eq!(size(TYPE_WRITE_ZEROES, 0, 0), None, "no segment");
     }
 
     #[test]

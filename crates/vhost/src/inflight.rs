@@ -118,6 +118,26 @@ impl InflightRegion {
                 format!("an in-flight region of {size} bytes; {needed} needed"),
             ));
         }
+        // A map past the file's end, or a file that shrinks under the map, would fault
+        // (SIGBUS) at the first access: the file must hold the region and keep its size.
+        let file_bytes = file.metadata()?.len();
+        if offset
+            .checked_add(needed)
+            .is_none_or(|end| end > file_bytes)
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "an in-flight region of {needed} bytes at {offset} in a {file_bytes}-byte file"
+                ),
+            ));
+        }
+        if !basalt_io::unix_fds::size_is_sealed(&file)? {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "an in-flight region in a file whose size is not sealed",
+            ));
+        }
         let map = MmapRegion::from_file(FileOffset::new(file, offset), needed as usize)
             .map_err(io::Error::other)?;
         // Each queue's header says what laid it out: this layout, for this queue size.
@@ -269,7 +289,9 @@ impl InflightRegion {
             })
             .collect();
         pending.sort_unstable();
-        let next = pending.last().map_or(0, |&(counter, _)| counter + 1);
+        let next = pending
+            .last()
+            .map_or(0, |&(counter, _)| counter.saturating_add(1));
         self.queues[usize::from(queue)]
             .counter
             .store(next, Ordering::Relaxed);
@@ -417,6 +439,34 @@ mod tests {
             InflightRegion::open(dup(), 0, len, 1, 8, 1024).is_err(),
             "version 2"
         );
+    }
+
+    /// A region past the end of its file, or in a file that may shrink under the map,
+    /// is refused: the first access would fault (SIGBUS) and stop the process.
+    #[test]
+    fn regions_past_the_file_or_in_unsealed_files_are_refused() {
+        let (file, len) = create(1, 8, 1024).expect("create");
+        let dup = || file.try_clone().expect("dup");
+        let past = InflightRegion::open(dup(), 64, len, 1, 8, 1024);
+        assert!(past.is_err_and(|error| error.to_string().contains("-byte file")));
+        let far = InflightRegion::open(dup(), u64::MAX - 8, len, 1, 8, 1024);
+        assert!(far.is_err(), "an offset whose end overflows");
+        // The same layout in a file that can shrink: a temporary file on disk.
+        let path = std::env::temp_dir().join(format!("inflight-{}", std::process::id()));
+        let unsealed = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("temporary file");
+        let _ = std::fs::remove_file(&path);
+        let mut bytes = vec![0u8; len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut bytes, 0).expect("read");
+        std::os::unix::fs::FileExt::write_all_at(&unsealed, &bytes, 0).expect("write");
+        let refused = InflightRegion::open(unsealed, 0, len, 1, 8, 1024);
+        assert!(refused.is_err_and(|error| error.to_string().contains("not sealed")));
+        assert!(InflightRegion::open(dup(), 0, len, 1, 8, 1024).is_ok());
     }
 
     #[test]

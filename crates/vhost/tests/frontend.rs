@@ -452,6 +452,20 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
     ]);
     assert_eq!(used, 0, "returned unused: nothing written");
 
+    // An available index further ahead than the queue holds breaks that queue only while
+    // it lasts: the device's thread goes on, and serves once the index is true again.
+    let broken = guest.next_avail.wrapping_add(QUEUE_SIZE + 1);
+    guest
+        .memory
+        .write_obj(broken, GuestAddress(AVAIL + 2))
+        .expect("avail idx");
+    guest.kick.write(1).expect("kick");
+    std::thread::sleep(Duration::from_millis(100));
+    guest
+        .memory
+        .write_obj(guest.next_avail, GuestAddress(AVAIL + 2))
+        .expect("avail idx");
+
     // The device still serves.
     guest.header(0x8000, TYPE_IN, 8);
     let used = guest.submit(&[
@@ -634,4 +648,119 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
     assert_eq!(status, STATUS_OK);
     assert!(back.iter().all(|&b| b == 0), "B was not written again");
     drop(frontend);
+}
+
+/// A RAM bdev whose writes wait until the gate opens, counting the writes started.
+struct Gated {
+    inner: MallocBdev,
+    started: Arc<std::sync::atomic::AtomicU64>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Bdev for Gated {
+    fn info(&self) -> &basalt_bdev::BdevInfo {
+        self.inner.info()
+    }
+    fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, basalt_io::DmaBuf> {
+        self.inner.read(extent)
+    }
+    fn write(
+        &self,
+        extent: basalt_bdev::Extent,
+        data: basalt_io::DmaBuf,
+        fua: bool,
+    ) -> basalt_bdev::BdevFuture<'_, ()> {
+        self.started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            let _pass = self.gate.acquire().await;
+            self.inner.write(extent, data, fua).await
+        })
+    }
+    fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn volatile_cache(&self) -> bool {
+        false
+    }
+    fn write_zeroes(
+        &self,
+        extent: basalt_bdev::Extent,
+        deallocate: bool,
+    ) -> basalt_bdev::BdevFuture<'_, ()> {
+        self.inner.write_zeroes(extent, deallocate)
+    }
+    fn discard(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, ()> {
+        self.inner.discard(extent)
+    }
+}
+
+/// A guest that offers the same chain again and again while it is still in flight (no
+/// driver does: a head is reused only once the device has returned it) gets no more than
+/// twice a queue's worth of requests taken, instead of making the target hold any number
+/// of requests and their buffers; its requests complete once the bdev lets them.
+#[test]
+fn a_guest_offering_heads_still_in_flight_gets_no_more_taken() {
+    let _alone = alone();
+    let dir = scratch_dir("vhost-repeated-heads");
+    let reactors = Arc::new(Reactors::start(1, "vhost-heads").expect("reactors"));
+    let server = VhostServer::new(reactors, dir.clone());
+    let started = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let bdev = Gated {
+        inner: MallocBdev::new_named("g", 512, 2048),
+        started: started.clone(),
+        gate: gate.clone(),
+    };
+    let options = BlkOptions {
+        bdev: Arc::new(bdev),
+        readonly: false,
+        queues: 1,
+        serial: "heads".into(),
+        reactors: vec![0],
+    };
+    let socket = server.create("h", "g", None, options).expect("controller");
+    let (memory, info) = guest_memory(&dir);
+    let mut frontend = connect(&socket, VhostUserProtocolFeatures::empty());
+    let (_call, kick) = start_vring(&mut frontend, &info, 0);
+    let guest = Guest::new(memory, kick);
+    // One write chain at head 0, offered 100 times, a queue's worth (16) per kick.
+    guest.header(0x8000, TYPE_OUT, 0);
+    guest.put_descriptor(0, 0x8000, 16, DESC_F_NEXT, 1);
+    guest.put_descriptor(1, 0x10000, 512, DESC_F_NEXT, 2);
+    guest.put_descriptor(2, 0x9000, 1, DESC_F_WRITE, 0);
+    let offered: u16 = 100;
+    for index in 0..offered {
+        let ring_at = GuestAddress(AVAIL + 4 + u64::from(index % QUEUE_SIZE) * 2);
+        guest.memory.write_obj(0u16, ring_at).expect("avail ring");
+        guest
+            .memory
+            .write_obj(index + 1, GuestAddress(AVAIL + 2))
+            .expect("avail idx");
+        if index % QUEUE_SIZE == QUEUE_SIZE - 1 || index + 1 == offered {
+            guest.kick.write(1).expect("kick");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let taken = started.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        taken,
+        2 * u64::from(QUEUE_SIZE),
+        "requests taken from a guest offering {offered} with a queue of {QUEUE_SIZE}"
+    );
+    // Let them through: they all complete.
+    gate.add_permits(1000);
+    wait_until(
+        || "the requests taken did not complete".into(),
+        || {
+            let used: u16 = guest
+                .memory
+                .read_obj(GuestAddress(USED + 2))
+                .expect("used idx");
+            u64::from(used) == taken
+        },
+    );
+    drop(frontend);
+    let _ = std::fs::remove_dir_all(&dir);
 }
