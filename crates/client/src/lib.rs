@@ -29,6 +29,8 @@ pub const PIECE_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 pub const DEADLINE_DEFAULT: Duration = Duration::from_secs(60);
 /// How long one attempt may wait for an OSD's answer.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pieces of one request under way at once at most.
+const PIECES_IN_FLIGHT_MAX: usize = 32;
 /// How long a map subscription request waits.
 const MAP_WAIT: Duration = Duration::from_secs(20);
 
@@ -413,21 +415,26 @@ impl Image {
             let data = self.cluster.object_call(what, pool, request).await?;
             return Ok(vec![(piece, data)]);
         }
-        let handles: Vec<_> = requests
-            .into_iter()
-            .map(|(piece, request)| {
-                let cluster = self.cluster.clone();
-                let task =
-                    tokio::spawn(async move { cluster.object_call(what, pool, request).await });
-                (piece, task)
-            })
-            .collect();
-        let mut results = Vec::with_capacity(handles.len());
-        for (piece, handle) in handles {
-            let data = handle
-                .await
-                .map_err(|error| ClientError::Io(error.to_string()))??;
-            results.push((piece, data));
+        // At most PIECES_IN_FLIGHT_MAX at a time: a discard of a whole image is thousands.
+        let mut results = Vec::with_capacity(requests.len());
+        let mut requests = requests.into_iter().peekable();
+        while requests.peek().is_some() {
+            let handles: Vec<_> = requests
+                .by_ref()
+                .take(PIECES_IN_FLIGHT_MAX)
+                .map(|(piece, request)| {
+                    let cluster = self.cluster.clone();
+                    let task =
+                        tokio::spawn(async move { cluster.object_call(what, pool, request).await });
+                    (piece, task)
+                })
+                .collect();
+            for (piece, handle) in handles {
+                let data = handle
+                    .await
+                    .map_err(|error| ClientError::Io(error.to_string()))??;
+                results.push((piece, data));
+            }
         }
         Ok(results)
     }

@@ -27,8 +27,15 @@ use crate::server::Export;
 
 /// Bytes of requests in flight plus unwritten replies per connection at most.
 pub const IN_FLIGHT_BYTES_MAX: u64 = 64 << 20;
-/// What a request without data (flush, trim, write zeroes) counts against the budget.
+/// What a request without data (flush, trim, write zeroes) counts against the budget, at
+/// least.
 const COST_MIN_BYTES: u64 = 4096;
+/// A trim or write zeroes counts this fraction of its range against the budget: it moves
+/// no data over the socket, but a bdev may take work in proportion to its range (an image
+/// splits it into a request per MiB, a file without `fallocate` writes zeroes).
+const RANGE_COST_DIVISOR: u64 = 64;
+/// Requests in flight per connection at most, whatever their cost.
+const IN_FLIGHT_REQUESTS_MAX: usize = 1024;
 /// Bytes read from the socket at a time, at least.
 const READ_CHUNK_BYTES: usize = 256 << 10;
 /// Error messages in structured replies are cut to this length.
@@ -177,6 +184,7 @@ impl<'a> Connection<'a> {
 
     fn has_budget(&self) -> bool {
         self.in_flight_cost + self.unwritten_bytes() < IN_FLIGHT_BYTES_MAX
+            && self.in_flight.len() < IN_FLIGHT_REQUESTS_MAX
     }
 
     /// Reading goes on while the client sends and the budget allows; a payload being
@@ -259,8 +267,12 @@ impl<'a> Connection<'a> {
                 }
                 let frame_end = REQUEST_SIZE + request.len_bytes as usize;
                 let Some(frame) = available.get(..frame_end) else {
-                    // Wait for the rest of the payload; make sure it fits.
-                    self.input.reserve(frame_end);
+                    // Wait for the rest of the payload; make room for it, dropping what
+                    // was consumed first.
+                    self.input.drain(..self.input_start);
+                    self.input_start = 0;
+                    self.input
+                        .reserve(frame_end.saturating_sub(self.input.len()));
                     return Ok(());
                 };
                 let payload = DmaBuf::from_slice(&frame[REQUEST_SIZE..]);
@@ -276,11 +288,12 @@ impl<'a> Connection<'a> {
     }
 
     fn start(&mut self, request: Request, payload: Option<DmaBuf>) {
-        let cost_bytes = if matches!(request.command, CMD_READ | CMD_WRITE) {
-            u64::from(request.len_bytes).max(COST_MIN_BYTES)
-        } else {
-            COST_MIN_BYTES
-        };
+        let cost_bytes = match request.command {
+            CMD_READ | CMD_WRITE => u64::from(request.len_bytes),
+            CMD_TRIM | CMD_WRITE_ZEROES => u64::from(request.len_bytes) / RANGE_COST_DIVISOR,
+            _ => 0,
+        }
+        .max(COST_MIN_BYTES);
         self.in_flight_cost += cost_bytes;
         let export = self.export;
         self.in_flight.push(Box::pin(async move {

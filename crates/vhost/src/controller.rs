@@ -72,23 +72,27 @@ pub struct ControllerInfo {
     pub in_place_requests: u64,
 }
 
+/// CPUs a list may name: 0 to 1023.
+const CPUS_MAX: usize = 1024;
+
 /// The CPUs of a mask in SPDK's forms: hexadecimal (`0x3`, `3`) or a list (`[0,2-3]`).
 pub fn parse_cpumask(text: &str) -> Result<Vec<usize>, String> {
     let text = text.trim();
     if let Some(list) = text.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
-        let mut cpus = Vec::new();
+        // Each CPU once, however often the list names it.
+        let mut chosen = [false; CPUS_MAX];
         for part in list.split(',').map(str::trim) {
             let (first, last) = match part.split_once('-') {
                 Some((a, b)) => (a.trim(), b.trim()),
                 None => (part, part),
             };
             let (first, last): (usize, usize) = match (first.parse(), last.parse()) {
-                (Ok(a), Ok(b)) if a <= b && b < 1024 => (a, b),
+                (Ok(a), Ok(b)) if a <= b && b < CPUS_MAX => (a, b),
                 _ => return Err(format!("{part:?} is not a CPU or a range of CPUs")),
             };
-            cpus.extend(first..=last);
+            chosen[first..=last].fill(true);
         }
-        return Ok(cpus);
+        return Ok((0..CPUS_MAX).filter(|cpu| chosen[*cpu]).collect());
     }
     let digits = text
         .strip_prefix("0x")
@@ -476,6 +480,10 @@ mod tests {
         assert_eq!(parse_cpumask("0x5"), Ok(vec![0, 2]));
         assert_eq!(parse_cpumask("3"), Ok(vec![0, 1]));
         assert_eq!(parse_cpumask("[0,2-4]"), Ok(vec![0, 2, 3, 4]));
+        assert_eq!(parse_cpumask("[3,0-1,1]"), Ok(vec![0, 1, 3]));
+        // A list that names every CPU again and again holds each once.
+        let repeated = format!("[{}]", vec!["0-1023"; 4096].join(","));
+        assert_eq!(parse_cpumask(&repeated).map(|cpus| cpus.len()), Ok(1024));
         for bad in ["0x0", "zz", "[1-]", "[3-1]", ""] {
             assert!(parse_cpumask(bad).is_err(), "{bad}");
         }

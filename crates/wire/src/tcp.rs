@@ -37,7 +37,7 @@ pub const ONE_WAY: u64 = 0;
 /// Requests of one connection under way at most: past it, a server reads no more of the
 /// connection until some are answered, so a peer that sends without reading its replies
 /// is held back by TCP rather than by the server's memory.
-const UNANSWERED_MAX: u64 = 4096;
+const UNANSWERED_MAX: u64 = if cfg!(test) { 64 } else { 4096 };
 /// Reply bytes waiting for a connection's socket past which a server reads no more
 /// requests from it.
 const BACKLOG_BYTES_MAX: usize = if cfg!(test) { 4 << 20 } else { 64 << 20 };
@@ -68,9 +68,9 @@ pub enum TransportError {
 pub type Handler =
     Arc<dyn Fn(Message) -> Pin<Box<dyn Future<Output = Option<Message>> + Send>> + Send + Sync>;
 
-/// Reads frames off a stream and hands each decoded message to `deliver` with its id,
-/// reading more only once `room` is ready. Returns when the peer closes; a malformed frame
-/// or message ends the connection.
+/// Reads frames off a stream and hands each decoded message to `deliver` with its id, each
+/// once `room` is ready (a buffer of small requests may ask for much more than it holds).
+/// Returns when the peer closes; a malformed frame or message ends the connection.
 async fn read_frames<R: AsyncRead + Unpin, Room: Future<Output = ()>>(
     mut reader: R,
     mut deliver: impl FnMut(u64, Message),
@@ -85,6 +85,7 @@ async fn read_frames<R: AsyncRead + Unpin, Room: Future<Output = ()>>(
                     let message = Message::decode(&frame).map_err(|error: MessageError| {
                         io::Error::new(io::ErrorKind::InvalidData, error)
                     })?;
+                    room().await;
                     deliver(frame.request_id, message);
                     start += used;
                 }
@@ -99,7 +100,6 @@ async fn read_frames<R: AsyncRead + Unpin, Room: Future<Output = ()>>(
             buffer.drain(..start);
             start = 0;
         }
-        room().await;
         buffer.reserve(READ_CHUNK_BYTES);
         if reader.read_buf(&mut buffer).await? == 0 {
             return Ok(());
@@ -188,15 +188,16 @@ impl Outgoing {
 impl Outgoing {
     /// Waits until fewer than `max_bytes` are waiting for the socket.
     async fn backlog_below(&self, max_bytes: usize) {
-        loop {
+        let below = || {
+            let state = self.shared.state();
+            state.failed || state.queued.len() + state.writing_bytes < max_bytes
+        };
+        while !below() {
             let written = self.shared.written.notified();
             tokio::pin!(written);
             written.as_mut().enable();
-            {
-                let state = self.shared.state();
-                if state.failed || state.queued.len() + state.writing_bytes < max_bytes {
-                    return;
-                }
+            if below() {
+                return;
             }
             written.await;
         }
@@ -307,11 +308,12 @@ impl UnansweredCount {
 
     /// Waits until fewer than `max` are unanswered.
     async fn below(&self, max: u64) {
-        loop {
+        let below = || self.count.load(Ordering::Relaxed) < max;
+        while !below() {
             let answered = self.answered.notified();
             tokio::pin!(answered);
             answered.as_mut().enable();
-            if self.count.load(Ordering::Relaxed) < max {
+            if below() {
                 return;
             }
             answered.await;
@@ -741,6 +743,48 @@ mod tests {
             "{held} of {REQUESTS} requests of 256 KiB taken with no reply read"
         );
         assert_eq!(handled.load(Ordering::Relaxed), REQUESTS);
+    }
+
+    /// Requests that take their time: a server takes at most [`UNANSWERED_MAX`] of a
+    /// connection's at once, even when one read brings many more, and answers them all.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unanswered_requests_per_connection_are_bounded() {
+        let handled = Arc::new(AtomicU64::new(0));
+        let counted = handled.clone();
+        let echo = echo(Arc::default());
+        let handler: Handler = Arc::new(move |message| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            echo(message)
+        });
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), handler)
+            .await
+            .expect("bind");
+        const REQUESTS: u64 = 500;
+        let requests: Vec<u8> = (1..=REQUESTS)
+            .flat_map(|id| echo_request(100, &[id as u8]).encode(id))
+            .collect();
+        let mut stream = TcpStream::connect(server.address()).await.expect("connect");
+        stream.write_all(&requests).await.expect("send");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let held = handled.load(Ordering::Relaxed);
+        assert!(
+            (1..=UNANSWERED_MAX).contains(&held),
+            "{held} of {REQUESTS} requests taken at once (at most {UNANSWERED_MAX})"
+        );
+        let (mut bytes, mut replies) = (Vec::new(), 0);
+        let mut chunk = vec![0u8; 64 << 10];
+        while replies < REQUESTS {
+            let read = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
+                .await
+                .expect("replies in time")
+                .expect("read");
+            assert!(read > 0, "the server closed");
+            bytes.extend_from_slice(&chunk[..read]);
+            while let Some((_, used)) = frame::decode(&bytes).expect("a frame") {
+                bytes.drain(..used);
+                replies += 1;
+            }
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
