@@ -4,6 +4,8 @@
 //!   range proven in range and block-aligned, so no kind ever sees a bad request.
 //! - [`malloc`]: RAM-backed, thin (untouched chunks cost no memory).
 //! - [`file`]: a file or block device through `basalt_io::FileEngine` (io_uring, O_DIRECT).
+//! - [`gated`]: a decorator whose chosen operations wait for a gate (a stalled device, for
+//!   frontends' tests).
 //! - [`io_stats`]: a decorator counting operations, bytes and latency per bdev.
 //! - [`registry`]: bdevs by name, with claims so a bdev in use cannot be deleted.
 //! - [`rpc`]: `bdev_malloc_create`, `bdev_uring_create`, `bdev_get_bdevs`, ... (SPDK names).
@@ -13,6 +15,7 @@
 
 pub mod bdev;
 pub mod file;
+pub mod gated;
 pub mod image;
 pub mod io_stats;
 pub mod malloc;

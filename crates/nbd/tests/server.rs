@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use basalt_bdev::Bdev;
+use basalt_bdev::gated::{Gated, Held};
 use basalt_bdev::malloc::MallocBdev;
 use basalt_nbd::protocol::*;
 use basalt_nbd::server::Export;
@@ -441,73 +442,20 @@ async fn disconnect_ends_the_connection_on_the_server() {
     );
 }
 
-/// A RAM bdev whose flushes and discards wait until the gate opens, counting those started.
-struct Gated {
-    inner: MallocBdev,
-    started: Arc<std::sync::atomic::AtomicU64>,
-    gate: Arc<tokio::sync::Semaphore>,
-}
-
-impl Gated {
-    fn wait<'a, T: Send + 'a>(
-        &'a self,
-        then: basalt_bdev::BdevFuture<'a, T>,
-    ) -> basalt_bdev::BdevFuture<'a, T> {
-        self.started
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Box::pin(async move {
-            let _pass = self.gate.acquire().await;
-            then.await
-        })
-    }
-}
-
-impl Bdev for Gated {
-    fn info(&self) -> &basalt_bdev::BdevInfo {
-        self.inner.info()
-    }
-    fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, basalt_io::DmaBuf> {
-        self.inner.read(extent)
-    }
-    fn write(
-        &self,
-        extent: basalt_bdev::Extent,
-        data: basalt_io::DmaBuf,
-        fua: bool,
-    ) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.inner.write(extent, data, fua)
-    }
-    fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.wait(self.inner.flush())
-    }
-    fn volatile_cache(&self) -> bool {
-        false
-    }
-    fn write_zeroes(
-        &self,
-        extent: basalt_bdev::Extent,
-        deallocate: bool,
-    ) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.inner.write_zeroes(extent, deallocate)
-    }
-    fn discard(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.wait(self.inner.discard(extent))
-    }
-}
-
 /// Requests that move no data still count: a trim counts a share of its range (an image
 /// turns a trim into a request per MiB), and a connection has 1,024 requests in flight at
 /// most, so a client cannot pile up work on the bdev at 28 bytes a request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trims_and_flushes_in_flight_are_bounded() {
     for (command, len_bytes, bound) in [(CMD_TRIM, SIZE_BYTES as u32, 65), (CMD_FLUSH, 0, 1024)] {
-        let started = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let bdev: Arc<dyn Bdev> = Arc::new(Gated {
-            inner: MallocBdev::new_named("g", 512, SIZE_BYTES / 512),
-            started: started.clone(),
-            gate: gate.clone(),
-        });
+        let held = Held {
+            flushes: true,
+            discards: true,
+            ..Held::default()
+        };
+        let malloc = MallocBdev::new_named("g", 512, SIZE_BYTES / 512);
+        let gated = Arc::new(Gated::new(Box::new(malloc), held));
+        let bdev: Arc<dyn Bdev> = gated.clone();
         let server = NbdServer::new(reactors());
         let export = Export::new("disk".into(), "g".into(), bdev, false, None);
         server.exports().insert(Arc::new(export));
@@ -538,14 +486,14 @@ async fn trims_and_flushes_in_flight_are_bounded() {
             .collect();
         stream.write_all(&requests).await.expect("requests");
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let taken = started.load(std::sync::atomic::Ordering::SeqCst);
+        let taken = gated.started();
         assert!(taken >= 1, "command {command}: none started");
         assert!(
             taken <= bound,
             "command {command}: {taken} of 2000 started at once (at most {bound})"
         );
         // Once the bdev goes on, every request is answered.
-        gate.add_permits(1 << 20);
+        gated.open();
         let mut replies = vec![0u8; 2000 * 16];
         tokio::time::timeout(Duration::from_secs(20), stream.read_exact(&mut replies))
             .await

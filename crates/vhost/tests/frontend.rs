@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use basalt_bdev::Bdev;
 use basalt_bdev::file::{FileBdev, FileBdevError, FileBdevOptions};
+use basalt_bdev::gated::{Gated, Held};
 use basalt_bdev::io_stats::Counted;
 use basalt_bdev::malloc::MallocBdev;
 use basalt_io::OpenError;
@@ -650,51 +651,6 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
     drop(frontend);
 }
 
-/// A RAM bdev whose writes wait until the gate opens, counting the writes started.
-struct Gated {
-    inner: MallocBdev,
-    started: Arc<std::sync::atomic::AtomicU64>,
-    gate: Arc<tokio::sync::Semaphore>,
-}
-
-impl Bdev for Gated {
-    fn info(&self) -> &basalt_bdev::BdevInfo {
-        self.inner.info()
-    }
-    fn read(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, basalt_io::DmaBuf> {
-        self.inner.read(extent)
-    }
-    fn write(
-        &self,
-        extent: basalt_bdev::Extent,
-        data: basalt_io::DmaBuf,
-        fua: bool,
-    ) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.started
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Box::pin(async move {
-            let _pass = self.gate.acquire().await;
-            self.inner.write(extent, data, fua).await
-        })
-    }
-    fn flush(&self) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn volatile_cache(&self) -> bool {
-        false
-    }
-    fn write_zeroes(
-        &self,
-        extent: basalt_bdev::Extent,
-        deallocate: bool,
-    ) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.inner.write_zeroes(extent, deallocate)
-    }
-    fn discard(&self, extent: basalt_bdev::Extent) -> basalt_bdev::BdevFuture<'_, ()> {
-        self.inner.discard(extent)
-    }
-}
-
 /// A guest that offers the same chain again and again while it is still in flight (no
 /// driver does: a head is reused only once the device has returned it) gets no more than
 /// twice a queue's worth of requests taken, instead of making the target hold any number
@@ -705,15 +661,16 @@ fn a_guest_offering_heads_still_in_flight_gets_no_more_taken() {
     let dir = scratch_dir("vhost-repeated-heads");
     let reactors = Arc::new(Reactors::start(1, "vhost-heads").expect("reactors"));
     let server = VhostServer::new(reactors, dir.clone());
-    let started = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let bdev = Gated {
-        inner: MallocBdev::new_named("g", 512, 2048),
-        started: started.clone(),
-        gate: gate.clone(),
+    let held = Held {
+        writes: true,
+        ..Held::default()
     };
+    let gated = Arc::new(Gated::new(
+        Box::new(MallocBdev::new_named("g", 512, 2048)),
+        held,
+    ));
     let options = BlkOptions {
-        bdev: Arc::new(bdev),
+        bdev: gated.clone(),
         readonly: false,
         queues: 1,
         serial: "heads".into(),
@@ -743,14 +700,14 @@ fn a_guest_offering_heads_still_in_flight_gets_no_more_taken() {
         }
     }
     std::thread::sleep(Duration::from_millis(200));
-    let taken = started.load(std::sync::atomic::Ordering::SeqCst);
+    let taken = gated.started();
     assert_eq!(
         taken,
         2 * u64::from(QUEUE_SIZE),
         "requests taken from a guest offering {offered} with a queue of {QUEUE_SIZE}"
     );
     // Let them through: they all complete.
-    gate.add_permits(1000);
+    gated.open();
     wait_until(
         || "the requests taken did not complete".into(),
         || {

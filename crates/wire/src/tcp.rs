@@ -576,6 +576,21 @@ mod tests {
         })
     }
 
+    /// A server answering with [`echo`], and how many requests it has taken.
+    async fn counting_echo_server() -> (Server, Arc<AtomicU64>) {
+        let handled = Arc::new(AtomicU64::new(0));
+        let counted = handled.clone();
+        let echo = echo(Arc::default());
+        let handler: Handler = Arc::new(move |message| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            echo(message)
+        });
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), handler)
+            .await
+            .expect("bind");
+        (server, handled)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pipelined_calls_get_their_own_replies_in_any_order() {
         let server = Server::bind("127.0.0.1:0".parse().expect("addr"), echo(Arc::default()))
@@ -693,16 +708,7 @@ mod tests {
     /// keep them all in memory, and every reply arrives once the peer reads.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_peer_that_reads_no_replies_is_held_back() {
-        let handled = Arc::new(AtomicU64::new(0));
-        let counted = handled.clone();
-        let echo = echo(Arc::default());
-        let handler: Handler = Arc::new(move |message| {
-            counted.fetch_add(1, Ordering::Relaxed);
-            echo(message)
-        });
-        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), handler)
-            .await
-            .expect("bind");
+        let (server, handled) = counting_echo_server().await;
         const REQUESTS: u64 = 200;
         const TAG_BYTES: usize = 256 << 10;
         let address = server.address();
@@ -749,16 +755,7 @@ mod tests {
     /// connection's at once, even when one read brings many more, and answers them all.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unanswered_requests_per_connection_are_bounded() {
-        let handled = Arc::new(AtomicU64::new(0));
-        let counted = handled.clone();
-        let echo = echo(Arc::default());
-        let handler: Handler = Arc::new(move |message| {
-            counted.fetch_add(1, Ordering::Relaxed);
-            echo(message)
-        });
-        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), handler)
-            .await
-            .expect("bind");
+        let (server, handled) = counting_echo_server().await;
         const REQUESTS: u64 = 500;
         let requests: Vec<u8> = (1..=REQUESTS)
             .flat_map(|id| echo_request(100, &[id as u8]).encode(id))
