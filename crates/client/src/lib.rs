@@ -417,8 +417,8 @@ impl Image {
         }
         // At most PIECES_IN_FLIGHT_MAX at a time: a discard of a whole image is thousands.
         let mut results = Vec::with_capacity(requests.len());
-        let mut requests = requests.into_iter().peekable();
-        while requests.peek().is_some() {
+        let mut requests = requests.into_iter();
+        loop {
             let handles: Vec<_> = requests
                 .by_ref()
                 .take(PIECES_IN_FLIGHT_MAX)
@@ -429,6 +429,9 @@ impl Image {
                     (piece, task)
                 })
                 .collect();
+            if handles.is_empty() {
+                return Ok(results);
+            }
             for (piece, handle) in handles {
                 let data = handle
                     .await
@@ -436,7 +439,6 @@ impl Image {
                 results.push((piece, data));
             }
         }
-        Ok(results)
     }
 
     /// Where a request goes before it is routed: the object's PG is found per attempt.

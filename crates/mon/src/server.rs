@@ -572,11 +572,7 @@ impl Core {
                 }
             }
         }
-        let leader = self
-            .raft
-            .leader(MON_GROUP)
-            .map(|osd| osd.0 as usize)
-            .filter(|rank| *rank < self.monitor.peers.len());
+        let leader = self.raft.leader(MON_GROUP).map(|osd| osd.0 as usize);
         self.leader.send_if_modified(|current| {
             let changed = *current != leader;
             *current = leader;

@@ -145,7 +145,7 @@ pub struct ErrorSite {
 
 impl ErrorSite {
     /// The site of `sqe` (not bound yet: the connection sets that).
-    pub fn of(sqe: &crate::command::Sqe) -> Self {
+    pub fn of(sqe: &Sqe) -> Self {
         Self {
             opcode: sqe.opcode,
             nsid: if sqe.opcode == FABRICS {

@@ -3069,7 +3069,8 @@ impl WriteLoad {
 /// after a turn with work under way, [`Event::is_work`], while [`WriteLoad`] finds the
 /// writes light): the task yields to the runtime in a loop, and each yield has the runtime
 /// look at its sockets and the device's completion eventfd without sleeping, so an
-/// acknowledgement or a completion expected within `poll` is taken without the wake-up of a sleeping thread (25-30 µs on this machine's vCPUs). Each round
+/// acknowledgement or a completion expected within `poll` is taken without the wake-up of
+/// a sleeping thread (25-30 µs on this machine's vCPUs). Each round
 /// first offers the CPU to any other runnable thread (`sched_yield`): without that, three
 /// polling OSDs on two vCPUs doubled the QD1 write latency (docs/benchmarks.md). A turn
 /// during the window starts a new one when it ends. Off by default: the CPU stays busy

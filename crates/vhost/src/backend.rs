@@ -344,8 +344,18 @@ impl BlkBackend {
             // that follows the rules. One that offers heads still in flight gets no more
             // taken until it kicks again with fewer out (else it could make the target
             // hold any number of requests and their buffers).
-            let queue_size = usize::from(vring.get_ref().get_queue().size());
-            let room = (2 * queue_size).saturating_sub(completer.in_flight.load(Ordering::Acquire));
+            let in_flight = completer.in_flight.load(Ordering::Acquire);
+            let (room, chains): (usize, Vec<_>) = {
+                let mut state = vring.get_mut();
+                let queue = state.get_queue_mut();
+                let room = (2 * usize::from(queue.size())).saturating_sub(in_flight);
+                let chains = queue
+                    .iter(memory.memory())
+                    .map_err(io::Error::other)?
+                    .take(room)
+                    .collect();
+                (room, chains)
+            };
             if room == 0 {
                 tracing::debug!(queue, "a guest offered more requests than its queue holds");
                 if event_idx {
@@ -353,15 +363,6 @@ impl BlkBackend {
                 }
                 break;
             }
-            let chains: Vec<_> = {
-                let mut state = vring.get_mut();
-                state
-                    .get_queue_mut()
-                    .iter(memory.memory())
-                    .map_err(io::Error::other)?
-                    .take(room)
-                    .collect()
-            };
             for chain in chains {
                 let head = chain.head_index();
                 let descriptors: Descriptors = chain
@@ -479,18 +480,17 @@ impl BlkBackend {
             || request.kind == TYPE_DISCARD
             || request.kind == TYPE_WRITE_ZEROES
         {
-            let len = request.readable_len();
-            let mut buffer = match copy_size(&request, &*self.options.bdev) {
-                Some(size) => DmaBuf::zeroed(size),
-                None => DmaBuf::zeroed(0),
-            };
-            if buffer.len() as u64 != len
-                || read_runs(&*guest, &request.readable, &mut buffer).is_err()
-            {
+            let copied = copy_size(&request, &*self.options.bdev).and_then(|size| {
+                let mut buffer = DmaBuf::zeroed(size);
+                read_runs(&*guest, &request.readable, &mut buffer)
+                    .ok()
+                    .map(|_| buffer)
+            });
+            let Some(buffer) = copied else {
                 let used_len = u32::from(guest.write_obj(STATUS_IOERR, request.status).is_ok());
                 completer.complete(head, used_len);
                 return;
-            }
+            };
             data = Some(buffer);
         }
         drop(guest);

@@ -125,9 +125,8 @@ struct OutgoingShared {
 struct OutgoingState {
     /// Bytes waiting for the writer task, in stream order.
     queued: Vec<u8>,
-    /// The writer task holds bytes taken from `queued` that are not all written yet.
-    writing: bool,
-    /// How many bytes it took.
+    /// Bytes the writer task took from `queued` and has not all written yet (0: it is not
+    /// writing).
     writing_bytes: usize,
     /// A write failed: nothing more is sent.
     failed: bool,
@@ -166,7 +165,7 @@ impl Outgoing {
             return Err(());
         }
         let mut rest = frame;
-        if state.queued.is_empty() && !state.writing && alone {
+        if state.queued.is_empty() && state.writing_bytes == 0 && alone {
             match self.shared.socket.try_write(frame) {
                 Ok(written) if written == frame.len() => return Ok(()),
                 Ok(written) => rest = &frame[written..],
@@ -183,9 +182,7 @@ impl Outgoing {
         self.shared.wake.notify_one();
         Ok(())
     }
-}
 
-impl Outgoing {
     /// Waits until fewer than `max_bytes` are waiting for the socket.
     async fn backlog_below(&self, max_bytes: usize) {
         let below = || {
@@ -232,18 +229,22 @@ impl OutgoingShared {
     async fn write_queued(&self) -> io::Result<()> {
         let mut batch = Vec::new();
         loop {
+            let wrote = !batch.is_empty();
+            batch.clear();
             {
                 let mut state = self.state();
+                state.writing_bytes = 0;
                 if state.queued.is_empty() {
-                    state.writing = false;
                     if state.senders == 0 || state.failed {
                         return Ok(());
                     }
                 } else {
                     std::mem::swap(&mut batch, &mut state.queued);
-                    state.writing = true;
                     state.writing_bytes = batch.len();
                 }
+            }
+            if wrote {
+                self.written.notify_waiters();
             }
             if batch.is_empty() {
                 self.wake.notified().await;
@@ -260,9 +261,6 @@ impl OutgoingShared {
                     Err(error) => return Err(error),
                 }
             }
-            batch.clear();
-            self.state().writing_bytes = 0;
-            self.written.notify_waiters();
         }
     }
 }
@@ -291,24 +289,36 @@ impl Drop for Forget<'_> {
 /// handler that panics or never replies does not leave the count high).
 struct Unanswered(Option<Arc<UnansweredCount>>);
 
-/// How many requests of a connection are unanswered, and a bell rung at each answer.
-#[derive(Default)]
+/// How many requests of a connection are unanswered, up to `max` (the reader takes one
+/// more only below it), and a bell rung when an answer brings the count below `max`.
 struct UnansweredCount {
     count: AtomicU64,
+    max: u64,
     answered: Notify,
 }
 
 impl UnansweredCount {
+    fn new(max: u64) -> Self {
+        Self {
+            count: AtomicU64::new(0),
+            max,
+            answered: Notify::new(),
+        }
+    }
+
     /// Counts one answered; whether it was the only one unanswered.
     fn answer(&self) -> bool {
-        let alone = self.count.fetch_sub(1, Ordering::Relaxed) == 1;
-        self.answered.notify_waiters();
-        alone
+        let before = self.count.fetch_sub(1, Ordering::Relaxed);
+        // Only a reader at the limit waits: no bell (and no lock) for the others.
+        if before >= self.max {
+            self.answered.notify_waiters();
+        }
+        before == 1
     }
 
     /// Waits until fewer than `max` are unanswered.
-    async fn below(&self, max: u64) {
-        let below = || self.count.load(Ordering::Relaxed) < max;
+    async fn below(&self) {
+        let below = || self.count.load(Ordering::Relaxed) < self.max;
         while !below() {
             let answered = self.answered.notified();
             tokio::pin!(answered);
@@ -496,7 +506,7 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
     let (reader, writer) = stream.into_split();
     let (outgoing, writer_task) = Outgoing::new(writer);
     // Requests of this connection not answered yet.
-    let unanswered = Arc::new(UnansweredCount::default());
+    let unanswered = Arc::new(UnansweredCount::new(UNANSWERED_MAX));
     let result = read_frames(
         reader,
         |id, message| {
@@ -515,7 +525,7 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
             });
         },
         || async {
-            unanswered.below(UNANSWERED_MAX).await;
+            unanswered.below().await;
             outgoing.backlog_below(BACKLOG_BYTES_MAX).await;
         },
     )
