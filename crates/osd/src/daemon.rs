@@ -746,13 +746,15 @@ impl Core {
         };
         // The receiving side of the move throttle: a replica behind in many PGs (an OSD
         // marked in, or back after a long absence) fetches at most max_moves snapshots at
-        // once, whichever leaders send them. Nor does it start one while others are under
-        // way and a checkpoint or the cleaner waits for them to end: refilled slots would
-        // keep both off until the whole backlog is in. The leader is told, and sends the
-        // snapshot again later.
+        // once, whichever leaders send them. Nor does it start one while a checkpoint is
+        // due or the cleaner has work to do, since neither runs during an install: one
+        // transfer after another (each given up at its first chunk for want of room, say)
+        // would keep both off for good, and the room never come. The leader is told, and
+        // sends the snapshot again later.
         let full = self.installing.len() >= self.max_moves;
-        let reclaim_waits = !self.installing.is_empty()
-            && (self.checkpoint_due() || self.log.free_bytes() < self.clean_low_mark());
+        let reclaim_waits = self.reuse_allowed()
+            && (self.checkpoint_due()
+                || (self.log.free_bytes() < self.clean_low_mark() && self.reclaimable_bytes() > 0));
         if full || reclaim_waits {
             tracing::debug!(%pg, %leader, index, installing = self.installing.len(), full, reclaim_waits, "a snapshot refused for now");
             let refusal = self.raft.snapshot_refusal(leader, index);
