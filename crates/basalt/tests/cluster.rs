@@ -345,7 +345,7 @@ fn three_monitors_survive_the_loss_of_their_leader() {
 fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-full");
-    let cluster = small_osd_cluster(&dir.path, "48MiB", None, "64MiB");
+    let cluster = small_osd_cluster(&dir.path, 1, "48MiB", None, "64MiB");
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0xab 0 8M"]);
 
@@ -475,7 +475,7 @@ fn an_exported_image_follows_a_resize() {
     require("qemu-io");
     require("qemu-img");
     let dir = ScratchDir::new("cluster-resize");
-    let cluster = small_osd_cluster(&dir.path, "96MiB", None, "16MiB");
+    let cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "16MiB");
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     let blocks =
         || target.rpc_ok("bdev_get_bdevs", json!({"name": "img"}))[0]["num_blocks"].as_u64();
@@ -493,11 +493,12 @@ fn an_exported_image_follows_a_resize() {
     qemu_io_ok(&uri, true, &["read -P 0x3c 31M 1M", "read -P 0xa1 0 1M"]);
 }
 
-/// A monitor and three OSDs on devices of `device_size` (the last serving metrics on
+/// `mons` monitors and three OSDs on devices of `device_size` (the last serving metrics on
 /// `metrics_port`, if given), a pool `rbd` of 8 PGs and an image `rbd/vol` of `image_size`,
 /// every PG active+clean.
 fn small_osd_cluster(
     dir: &std::path::Path,
+    mons: usize,
     device_size: &str,
     metrics_port: Option<u16>,
     image_size: &str,
@@ -509,7 +510,9 @@ fn small_osd_cluster(
     }
     let cluster = ClusterProcesses::start_custom(
         dir,
-        vec![format!("127.0.0.1:{}", free_port())],
+        (0..mons)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect(),
         vec![(None, device.clone()), (None, device), (None, last)],
     );
     cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
@@ -550,7 +553,7 @@ fn check_round(uri: &str, round: u32) {
 fn the_log_is_reused_over_many_laps_and_survives_crashes() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-reuse");
-    let mut cluster = small_osd_cluster(&dir.path, "96MiB", None, "24MiB");
+    let mut cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "24MiB");
     let small = vec!["--device-size".to_string(), "96MiB".to_string()];
     let metrics_port = free_port();
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
@@ -616,7 +619,7 @@ fn a_replica_far_behind_catches_up_by_snapshot() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-snapshot");
     let metrics_port = free_port();
-    let mut cluster = small_osd_cluster(&dir.path, "128MiB", Some(metrics_port), "24MiB");
+    let mut cluster = small_osd_cluster(&dir.path, 1, "128MiB", Some(metrics_port), "24MiB");
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
     cluster.wait_replicas_equal(Duration::from_secs(60));
@@ -663,45 +666,30 @@ fn a_replica_far_behind_catches_up_by_snapshot() {
     check_round(&uri, 10);
 }
 
-/// Rounds of writes through an exported image while OSDs, or the monitor and every OSD,
-/// die (`kill -9`) at random moments, some of them again while catching up. Each round
-/// writes every block of the image with a pattern of its own (and the block's offset), so
-/// a block that came back from an earlier round, from another place or torn fails the
-/// check. After each round: fio wrote and read back everything, the replicas are equal,
-/// and a fresh read of the whole image finds the round's data. Devices of 96 MiB take 24
-/// MiB per round, so the cleaner and checkpoints run across the crashes from the fourth
-/// round on. `BASALT_SOAK_ROUNDS` (3 by default) and `BASALT_SOAK_SEED` (printed; it
-/// replays the choice and timing of the crashes, not the machine's) for longer runs by hand.
+/// Rounds of writes through an exported image while processes die (`kill -9`) at random
+/// moments: an OSD; a monitor of three and an OSD; every monitor and OSD; or every OSD and
+/// then one again while it catches up. Each round writes every block of the image with a
+/// pattern of its own (and the block's offset), so a block that came back from an earlier
+/// round, from another place or torn fails the check. After each round: fio wrote and
+/// read back everything, the replicas are equal, and a fresh read of the whole image finds
+/// the round's data. Devices of 96 MiB take about 29 MiB of log per round, so the cleaner
+/// and checkpoints run across the crashes from the third round on. `BASALT_SOAK_ROUNDS`
+/// (3 by default) and `BASALT_SOAK_SEED` (printed; it replays the choice and timing of the
+/// crashes, not the machine's) for longer runs by hand.
 #[test]
 fn writes_survive_rounds_of_random_crashes() {
     require("fio");
-    let rounds: u32 = std::env::var("BASALT_SOAK_ROUNDS")
-        .ok()
-        .and_then(|rounds| rounds.parse().ok())
-        .unwrap_or(3);
-    let seed: u64 = std::env::var("BASALT_SOAK_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |now| now.as_nanos() as u64)
-        });
-    eprintln!("crash rounds: {rounds}, BASALT_SOAK_SEED={seed}");
-    let mut random = SplitMix(seed);
+    let rounds = env_number("BASALT_SOAK_ROUNDS", 3);
+    let mut random = SplitMix::from_env("BASALT_SOAK_SEED");
+    eprintln!("crash rounds: {rounds}");
     let dir = ScratchDir::new("cluster-soak");
-    let mut cluster = small_osd_cluster(&dir.path, "96MiB", None, "24MiB");
+    let mut cluster = small_osd_cluster(&dir.path, 3, "96MiB", None, "24MiB");
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     for round in 0..rounds {
-        // About 3 s of writes (2,000 a second), then as long to read them back: a crash
-        // 0.2 to 2.7 s in lands in the writes.
-        let mut write = pattern_write(round);
-        write.push("--rate_iops=2000".into());
-        let fio_uri = uri.clone();
-        let started = Instant::now();
-        let fio_run = std::thread::spawn(move || fio(&fio_uri, &args(&write)));
+        // A crash 0.2 to 2.7 s in lands in the writes.
+        let writes = PatternRound::start(&uri, round);
         std::thread::sleep(Duration::from_millis(200 + random.below(2500)));
-        let crash = match random.below(3) {
+        let crash = match random.below(4) {
             0 => {
                 let n = random.below(3) as usize;
                 cluster.kill_osd(n);
@@ -719,7 +707,16 @@ fn writes_survive_rounds_of_random_crashes() {
                 for n in 0..3 {
                     cluster.start_osd(n);
                 }
-                "the monitor and every osd killed".to_string()
+                "every monitor and every osd killed".to_string()
+            }
+            2 => {
+                let (mon, n) = (random.below(3) as usize, random.below(3) as usize);
+                cluster.kill_mon_n(mon);
+                cluster.kill_osd(n);
+                std::thread::sleep(Duration::from_millis(random.below(2000)));
+                cluster.start_mon_n(mon);
+                cluster.start_osd(n);
+                format!("monitor {mon} and osd process {n} killed")
             }
             _ => {
                 for n in 0..3 {
@@ -735,51 +732,7 @@ fn writes_survive_rounds_of_random_crashes() {
                 format!("every osd killed, then osd process {n} again after its restart")
             }
         };
-        eprintln!(
-            "round {round}: {crash} ({:?} in; fio still running: {})",
-            started.elapsed(),
-            !fio_run.is_finished()
-        );
-        let report = fio_run.join().expect("fio wrote and verified the round");
-        assert_eq!(
-            report["jobs"][0]["write"]["io_bytes"].as_u64(),
-            Some(24 << 20),
-            "round {round}: every block was written"
-        );
-        cluster.wait_osds_up(3);
-        cluster.wait_clean(Duration::from_secs(60));
-        cluster.wait_replicas_equal(Duration::from_secs(60));
-        let mut verify = pattern_write(round);
-        verify.push("--verify_only".into());
-        fio(&uri, &args(&verify));
-    }
-}
-
-/// fio's arguments for a random write of every 4 KiB block of a 24 MiB image, each block
-/// filled with `round`'s pattern and its own offset, read back and checked at the end.
-fn pattern_write(round: u32) -> Vec<String> {
-    [
-        "--rw=randwrite".to_string(),
-        "--bs=4k".into(),
-        "--iodepth=8".into(),
-        "--size=24M".into(),
-        "--verify=pattern".into(),
-        format!("--verify_pattern=0x{:08x}%o", round + 1),
-        "--verify_fatal=1".into(),
-    ]
-    .to_vec()
-}
-
-/// A small pseudo-random sequence (splitmix64): the crashes' choices from a seed.
-struct SplitMix(u64);
-
-impl SplitMix {
-    /// A number below `bound`.
-    fn below(&mut self, bound: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) % bound
+        writes.report(&crash);
+        writes.finish(&cluster, 3, Duration::from_secs(60));
     }
 }

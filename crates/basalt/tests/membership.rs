@@ -147,3 +147,70 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
         fio(&uri, &args(&verify));
     }
 }
+
+/// Rounds of writes while PGs move and OSDs crash: in each round, at random moments during
+/// fio's writes, one of four OSDs is marked out (or the one out is marked in again), then
+/// an OSD, or every OSD, is killed (`kill -9`) and restarted, so that learners, joint
+/// configurations and snapshot transfers meet crashes. Each round's blocks carry a pattern
+/// of their own. After each round every PG is active+clean on the map's members, the
+/// replicas are equal, and the round's data reads back. `BASALT_MOVES_ROUNDS` (2 by
+/// default) and `BASALT_MOVES_SEED` (printed) for longer runs by hand.
+///
+/// Not run by default yet: in about one run of eight rounds in five, an OSD marked in
+/// again never catches up. Snapshot transfers it gave up for want of room left their
+/// chunks in its log past the last batch of a persist it processed, which is as far as
+/// its cleaner may go; hosting no PG, it persists nothing, so its cleaner never frees
+/// that space and it refuses every snapshot for want of room (docs/internals/store.md,
+/// Gaps). `cargo test -p basalt --test membership -- --ignored` runs it.
+#[test]
+#[ignore = "an OSD that hosts nothing cannot clean past its last persist (see above)"]
+fn moves_survive_rounds_of_random_crashes() {
+    let rounds = env_number("BASALT_MOVES_ROUNDS", 2);
+    let mut random = SplitMix::from_env("BASALT_MOVES_SEED");
+    let dir = ScratchDir::new("cluster-moves-crashes");
+    let device = vec!["--device-size".to_string(), "96MiB".to_string()];
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![(None, device); 4],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "24MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let mut out: Option<u32> = None;
+    for round in 0..rounds {
+        let writes = PatternRound::start(&uri, round);
+        std::thread::sleep(Duration::from_millis(200 + random.below(1000)));
+        let change = match out.take() {
+            Some(id) => {
+                cluster.cli_ok(&["osd", "in", &id.to_string()]);
+                format!("osd.{id} in")
+            }
+            None => {
+                let id = cluster.osd_id(random.below(4) as usize);
+                cluster.cli_ok(&["osd", "out", &id.to_string()]);
+                out = Some(id);
+                format!("osd.{id} out")
+            }
+        };
+        std::thread::sleep(Duration::from_millis(random.below(1500)));
+        let crash = if random.below(2) == 0 {
+            let n = random.below(4) as usize;
+            cluster.kill_osd(n);
+            std::thread::sleep(Duration::from_millis(random.below(1000)));
+            cluster.start_osd(n);
+            format!("osd.{} killed", cluster.osd_id(n))
+        } else {
+            for n in 0..4 {
+                cluster.kill_osd(n);
+            }
+            for n in 0..4 {
+                cluster.start_osd(n);
+            }
+            "every osd killed".to_string()
+        };
+        writes.report(&format!("{change}, then {crash}"));
+        writes.finish(&cluster, 4, Duration::from_secs(180));
+    }
+}

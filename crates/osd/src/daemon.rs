@@ -411,6 +411,18 @@ struct Reclaim {
     retained_bytes: u64,
 }
 
+impl Reclaim {
+    /// Free space ran short: the cleaner runs, and writes that find no room wait for it
+    /// from now on (a press that found `progress_at` from long ago would refuse them with
+    /// ENOSPC at once).
+    fn press(&mut self) {
+        if !self.pressed {
+            self.pressed = true;
+            self.progress_at = std::time::Instant::now();
+        }
+    }
+}
+
 /// One persist on its way to the device: its appends, in order.
 struct PendingPersist {
     pg: PgId,
@@ -819,7 +831,7 @@ impl Core {
         // reserve must stay free for raft's persists meanwhile; short of it, the leader
         // sends the snapshot again later, and the cleaner frees what it can.
         if !self.room_for_install(log_bytes) {
-            self.reclaim.pressed = true;
+            self.reclaim.press();
             self.abort_install(pg, "the log has no room for it now", true);
             let _ = ack.send(false);
             return;
@@ -1371,10 +1383,7 @@ impl Core {
             self.reclaim.pressed = false;
             return;
         }
-        if !self.reclaim.pressed {
-            self.reclaim.pressed = true;
-            self.reclaim.progress_at = std::time::Instant::now();
-        }
+        self.reclaim.press();
         let reclaim = &self.reclaim;
         // The cleaner runs ahead of the checkpoints by at most a quarter of the ring: what
         // it moved is freed only by the next one.

@@ -742,3 +742,109 @@ pub fn metric(metrics: &str, name: &str) -> f64 {
         .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name} in {metrics}"))
 }
+
+/// fio's arguments for a random write of every 4 KiB block of the first `size` of an
+/// image, each block filled with `round`'s pattern and its own offset (so that a block
+/// left from another round, from another place or torn fails the check, which crc32c
+/// alone would not catch), read back and checked at the end.
+pub fn pattern_write(round: u32, size: &str) -> Vec<String> {
+    vec![
+        "--rw=randwrite".to_string(),
+        "--bs=4k".into(),
+        "--iodepth=8".into(),
+        format!("--size={size}"),
+        "--verify=pattern".into(),
+        format!("--verify_pattern=0x{:08x}%o", round + 1),
+        "--verify_fatal=1".into(),
+    ]
+}
+
+/// The number in environment variable `name`, or `default`.
+pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A small pseudo-random sequence (splitmix64): a test's random choices from a seed.
+pub struct SplitMix(u64);
+
+impl SplitMix {
+    /// Seeded from environment variable `name` if set, else from the clock; prints the
+    /// seed, so that a run's choices can be replayed.
+    pub fn from_env(name: &str) -> Self {
+        let seed = env_number(name, 0u64);
+        let seed = if seed != 0 {
+            seed
+        } else {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |now| now.as_nanos() as u64)
+        };
+        eprintln!("{name}={seed}");
+        Self(seed)
+    }
+
+    /// A number below `bound`.
+    pub fn below(&mut self, bound: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % bound
+    }
+}
+
+/// A round of [`pattern_write`] over the first 24 MiB of an image at 2,000 writes a second
+/// (about 3 s of writes, then as long to read them back), fio running on a thread of its
+/// own while the test crashes things.
+pub struct PatternRound {
+    round: u32,
+    uri: String,
+    started: Instant,
+    fio: std::thread::JoinHandle<Value>,
+}
+
+impl PatternRound {
+    pub fn start(uri: &str, round: u32) -> Self {
+        let mut write = pattern_write(round, "24M");
+        write.push("--rate_iops=2000".into());
+        let fio_uri = uri.to_string();
+        Self {
+            round,
+            uri: uri.to_string(),
+            started: Instant::now(),
+            fio: std::thread::spawn(move || fio(&fio_uri, &args(&write))),
+        }
+    }
+
+    /// Prints what was done to the cluster during the round, and when.
+    pub fn report(&self, what: &str) {
+        eprintln!(
+            "round {}: {what} ({:?} in; fio still running: {})",
+            self.round,
+            self.started.elapsed(),
+            !self.fio.is_finished()
+        );
+    }
+
+    /// Waits for fio to have written and read back every block, then for `osds` OSDs up,
+    /// every PG active+clean and its replicas equal (each within `timeout`), and reads the
+    /// round's data back afresh.
+    pub fn finish(self, cluster: &ClusterProcesses, osds: usize, timeout: Duration) {
+        let round = self.round;
+        let report = self.fio.join().expect("fio wrote and verified the round");
+        assert_eq!(
+            report["jobs"][0]["write"]["io_bytes"].as_u64(),
+            Some(24 << 20),
+            "round {round}: every block was written"
+        );
+        cluster.wait_osds_up(osds);
+        cluster.wait_clean(timeout);
+        cluster.wait_replicas_equal(timeout);
+        let mut verify = pattern_write(round, "24M");
+        verify.push("--verify_only".into());
+        fio(&self.uri, &args(&verify));
+    }
+}
