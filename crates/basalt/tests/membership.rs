@@ -155,15 +155,7 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
 /// of their own. After each round every PG is active+clean on the map's members, the
 /// replicas are equal, and the round's data reads back. `BASALT_MOVES_ROUNDS` (2 by
 /// default) and `BASALT_MOVES_SEED` (printed) for longer runs by hand.
-///
-/// Not run by default yet: in about one run of eight rounds in five, an OSD marked in
-/// again never catches up. Snapshot transfers it gave up for want of room left their
-/// chunks in its log past the last batch of a persist it processed, which is as far as
-/// its cleaner may go; hosting no PG, it persists nothing, so its cleaner never frees
-/// that space and it refuses every snapshot for want of room (docs/internals/store.md,
-/// Gaps). `cargo test -p basalt --test membership -- --ignored` runs it.
 #[test]
-#[ignore = "an OSD that hosts nothing cannot clean past its last persist (see above)"]
 fn moves_survive_rounds_of_random_crashes() {
     let rounds = env_number("BASALT_MOVES_ROUNDS", 2);
     let mut random = SplitMix::from_env("BASALT_MOVES_SEED");

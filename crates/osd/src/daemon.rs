@@ -270,8 +270,9 @@ enum Event {
     },
     /// A persist is durable; its write payloads (raft index, term) lie at these device
     /// offsets. `end` is the ring position and LSN after its last batch, if it wrote one.
+    /// No PG: an empty persist that only moves `durable_end` ([`Core::move_durable_end`]).
     Persisted {
-        pg: PgId,
+        pg: Option<PgId>,
         number: u64,
         snapshot: Option<(u64, u64)>,
         then_send: Vec<(OsdId, RaftMessage)>,
@@ -425,7 +426,8 @@ impl Reclaim {
 
 /// One persist on its way to the device: its appends, in order.
 struct PendingPersist {
-    pg: PgId,
+    /// None: an empty persist that only moves `durable_end`.
+    pg: Option<PgId>,
     number: u64,
     /// A snapshot (index, term) it installs.
     snapshot: Option<(u64, u64)>,
@@ -484,6 +486,8 @@ struct Core {
     reads: HashMap<PgId, Vec<(u64, ReadRequest)>>,
     log: Arc<LogDevice>,
     persists: mpsc::UnboundedSender<PendingPersist>,
+    /// An empty persist is on its way to move `durable_end` ([`Core::move_durable_end`]).
+    moving_durable_end: bool,
     peers: HashMap<OsdId, Peer>,
     engine: Arc<FileEngine>,
     counters: Arc<Counters>,
@@ -633,6 +637,10 @@ impl Core {
                 if let Some(end) = end {
                     self.reclaim.durable_end = end;
                 }
+                let Some(pg) = pg else {
+                    self.moving_durable_end = false;
+                    return Ok(());
+                };
                 if !self.raft.hosts(pg) {
                     // Removed from the PG meanwhile.
                     return Ok(());
@@ -1400,6 +1408,9 @@ impl Core {
             ))
             .min(tail + ring / 4 + crate::log_device::MAX_BATCH_BYTES);
         if limit <= from {
+            if self.reclaim.durable_end.0 <= from {
+                self.move_durable_end();
+            }
             return;
         }
         self.reclaim.cleaning = true;
@@ -1411,6 +1422,41 @@ impl Core {
                 result: read.await,
                 limit,
             });
+        });
+    }
+
+    /// The cleaner may not go past `durable_end`, the start of the last batch of a persist
+    /// the core processed (a checkpoint cut there must leave the rest to replay). Batches
+    /// written after it without a persist (snapshot chunks of transfers given up, removals)
+    /// wait for the next persist to move it on, and a replica that hosts no PG yet persists
+    /// nothing: short of room, it would refuse every snapshot for good. So when the cleaner
+    /// has caught up with `durable_end`, nothing is persisting and more than two batches'
+    /// worth lie past it, an empty append goes through the persist pipeline, in order
+    /// behind every persist before it, and its completion moves `durable_end` on.
+    fn move_durable_end(&mut self) {
+        let behind = self
+            .log
+            .head_position()
+            .saturating_sub(self.reclaim.durable_end.0);
+        let persisting = self
+            .durable
+            .values()
+            .any(|durable| !durable.in_flight.is_empty());
+        if self.moving_durable_end || persisting || behind <= 2 * crate::log_device::MAX_BATCH_BYTES
+        {
+            return;
+        }
+        tracing::debug!(behind, "an empty persist to move the cleaner's limit");
+        self.moving_durable_end = true;
+        let append = Box::pin(self.log.submit(Vec::new())) as AppendFuture;
+        let _ = self.persists.send(PendingPersist {
+            pg: None,
+            number: 0,
+            snapshot: None,
+            then_send: Vec::new(),
+            hard_state: None,
+            last_index: None,
+            appends: vec![(append, Vec::new())],
         });
     }
 
@@ -1882,7 +1928,7 @@ impl Core {
             })
             .collect();
         let _ = self.persists.send(PendingPersist {
-            pg,
+            pg: Some(pg),
             number,
             snapshot,
             then_send,
@@ -2934,6 +2980,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         reads: HashMap::new(),
         log,
         persists,
+        moving_durable_end: false,
         peers: HashMap::new(),
         engine,
         counters,
@@ -3114,7 +3161,7 @@ mod tests {
     #[test]
     fn only_work_under_way_starts_polling() {
         let persisted = |last_index| Event::Persisted {
-            pg: pg(1),
+            pg: Some(pg(1)),
             number: 1,
             snapshot: None,
             then_send: Vec::new(),

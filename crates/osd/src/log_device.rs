@@ -513,6 +513,11 @@ impl LogDevice {
             .saturating_sub(self.counters.head_position.load(Ordering::Relaxed))
     }
 
+    /// The ring position where the next batch goes.
+    pub fn head_position(&self) -> u64 {
+        self.counters.head_position.load(Ordering::Relaxed)
+    }
+
     /// Free bytes kept from client writes (see [`FLOOR_BYTES`] for what only the cleaner
     /// may use).
     pub fn reserve_bytes(&self) -> u64 {

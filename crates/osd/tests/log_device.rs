@@ -388,3 +388,31 @@ async fn a_checkpoint_of_another_format_is_refused() {
     );
     std::fs::remove_file(path).expect("remove");
 }
+
+/// An append with no entries takes a batch of its own (a header block), which replay
+/// passes over to the batches after it: an OSD sends one to move where its cleaner may go.
+#[tokio::test(flavor = "current_thread")]
+async fn an_empty_append_is_a_batch_that_replay_passes_over() {
+    let path = device_file("empty", 64 << 20);
+    LogDevice::format(&path, [1; 16]).await.expect("format");
+    let device = LogDevice::open(&path).await.expect("open").device;
+    device.submit(vec![entry(0, 1, 1)]).await.expect("durable");
+    let head = device.head_position();
+    let empty = device.submit(Vec::new()).await.expect("an empty append");
+    assert_eq!(empty.lsn, Lsn(2));
+    assert_eq!(empty.position, head);
+    assert_eq!(device.head_position(), head + 4096, "a header block");
+    device.submit(vec![entry(0, 2, 2)]).await.expect("durable");
+    drop(device);
+
+    let reopened = LogDevice::open(&path).await.expect("reopen");
+    assert_eq!(reopened.replayed.batches.len(), 3);
+    let entries: Vec<&Entry> = reopened
+        .replayed
+        .batches
+        .iter()
+        .flat_map(|b| b.entries.iter().map(|(e, _)| e))
+        .collect();
+    assert_eq!(entries, [&entry(0, 1, 1), &entry(0, 2, 2)]);
+    std::fs::remove_file(path).expect("remove");
+}
