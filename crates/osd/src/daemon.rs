@@ -1438,11 +1438,12 @@ impl Core {
             .log
             .head_position()
             .saturating_sub(self.reclaim.durable_end.0);
-        let persisting = self
-            .durable
-            .values()
-            .any(|durable| !durable.in_flight.is_empty());
-        if self.moving_durable_end || persisting || behind <= 2 * crate::log_device::MAX_BATCH_BYTES
+        if self.moving_durable_end
+            || behind <= 2 * crate::log_device::MAX_BATCH_BYTES
+            || self
+                .durable
+                .values()
+                .any(|durable| !durable.in_flight.is_empty())
         {
             return;
         }

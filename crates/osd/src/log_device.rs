@@ -509,8 +509,7 @@ impl LogDevice {
     /// the cleaner, checkpoints and write admission reason from. Reads in flight may hold
     /// the writer back from the last of it for as long as they take (appends then wait).
     pub fn free_bytes(&self) -> u64 {
-        (self.tail_position() + self.ring.len_bytes)
-            .saturating_sub(self.counters.head_position.load(Ordering::Relaxed))
+        (self.tail_position() + self.ring.len_bytes).saturating_sub(self.head_position())
     }
 
     /// The ring position where the next batch goes.

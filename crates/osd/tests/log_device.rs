@@ -16,6 +16,16 @@ fn device_file(name: &str, len: u64) -> PathBuf {
     path
 }
 
+/// Every entry replay found, in order.
+fn replayed_entries(opened: &basalt_osd::log_device::Opened) -> Vec<&Entry> {
+    opened
+        .replayed
+        .batches
+        .iter()
+        .flat_map(|b| b.entries.iter().map(|(e, _)| e))
+        .collect()
+}
+
 fn entry(pg: u32, index: u64, byte: u8) -> Entry {
     Entry {
         kind: 1,
@@ -75,12 +85,7 @@ async fn queued_appends_share_batches_and_replay_in_order() {
     drop(device);
 
     let reopened = LogDevice::open(&path).await.expect("reopen");
-    let entries: Vec<&Entry> = reopened
-        .replayed
-        .batches
-        .iter()
-        .flat_map(|b| b.entries.iter().map(|(e, _)| e))
-        .collect();
+    let entries = replayed_entries(&reopened);
     assert_eq!(entries.len(), 74);
     for (n, found) in entries.iter().enumerate() {
         assert_eq!(
@@ -407,12 +412,9 @@ async fn an_empty_append_is_a_batch_that_replay_passes_over() {
 
     let reopened = LogDevice::open(&path).await.expect("reopen");
     assert_eq!(reopened.replayed.batches.len(), 3);
-    let entries: Vec<&Entry> = reopened
-        .replayed
-        .batches
-        .iter()
-        .flat_map(|b| b.entries.iter().map(|(e, _)| e))
-        .collect();
-    assert_eq!(entries, [&entry(0, 1, 1), &entry(0, 2, 2)]);
+    assert_eq!(
+        replayed_entries(&reopened),
+        [&entry(0, 1, 1), &entry(0, 2, 2)]
+    );
     std::fs::remove_file(path).expect("remove");
 }

@@ -774,14 +774,14 @@ impl SplitMix {
     /// Seeded from environment variable `name` if set, else from the clock; prints the
     /// seed, so that a run's choices can be replayed.
     pub fn from_env(name: &str) -> Self {
-        let seed = env_number(name, 0u64);
-        let seed = if seed != 0 {
-            seed
-        } else {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |now| now.as_nanos() as u64)
-        };
+        let seed = std::env::var(name)
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |now| now.as_nanos() as u64)
+            });
         eprintln!("{name}={seed}");
         Self(seed)
     }
