@@ -369,14 +369,29 @@ pub fn run_osd_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
     })
 }
 
+/// An OSD id as operators write it: `3` or `osd.3`.
+fn parse_osd_id(id: &str) -> anyhow::Result<OsdId> {
+    let number = id.strip_prefix("osd.").unwrap_or(id);
+    number
+        .parse()
+        .map(OsdId)
+        .map_err(|_| anyhow::anyhow!("{id:?} is not an OSD id (3 or osd.3)"))
+}
+
+/// `basalt osd rm ID`.
+pub fn run_osd_rm(cluster: ClusterArgs, id: &str) -> anyhow::Result<ExitCode> {
+    let id = parse_osd_id(id)?;
+    let mon = cluster.client()?;
+    block_on(async move {
+        let epoch = apply(&mon, Command::OsdRemove { id }).await?;
+        println!("{id} removed from the cluster (map epoch {epoch})");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
 /// `basalt osd out|in ID`.
 pub fn run_osd_mark(cluster: ClusterArgs, id: &str, is_in: bool) -> anyhow::Result<ExitCode> {
-    let number = id.strip_prefix("osd.").unwrap_or(id);
-    let id = OsdId(
-        number
-            .parse()
-            .map_err(|_| anyhow::anyhow!("{id:?} is not an OSD id (3 or osd.3)"))?,
-    );
+    let id = parse_osd_id(id)?;
     let mon = cluster.client()?;
     block_on(async move {
         let command = if is_in {

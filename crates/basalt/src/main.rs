@@ -108,6 +108,14 @@ enum OsdAction {
         /// The OSD (`3` or `osd.3`).
         id: String,
     },
+    /// Remove an OSD from the cluster for good (a dead disk): it must be down and out,
+    /// its PGs moved; its id is not given again and its device may not rejoin.
+    Rm {
+        #[command(flatten)]
+        cluster: admin_command::ClusterArgs,
+        /// The OSD (`3` or `osd.3`).
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -175,6 +183,10 @@ fn main() -> ExitCode {
             action: Some(OsdAction::In { cluster, id }),
             ..
         }) => admin_command::run_osd_mark(cluster, &id, true),
+        Command::Osd(OsdCommand {
+            action: Some(OsdAction::Rm { cluster, id }),
+            ..
+        }) => admin_command::run_osd_rm(cluster, &id),
         Command::Osd(OsdCommand { daemon, .. }) => daemon_command::run_osd(daemon),
         Command::Pool { cluster, command } => admin_command::run_pool(cluster, command),
         Command::Image { cluster, command } => admin_command::run_image(cluster, command),

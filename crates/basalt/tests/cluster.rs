@@ -688,7 +688,7 @@ fn writes_survive_rounds_of_random_crashes() {
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     for round in 0..rounds {
         // A crash 0.2 to 2.7 s in lands in the writes.
-        let writes = PatternRound::start(&uri, round);
+        let writes = PatternRound::start(&uri, round, &mut random);
         std::thread::sleep(Duration::from_millis(200 + random.below(2500)));
         let crash = match random.below(4) {
             0 => {

@@ -172,7 +172,7 @@ fn moves_survive_rounds_of_random_crashes() {
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     let mut out: Option<u32> = None;
     for round in 0..rounds {
-        let writes = PatternRound::start(&uri, round);
+        let writes = PatternRound::start(&uri, round, &mut random);
         std::thread::sleep(Duration::from_millis(200 + random.below(1000)));
         let change = match out.take() {
             Some(id) => {
@@ -205,4 +205,85 @@ fn moves_survive_rounds_of_random_crashes() {
         writes.report(&format!("{change}, then {crash}"));
         writes.finish(&cluster, 4, Duration::from_secs(180));
     }
+}
+
+/// A dead OSD leaves the cluster for good: `basalt osd rm` refuses while it is up, then
+/// while it is in; once it is out and its PGs have moved, it is removed, the health warning
+/// about it goes, and its device may not rejoin (its process exits, saying why). The data
+/// written before reads back throughout.
+#[test]
+fn a_dead_osd_is_removed_for_good() {
+    let dir = ScratchDir::new("cluster-osd-rm");
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![(None, Vec::new()); 4],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let written = verified_write("16M");
+    fio(&uri, &args(&written));
+    let mut verify = written.clone();
+    verify.push("--verify_only".into());
+
+    let victim = cluster.osd_id(3);
+    let refused = |cluster: &ClusterProcesses, what: &str| {
+        let output = cluster.cli(&["osd", "rm", &victim.to_string()]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "osd rm went through: {stderr}");
+        assert!(
+            stderr.contains(&format!("osd.{victim} cannot be removed")) && stderr.contains(what),
+            "{stderr}"
+        );
+    };
+    refused(&cluster, "it is up");
+    cluster.kill_osd(3);
+    wait_for("the dead osd down", Duration::from_secs(60), || {
+        cluster
+            .cli_json(&["osd", "ls"])
+            .as_array()
+            .is_some_and(|osds| {
+                osds.iter()
+                    .any(|osd| osd["id"] == victim && osd["up"] == false)
+            })
+    });
+    refused(&cluster, "mark it out first");
+    cluster.cli_ok(&["osd", "out", &victim.to_string()]);
+    cluster.wait_clean(Duration::from_secs(120));
+    cluster.wait_replicas_equal(Duration::from_secs(120));
+    assert!(
+        cluster.cli_ok(&["status"]).contains("1 osds down"),
+        "a dead osd is a warning until it is removed"
+    );
+    let removed = cluster.cli_ok(&["osd", "rm", &format!("osd.{victim}")]);
+    assert!(
+        removed.contains(&format!("osd.{victim} removed")),
+        "{removed}"
+    );
+    let osds = cluster.cli_json(&["osd", "ls"]);
+    assert_eq!(osds.as_array().map(Vec::len), Some(3), "{osds}");
+    assert!(
+        osds.as_array()
+            .is_some_and(|osds| osds.iter().all(|osd| osd["id"] != victim))
+    );
+    let status = cluster.cli_ok(&["status"]);
+    assert!(!status.contains("osds down"), "{status}");
+    let output = cluster.cli(&["osd", "rm", &victim.to_string()]);
+    assert!(
+        !output.status.success()
+            && String::from_utf8_lossy(&output.stderr).contains("does not exist"),
+        "a second removal is refused"
+    );
+    fio(&uri, &args(&verify));
+
+    // Its device cannot come back: the OSD process exits at boot, naming the removal.
+    let refused_boot = run(basalt()
+        .args(["osd", "--mon", &cluster.mon_addresses()[0], "--data-dir"])
+        .arg(dir.join("osd.3")));
+    let stderr = String::from_utf8_lossy(&refused_boot.stderr);
+    assert!(!refused_boot.status.success(), "{stderr}");
+    assert!(stderr.contains("was removed from the cluster"), "{stderr}");
+    fio(&uri, &args(&verify));
 }

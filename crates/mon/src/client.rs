@@ -109,7 +109,19 @@ impl MonClient {
             let budget = deadline.saturating_duration_since(tokio::time::Instant::now());
             match tokio::time::timeout(budget, connection.call(&message)).await {
                 Ok(Ok(reply)) => {
-                    return decode::<MonReply>(&reply).map_err(MonClientError::Protocol);
+                    let reply = decode::<MonReply>(&reply).map_err(MonClientError::Protocol)?;
+                    match reply {
+                        // Asked again after a pause, unless a change may have been made
+                        // (a command is not asked twice).
+                        MonReply::Unavailable { reason, maybe_done }
+                            if !maybe_done || !matches!(request, MonRequest::Command(_)) =>
+                        {
+                            last_error = reason;
+                            tokio::time::sleep(RETRY_PAUSE).await;
+                            continue;
+                        }
+                        reply => return Ok(reply),
+                    }
                 }
                 Ok(Err(error)) => last_error = error.to_string(),
                 Err(_) => last_error = "the request timed out".to_string(),
@@ -135,6 +147,9 @@ impl MonClient {
         match self.request(&MonRequest::Command(command)).await? {
             MonReply::Applied { changed, epoch } => Ok((changed, epoch)),
             MonReply::Error(message) => Err(MonClientError::Refused(message)),
+            MonReply::Unavailable { reason, .. } => Err(MonClientError::Refused(format!(
+                "{reason}; the change may or may not have been made (look before trying again)"
+            ))),
             other => Err(MonClientError::Protocol(format!("{other:?}"))),
         }
     }

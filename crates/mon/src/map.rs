@@ -151,6 +151,11 @@ pub struct ClusterMap {
     pub images: BTreeMap<ImageId, Image>,
     next_pool: u32,
     next_image: u64,
+    /// OSDs removed from the cluster (`basalt osd rm`), by id, with their uuids: the ids
+    /// are never given again (a PG's raft groups may still name one), and an OSD of that
+    /// uuid may not boot again (its device holds replicas under the old id).
+    #[serde(default)]
+    pub removed: BTreeMap<OsdId, String>,
 }
 
 /// A change to the map.
@@ -183,6 +188,12 @@ pub enum Command {
     },
     /// The OSD holds data again: PGs move to it.
     OsdIn {
+        /// The OSD.
+        id: OsdId,
+    },
+    /// The OSD leaves the cluster for good: it must be down and out, and no PG's members
+    /// may name it.
+    OsdRemove {
         /// The OSD.
         id: OsdId,
     },
@@ -280,6 +291,24 @@ pub enum MapError {
         /// What is allowed.
         rule: &'static str,
     },
+    /// The OSD may not be removed yet.
+    #[error("{id} cannot be removed: {reason}")]
+    OsdInUse {
+        /// The OSD.
+        id: OsdId,
+        /// Why not, and what to do first.
+        reason: String,
+    },
+    /// The OSD of that uuid was removed from the cluster.
+    #[error(
+        "the osd of uuid {uuid} was removed from the cluster (it was {id}); to join again it needs a fresh device (delete its device file)"
+    )]
+    OsdRemoved {
+        /// Its old id.
+        id: OsdId,
+        /// Its uuid.
+        uuid: String,
+    },
     /// The pool still holds images.
     #[error("pool {name:?} still holds {images} image(s)")]
     PoolNotEmpty {
@@ -339,6 +368,10 @@ impl ClusterMap {
                 let osd = self.osd_mut(*id)?;
                 osd.auto_out = false;
                 osd.set_in(true)
+            }
+            Command::OsdRemove { id } => {
+                self.osd_remove(*id)?;
+                true
             }
             Command::OsdFull { id, full } => {
                 let osd = self.osd_mut(*id)?;
@@ -409,13 +442,19 @@ impl ClusterMap {
         if !(weight.is_finite() && weight >= 0.0) {
             return Err(invalid("weight", weight, "a number of 0 or more"));
         }
+        if let Some((id, _)) = self.removed.iter().find(|(_, removed)| *removed == uuid) {
+            return Err(MapError::OsdRemoved {
+                id: *id,
+                uuid: uuid.to_string(),
+            });
+        }
         // The seed's `fakeapplyid`: the same uuid always gets the same id; a new uuid gets
-        // the lowest free one.
+        // the lowest id never given.
         let id = match self.osds.values().find(|osd| osd.uuid == uuid) {
             Some(osd) => osd.id,
             None => (0..)
                 .map(OsdId)
-                .find(|id| !self.osds.contains_key(id))
+                .find(|id| !self.osds.contains_key(id) && !self.removed.contains_key(id))
                 .expect("a free id exists"),
         };
         // An OSD comes back in when it boots, unless an operator took it out.
@@ -438,6 +477,46 @@ impl ClusterMap {
         let changed = self.osds.get(&id) != Some(&entry);
         self.osds.insert(id, entry);
         Ok(changed)
+    }
+
+    fn osd_remove(&mut self, id: OsdId) -> Result<(), MapError> {
+        let osd = self.osds.get(&id).ok_or(MapError::UnknownOsd { id })?;
+        let refuse = |reason: String| Err(MapError::OsdInUse { id, reason });
+        if osd.up {
+            return refuse(
+                "it is up; stop it first (or wait for the monitors to mark it down)".into(),
+            );
+        }
+        if osd.is_in {
+            return refuse(format!(
+                "it is in; mark it out first (`basalt osd out {}`) so that its PGs move",
+                id.0
+            ));
+        }
+        let pgs: Vec<PgId> = self
+            .pools
+            .values()
+            .flat_map(|pool| {
+                pool.pgs
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(index, entry)| {
+                        entry.members.contains(&id).then_some(PgId {
+                            pool: pool.id,
+                            index: index as u32,
+                        })
+                    })
+            })
+            .collect();
+        if let Some(first) = pgs.first() {
+            return refuse(format!(
+                "{} PG(s) still place replicas on it ({first} first)",
+                pgs.len()
+            ));
+        }
+        let osd = self.osds.remove(&id).expect("checked above");
+        self.removed.insert(id, osd.uuid);
+        Ok(())
     }
 
     fn pool_create(
@@ -994,5 +1073,67 @@ mod tests {
         .expect("out");
         boot(&mut map, &uuid, &host);
         assert!(map.osds[&victim].is_in);
+    }
+
+    #[test]
+    fn an_osd_leaves_for_good_only_down_and_out_and_its_id_is_never_given_again() {
+        let mut map = three_hosts();
+        let victim = OsdId(1);
+        let refused = |map: &mut ClusterMap, what: &str| {
+            let epoch = map.epoch;
+            match map.apply(&Command::OsdRemove { id: victim }) {
+                Err(MapError::OsdInUse { id, reason }) => {
+                    assert_eq!(id, victim);
+                    assert!(reason.contains(what), "{reason}");
+                }
+                other => panic!("removal of {victim} allowed: {other:?}"),
+            }
+            assert_eq!(map.epoch, epoch, "a refused removal changes nothing");
+        };
+        refused(&mut map, "up");
+        map.apply(&Command::OsdDown { id: victim }).expect("down");
+        refused(&mut map, "mark it out");
+        map.apply(&Command::OsdOut {
+            id: victim,
+            auto: false,
+        })
+        .expect("out");
+        let uuid = map.osds[&victim].uuid.clone();
+        let before: Vec<Vec<OsdId>> = map.pools[&PoolId(0)]
+            .pgs
+            .iter()
+            .map(|pg| pg.members.clone())
+            .collect();
+        assert_eq!(map.apply(&Command::OsdRemove { id: victim }), Ok(true));
+        assert!(!map.osds.contains_key(&victim));
+        let after: Vec<Vec<OsdId>> = map.pools[&PoolId(0)]
+            .pgs
+            .iter()
+            .map(|pg| pg.members.clone())
+            .collect();
+        assert_eq!(after, before, "an OSD already out moves no PG when removed");
+        assert_eq!(
+            map.apply(&Command::OsdRemove { id: victim }),
+            Err(MapError::UnknownOsd { id: victim })
+        );
+        // Its device may not come back under another id; a new OSD gets a new id.
+        assert_eq!(
+            map.apply(&Command::OsdBoot {
+                uuid: uuid.clone(),
+                host: "host1".into(),
+                address: "127.0.0.1:7001".into(),
+                weight: 1.0,
+            }),
+            Err(MapError::OsdRemoved {
+                id: victim,
+                uuid: uuid.clone()
+            })
+        );
+        let new = boot(&mut map, "uuid-new", "host1");
+        assert_eq!(new, OsdId(6), "the removed id is not given again");
+        // The map travels with the removal.
+        let copy: ClusterMap =
+            serde_json::from_value(serde_json::to_value(&map).expect("encode")).expect("decode");
+        assert_eq!(copy.removed.get(&victim), Some(&uuid));
     }
 }

@@ -129,6 +129,25 @@ pub enum MonReply {
     Status(ClusterStatus),
     /// Refused, with the reason.
     Error(String),
+    /// The monitors cannot take the request now (no leader yet, the leader unreachable, a
+    /// change of leader): worth asking again. `maybe_done` when the leader may still have
+    /// carried it out (it took the request, then did not answer).
+    Unavailable {
+        /// Why.
+        reason: String,
+        /// Whether it may have been carried out all the same.
+        maybe_done: bool,
+    },
+}
+
+impl MonReply {
+    /// Unavailable, and certainly not carried out.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        Self::Unavailable {
+            reason: reason.into(),
+            maybe_done: false,
+        }
+    }
 }
 
 /// The cluster at a glance.

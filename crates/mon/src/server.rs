@@ -173,13 +173,14 @@ impl Monitor {
     async fn propose(&self, command: Command) -> MonReply {
         let (reply, answer) = oneshot::channel();
         if self.events.send(Event::Propose { command, reply }).is_err() {
-            return MonReply::Error("the monitor is stopping".to_string());
+            return MonReply::unavailable("the monitor is stopping");
         }
         match tokio::time::timeout(Duration::from_secs(10), answer).await {
             Ok(Ok(reply)) => reply,
-            _ => MonReply::Error(
-                "the monitors did not commit the change in time (no quorum?)".to_string(),
-            ),
+            _ => MonReply::Unavailable {
+                reason: "the monitors did not commit the change in time (no quorum?)".to_string(),
+                maybe_done: true,
+            },
         }
     }
 
@@ -210,15 +211,18 @@ impl Monitor {
             }
         };
         let Some(client) = client else {
-            return MonReply::Error(format!("the leading monitor {address} is unreachable"))
+            return MonReply::unavailable(format!("the leading monitor {address} is unreachable"))
                 .to_message();
         };
         match tokio::time::timeout(Duration::from_secs(15), client.call(&message)).await {
             Ok(Ok(reply)) => reply,
             _ => {
                 *self.forward.lock().await = None;
-                MonReply::Error(format!("the leading monitor {address} did not answer"))
-                    .to_message()
+                MonReply::Unavailable {
+                    reason: format!("the leading monitor {address} did not answer"),
+                    maybe_done: true,
+                }
+                .to_message()
             }
         }
     }
@@ -253,8 +257,7 @@ impl Monitor {
         // Everything else is the leader's.
         let Some(leader) = self.await_leader().await else {
             return Some(
-                MonReply::Error("no monitor leads: the monitors have no quorum".to_string())
-                    .to_message(),
+                MonReply::unavailable("no monitor leads: the monitors have no quorum").to_message(),
             );
         };
         if leader != self.rank {
@@ -311,6 +314,9 @@ impl Monitor {
         let (back_up, full_changed) = {
             let mut state = self.lock();
             let Some(entry) = state.map.osds.get(&osd).cloned() else {
+                if state.map.removed.contains_key(&osd) {
+                    return MonReply::Error(format!("{osd} was removed from the cluster"));
+                }
                 return MonReply::Error(format!("{osd} is not in the map; boot first"));
             };
             let now = Instant::now();
@@ -338,8 +344,9 @@ impl Monitor {
                 address: entry.address,
                 weight: entry.weight,
             };
-            if let MonReply::Error(error) = self.propose(command).await {
-                return MonReply::Error(error);
+            match self.propose(command).await {
+                MonReply::Applied { .. } => {}
+                other => return other,
             }
         }
         if let Some(full) = full_changed {
@@ -348,8 +355,9 @@ impl Monitor {
             } else {
                 tracing::info!(%osd, "osd no longer full");
             }
-            if let MonReply::Error(error) = self.propose(Command::OsdFull { id: osd, full }).await {
-                return MonReply::Error(error);
+            match self.propose(Command::OsdFull { id: osd, full }).await {
+                MonReply::Applied { .. } => {}
+                other => return other,
             }
         }
         MonReply::Ok
@@ -407,7 +415,17 @@ impl Monitor {
             if !leads {
                 return;
             }
-            state.liveness.check(Instant::now())
+            let mut verdicts = state.liveness.check(Instant::now());
+            // An OSD removed from the map is no longer watched.
+            verdicts.retain(|verdict| {
+                let (Verdict::Down(id) | Verdict::Out(id)) = *verdict;
+                let known = state.map.osds.contains_key(&id);
+                if !known {
+                    state.liveness.forget(id);
+                }
+                known
+            });
+            verdicts
         };
         for verdict in verdicts {
             let command = match verdict {
@@ -420,8 +438,9 @@ impl Monitor {
                     Command::OsdOut { id, auto: true }
                 }
             };
-            if let MonReply::Error(error) = self.propose(command).await {
-                tracing::error!(%error, "cannot apply a liveness verdict");
+            match self.propose(command).await {
+                MonReply::Applied { .. } => {}
+                other => tracing::error!(?other, "cannot apply a liveness verdict"),
             }
         }
     }
@@ -517,7 +536,7 @@ impl Core {
                         self.proposals.insert(index, (term, reply));
                     }
                     Err(error) => {
-                        let _ = reply.send(MonReply::Error(format!(
+                        let _ = reply.send(MonReply::unavailable(format!(
                             "the monitor cannot propose: {error}"
                         )));
                     }
@@ -562,9 +581,7 @@ impl Core {
                             let reply = if term == entry.term {
                                 reply
                             } else {
-                                MonReply::Error(
-                                    "leadership changed; the change was not made".to_string(),
-                                )
+                                MonReply::unavailable("leadership changed; the change was not made")
                             };
                             let _ = answer.send(reply);
                         }

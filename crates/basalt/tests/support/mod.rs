@@ -669,6 +669,11 @@ pub fn fio(uri: &str, args: &[&str]) -> Value {
             "--verify_state_save=0",
         ])
         .args(args));
+    fio_report(&output)
+}
+
+/// fio's JSON report from its output; fails unless fio and every job succeeded.
+fn fio_report(output: &Output) -> Value {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),
@@ -678,10 +683,9 @@ pub fn fio(uri: &str, args: &[&str]) -> Value {
     // fio may print notes before the JSON.
     let json = &stdout[stdout.find('{').expect("fio json")..];
     let report: Value = serde_json::from_str(json).expect("fio json report");
-    assert_eq!(
-        report["jobs"][0]["error"], 0,
-        "fio reported an error: {json}"
-    );
+    for job in report["jobs"].as_array().expect("fio jobs") {
+        assert_eq!(job["error"], 0, "fio reported an error: {json}");
+    }
     report
 }
 
@@ -748,11 +752,17 @@ pub fn metric(metrics: &str, name: &str) -> f64 {
 /// left from another round, from another place or torn fails the check, which crc32c
 /// alone would not catch), read back and checked at the end.
 pub fn pattern_write(round: u32, size: &str) -> Vec<String> {
+    let mut args = pattern_args(round);
+    args.push(format!("--size={size}"));
+    args
+}
+
+/// [`pattern_write`]'s arguments but the size.
+fn pattern_args(round: u32) -> Vec<String> {
     vec![
         "--rw=randwrite".to_string(),
         "--bs=4k".into(),
         "--iodepth=8".into(),
-        format!("--size={size}"),
         "--verify=pattern".into(),
         format!("--verify_pattern=0x{:08x}%o", round + 1),
         "--verify_fatal=1".into(),
@@ -796,55 +806,174 @@ impl SplitMix {
     }
 }
 
+/// What a [`PatternRound`] covers: the first 24 MiB of an image.
+const ROUND_BYTES: u64 = 24 << 20;
+
+/// A range a [`PatternRound`] clears while fio writes the rest, and how: an NBD trim
+/// (`discard`), a write of zeroes that must allocate (`write -z`), or one that may unmap
+/// (`write -z -u`), all as qemu-io sends them.
+#[derive(Clone, Copy, Debug)]
+pub struct Cleared {
+    pub offset: u64,
+    pub len: u64,
+    pub how: &'static str,
+}
+
+/// One to four ranges of the round's 24 MiB, merged where they touch: a block, 64 KiB,
+/// 1 MiB or up to 6 MiB (so some cross the image's 4 MiB objects or cover one whole).
+fn choose_cleared(random: &mut SplitMix) -> Vec<Cleared> {
+    let mut ranges: Vec<(u64, u64)> = (0..1 + random.below(4))
+        .map(|_| {
+            let len = match random.below(4) {
+                0 => 4096,
+                1 => 64 << 10,
+                2 => 1 << 20,
+                _ => (1 + random.below(1536)) * 4096,
+            };
+            let offset = random.below((ROUND_BYTES - len) / 4096 + 1) * 4096;
+            (offset, len)
+        })
+        .collect();
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (offset, len) in ranges {
+        match merged.last_mut() {
+            Some(last) if offset <= last.0 + last.1 => {
+                last.1 = last.1.max(offset + len - last.0);
+            }
+            _ => merged.push((offset, len)),
+        }
+    }
+    const HOW: [&str; 3] = ["discard", "write -z", "write -z -u"];
+    merged
+        .into_iter()
+        .map(|(offset, len)| Cleared {
+            offset,
+            len,
+            how: HOW[random.below(3) as usize],
+        })
+        .collect()
+}
+
+/// The parts of the round's 24 MiB outside `cleared` (which is sorted and disjoint).
+fn spans_between(cleared: &[Cleared]) -> Vec<(u64, u64)> {
+    let mut spans = Vec::new();
+    let mut at = 0;
+    for range in cleared {
+        if range.offset > at {
+            spans.push((at, range.offset - at));
+        }
+        at = range.offset + range.len;
+    }
+    if at < ROUND_BYTES {
+        spans.push((at, ROUND_BYTES - at));
+    }
+    spans
+}
+
+/// fio over an NBD URI with one job per `(offset, len)` span, `global` applying to all
+/// (`rate_iops`, if not 0, shared among them by size); returns its report ([`fio_report`]).
+fn fio_spans(uri: &str, global: &[String], spans: &[(u64, u64)], rate_iops: u64) -> Value {
+    let total: u64 = spans.iter().map(|(_, len)| len).sum();
+    let mut command = Command::new("fio");
+    command
+        .args([
+            "--ioengine=nbd",
+            "--output-format=json",
+            "--verify_state_save=0",
+        ])
+        .arg(format!("--uri={uri}"))
+        .args(global);
+    for (n, (offset, len)) in spans.iter().enumerate() {
+        command.args([
+            format!("--name=span{n}"),
+            format!("--offset={offset}"),
+            format!("--size={len}"),
+        ]);
+        if rate_iops > 0 {
+            command.arg(format!("--rate_iops={}", (rate_iops * len / total).max(1)));
+        }
+    }
+    fio_report(&run(&mut command))
+}
+
 /// A round of [`pattern_write`] over the first 24 MiB of an image at 2,000 writes a second
 /// (about 3 s of writes, then as long to read them back), fio running on a thread of its
-/// own while the test crashes things.
+/// own while the test crashes things; meanwhile qemu-io clears a few ranges that fio
+/// leaves alone (they hold an earlier round's data, or zeroes), one every second or so.
 pub struct PatternRound {
     round: u32,
     uri: String,
     started: Instant,
+    spans: Vec<(u64, u64)>,
+    cleared: Vec<Cleared>,
     fio: std::thread::JoinHandle<Value>,
+    clear: std::thread::JoinHandle<String>,
 }
 
 impl PatternRound {
-    pub fn start(uri: &str, round: u32) -> Self {
-        let mut write = pattern_write(round, "24M");
-        write.push("--rate_iops=2000".into());
-        let fio_uri = uri.to_string();
+    pub fn start(uri: &str, round: u32, random: &mut SplitMix) -> Self {
+        let cleared = choose_cleared(random);
+        let spans = spans_between(&cleared);
+        let mut commands = Vec::new();
+        for range in &cleared {
+            commands.push(format!("sleep {}", random.below(1200)));
+            commands.push(format!("{} {} {}", range.how, range.offset, range.len));
+        }
+        let (fio_uri, clear_uri, fio_jobs) = (uri.to_string(), uri.to_string(), spans.clone());
         Self {
             round,
             uri: uri.to_string(),
             started: Instant::now(),
-            fio: std::thread::spawn(move || fio(&fio_uri, &args(&write))),
+            cleared,
+            fio: std::thread::spawn(move || {
+                fio_spans(&fio_uri, &pattern_args(round), &fio_jobs, 2000)
+            }),
+            clear: std::thread::spawn(move || qemu_io_ok(&clear_uri, false, &args(&commands))),
+            spans,
         }
     }
 
     /// Prints what was done to the cluster during the round, and when.
     pub fn report(&self, what: &str) {
         eprintln!(
-            "round {}: {what} ({:?} in; fio still running: {})",
+            "round {}: {what} ({:?} in; fio still running: {}; cleared: {:?})",
             self.round,
             self.started.elapsed(),
-            !self.fio.is_finished()
+            !self.fio.is_finished(),
+            self.cleared
         );
     }
 
-    /// Waits for fio to have written and read back every block, then for `osds` OSDs up,
-    /// every PG active+clean and its replicas equal (each within `timeout`), and reads the
-    /// round's data back afresh.
+    /// Waits for fio to have written and read back every block and for qemu-io to have
+    /// cleared its ranges, then for `osds` OSDs up, every PG active+clean and its replicas
+    /// equal (each within `timeout`), and reads the round's data back afresh: fio's blocks
+    /// with their pattern, the cleared ranges as zeroes.
     pub fn finish(self, cluster: &ClusterProcesses, osds: usize, timeout: Duration) {
         let round = self.round;
         let report = self.fio.join().expect("fio wrote and verified the round");
-        assert_eq!(
-            report["jobs"][0]["write"]["io_bytes"].as_u64(),
-            Some(24 << 20),
-            "round {round}: every block was written"
-        );
+        let written: u64 = report["jobs"]
+            .as_array()
+            .expect("fio jobs")
+            .iter()
+            .map(|job| job["write"]["io_bytes"].as_u64().unwrap_or(0))
+            .sum();
+        let spans: u64 = self.spans.iter().map(|(_, len)| len).sum();
+        assert_eq!(written, spans, "round {round}: every block was written");
+        self.clear
+            .join()
+            .expect("qemu-io cleared the round's ranges");
         cluster.wait_osds_up(osds);
         cluster.wait_clean(timeout);
         cluster.wait_replicas_equal(timeout);
-        let mut verify = pattern_write(round, "24M");
+        let mut verify = pattern_args(round);
         verify.push("--verify_only".into());
-        fio(&self.uri, &args(&verify));
+        fio_spans(&self.uri, &verify, &self.spans, 0);
+        let reads: Vec<String> = self
+            .cleared
+            .iter()
+            .map(|range| format!("read -P 0 {} {}", range.offset, range.len))
+            .collect();
+        qemu_io_ok(&self.uri, true, &args(&reads));
     }
 }
