@@ -403,7 +403,7 @@ impl Image {
     }
 
     /// Sends each piece's request and returns the answers in order. One piece (the common
-    /// case) runs here; several run as tasks, side by side.
+    /// case) runs here; several run as tasks, side by side ([`run_all`]).
     async fn run_pieces(
         &self,
         what: &'static str,
@@ -415,30 +415,12 @@ impl Image {
             let data = self.cluster.object_call(what, pool, request).await?;
             return Ok(vec![(piece, data)]);
         }
-        // At most PIECES_IN_FLIGHT_MAX at a time: a discard of a whole image is thousands.
-        let mut results = Vec::with_capacity(requests.len());
-        let mut requests = requests.into_iter();
-        loop {
-            let handles: Vec<_> = requests
-                .by_ref()
-                .take(PIECES_IN_FLIGHT_MAX)
-                .map(|(piece, request)| {
-                    let cluster = self.cluster.clone();
-                    let task =
-                        tokio::spawn(async move { cluster.object_call(what, pool, request).await });
-                    (piece, task)
-                })
-                .collect();
-            if handles.is_empty() {
-                return Ok(results);
-            }
-            for (piece, handle) in handles {
-                let data = handle
-                    .await
-                    .map_err(|error| ClientError::Io(error.to_string()))??;
-                results.push((piece, data));
-            }
-        }
+        let cluster = self.cluster.clone();
+        run_all(requests, move |request| {
+            let cluster = cluster.clone();
+            async move { cluster.object_call(what, pool, request).await }
+        })
+        .await
     }
 
     /// Where a request goes before it is routed: the object's PG is found per attempt.
@@ -522,9 +504,90 @@ impl Image {
     }
 }
 
+/// Runs `call` on each request as a task, at most [`PIECES_IN_FLIGHT_MAX`] at once, and
+/// returns the answers in order. When one fails, none is started after it, and those under
+/// way are waited for before the error is returned: a piece still retrying when the host
+/// hears of the failure could land after the host's next request to the same blocks (a
+/// discard after a failed write would read back the old data, a write after a failed
+/// discard zeroes).
+async fn run_all<P, R, T, F, Fut>(
+    requests: Vec<(P, R)>,
+    call: F,
+) -> Result<Vec<(P, T)>, ClientError>
+where
+    F: Fn(R) -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>> + Send + 'static,
+    T: Send + 'static,
+{
+    let mut results = Vec::with_capacity(requests.len());
+    let mut requests = requests.into_iter();
+    loop {
+        let handles: Vec<_> = requests
+            .by_ref()
+            .take(PIECES_IN_FLIGHT_MAX)
+            .map(|(piece, request)| (piece, tokio::spawn(call(request))))
+            .collect();
+        if handles.is_empty() {
+            return Ok(results);
+        }
+        let mut failed = None;
+        for (piece, handle) in handles {
+            match handle.await {
+                Ok(Ok(data)) => results.push((piece, data)),
+                Ok(Err(error)) => {
+                    failed.get_or_insert(error);
+                }
+                Err(error) => {
+                    failed.get_or_insert(ClientError::Io(error.to_string()));
+                }
+            }
+        }
+        if let Some(error) = failed {
+            return Err(error);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_failed_piece_is_answered_once_the_others_are_done() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let finished = Arc::new(AtomicUsize::new(0));
+        // Piece 0 fails at once; the others take a while, as a piece retrying after
+        // `Busy` would; the ones after the first group are never started.
+        let requests: Vec<(usize, usize)> = (0..PIECES_IN_FLIGHT_MAX + 8).map(|n| (n, n)).collect();
+        let counter = finished.clone();
+        let result = run_all(requests, move |n| {
+            let counter = counter.clone();
+            async move {
+                if n == 0 {
+                    return Err(ClientError::NoSpace("full".into()));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                counter.fetch_add(1, Ordering::SeqCst);
+                Ok(n)
+            }
+        })
+        .await;
+        assert!(matches!(result, Err(ClientError::NoSpace(_))), "{result:?}");
+        assert_eq!(
+            finished.load(Ordering::SeqCst),
+            PIECES_IN_FLIGHT_MAX - 1,
+            "the error waits for the pieces under way, and starts no more"
+        );
+        let all: Vec<(usize, usize)> = (0..40).map(|n| (n, n)).collect();
+        let answers = run_all(all, |n| async move { Ok::<_, ClientError>(n * 2) })
+            .await
+            .expect("all succeed");
+        assert_eq!(
+            answers,
+            (0..40).map(|n| (n, n * 2)).collect::<Vec<_>>(),
+            "answers in order"
+        );
+    }
 
     #[test]
     fn requests_split_at_object_boundaries_and_piece_size() {
