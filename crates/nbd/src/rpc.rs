@@ -1,6 +1,7 @@
 //! The `nbd_*` JSON-RPC methods.
 //!
-//! `nbd_server_start` `{"listen_address": "127.0.0.1", "port": 10809}` (both optional),
+//! `nbd_server_start` `{"listen_address": "127.0.0.1", "port": 10809, "max_connections":
+//! 1024, "stall_timeout_s": 60}` (all optional),
 //! `nbd_server_stop`, `nbd_server_add_export` `{"bdev_name", "name", "readonly",
 //! "description"}`, `nbd_server_remove_export` `{"name"}`, `nbd_get_exports`.
 
@@ -13,7 +14,7 @@ use serde_json::{Value, json};
 
 use crate::client::DEFAULT_PORT;
 use crate::protocol::EXPORT_NAME_SIZE_MAX;
-use crate::server::{Export, NbdServer};
+use crate::server::{Export, Limits, NbdServer};
 
 /// The methods this module answers.
 pub const METHODS: &[&str] = &[
@@ -82,6 +83,23 @@ pub struct StartParams {
     /// Port (0: any free port).
     #[serde(default = "default_port")]
     pub port: u16,
+    /// Connections open at once at most (1,024 by default).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Seconds a client may leave every reply waiting for it unread before its connection
+    /// is closed (60 by default; 0: never).
+    #[serde(default = "default_stall_timeout_s")]
+    pub stall_timeout_s: u64,
+}
+
+fn default_max_connections() -> usize {
+    Limits::DEFAULT.max_connections
+}
+
+fn default_stall_timeout_s() -> u64 {
+    Limits::DEFAULT
+        .stall_timeout
+        .map_or(0, |timeout| timeout.as_secs())
 }
 
 fn default_listen_address() -> String {
@@ -98,8 +116,18 @@ async fn start(server: &Arc<NbdServer>, params: StartParams) -> Result<Value, Rp
             "the nbd server is already listening on {address}"
         )));
     }
+    if params.max_connections == 0 {
+        return Err(RpcError::invalid_params(
+            "max_connections 0 is not allowed: at least 1",
+        ));
+    }
+    let limits = Limits {
+        max_connections: params.max_connections,
+        stall_timeout: (params.stall_timeout_s > 0)
+            .then(|| std::time::Duration::from_secs(params.stall_timeout_s)),
+    };
     let address = server
-        .start(&params.listen_address, params.port)
+        .start_with(&params.listen_address, params.port, limits)
         .await
         .map_err(|error| {
             RpcError::invalid_params(format!(
@@ -214,9 +242,12 @@ fn get_exports(server: &NbdServer) -> Value {
 pub fn config(server: &NbdServer) -> Vec<ConfigCall> {
     let mut calls = Vec::new();
     if let Some(address) = server.address() {
+        let limits = server.limits();
         let params = StartParams {
             listen_address: address.ip().to_string(),
             port: address.port(),
+            max_connections: limits.max_connections,
+            stall_timeout_s: limits.stall_timeout.map_or(0, |timeout| timeout.as_secs()),
         };
         calls.push(ConfigCall::new("nbd_server_start", params));
     }

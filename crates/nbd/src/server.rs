@@ -22,6 +22,30 @@ use crate::transmission;
 /// How long a client may take to negotiate.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// What the server allows its clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once, negotiating or not; one more is closed at once.
+    pub max_connections: usize,
+    /// A connection whose client has read none of the replies waiting for it for this long
+    /// is closed (its requests in flight are dropped). `None`: never.
+    pub stall_timeout: Option<Duration>,
+}
+
+impl Limits {
+    /// 1,024 connections; a client that reads no reply for 60 s is dropped.
+    pub const DEFAULT: Self = Self {
+        max_connections: 1024,
+        stall_timeout: Some(Duration::from_secs(60)),
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// One exported bdev.
 pub struct Export {
     /// Export name clients ask for.
@@ -170,6 +194,18 @@ pub struct NbdServer {
     exports: Exports,
     listening: Mutex<Option<Listening>>,
     reactors: Arc<Reactors>,
+    limits: Mutex<Limits>,
+    /// Connections open now (accepted by the listener, not yet closed).
+    open: Arc<AtomicUsize>,
+}
+
+/// Counts a connection open until dropped.
+struct OpenConnection(Arc<AtomicUsize>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl NbdServer {
@@ -179,7 +215,17 @@ impl NbdServer {
             exports: Exports::default(),
             listening: Mutex::new(None),
             reactors,
+            limits: Mutex::new(Limits::DEFAULT),
+            open: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// What the server allows its clients (those of its last start).
+    pub fn limits(&self) -> Limits {
+        *self
+            .limits
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The exports.
@@ -200,8 +246,18 @@ impl NbdServer {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Starts listening on `host:port` (port 0 picks a free port).
+    /// Starts listening on `host:port` (port 0 picks a free port) with the default limits.
     pub async fn start(self: &Arc<Self>, host: &str, port: u16) -> io::Result<SocketAddr> {
+        self.start_with(host, port, Limits::DEFAULT).await
+    }
+
+    /// Starts listening on `host:port` (port 0 picks a free port) with these limits.
+    pub async fn start_with(
+        self: &Arc<Self>,
+        host: &str,
+        port: u16,
+        limits: Limits,
+    ) -> io::Result<SocketAddr> {
         if let Some(address) = self.address() {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
@@ -221,6 +277,10 @@ impl NbdServer {
             ));
         }
         *listening = Some(Listening { address, task });
+        *self
+            .limits
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = limits;
         tracing::info!(%address, "nbd server listening");
         Ok(address)
     }
@@ -238,9 +298,15 @@ impl NbdServer {
 
     async fn accept_loop(self: Arc<Self>, listener: TcpListener) {
         let reactors = self.reactors.clone();
-        basalt_io::reactor::serve_connections(reactors, listener, "nbd", move |stream, _| {
+        basalt_io::reactor::serve_connections(reactors, listener, "nbd", move |stream, peer| {
             let server = self.clone();
             async move {
+                let open = OpenConnection(server.open.clone());
+                let max = server.limits().max_connections;
+                if open.0.fetch_add(1, Ordering::Relaxed) >= max {
+                    tracing::warn!(%peer, max, "nbd connection refused: the server's connection limit is reached");
+                    return Ok(());
+                }
                 let (reader, writer) = stream.into_split();
                 server.serve(reader, writer).await
             }
@@ -262,7 +328,9 @@ impl NbdServer {
             return Ok(());
         };
         export.connections.fetch_add(1, Ordering::Relaxed);
-        let result = transmission::transmit(reader, writer, &export, structured).await;
+        let stall_timeout = self.limits().stall_timeout;
+        let result =
+            transmission::transmit(reader, writer, &export, structured, stall_timeout).await;
         export.connections.fetch_sub(1, Ordering::Relaxed);
         result
     }

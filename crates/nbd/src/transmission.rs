@@ -17,10 +17,12 @@ use std::future::{Future, poll_fn};
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use basalt_bdev::BdevError;
 use basalt_io::DmaBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
 
 use crate::protocol::*;
 use crate::server::Export;
@@ -89,12 +91,15 @@ struct Connection<'a> {
     reading: bool,
 }
 
-/// Serves requests on an export until the client disconnects or the export is removed.
+/// Serves requests on an export until the client disconnects or the export is removed;
+/// fails with `TimedOut` when replies wait for `stall_timeout` without the client reading
+/// any of them.
 pub async fn transmit<R, W>(
     mut reader: R,
     mut writer: W,
     export: &Export,
     structured: bool,
+    stall_timeout: Option<Duration>,
 ) -> io::Result<()>
 where
     R: AsyncRead + Unpin + Send,
@@ -113,6 +118,8 @@ where
         discard: None,
         reading: true,
     };
+    // Since when replies wait unread: the last write, or when the output was last empty.
+    let mut written_at = Instant::now();
     loop {
         // A removed export starts no new request, even one already in the input buffer.
         if *closed.borrow() {
@@ -125,6 +132,9 @@ where
         let can_read = connection.can_read();
         let has_output = connection.output_start < connection.output.len();
         let has_in_flight = !connection.in_flight.is_empty();
+        if !has_output {
+            written_at = Instant::now();
+        }
         if can_read {
             connection.make_room_to_read();
         }
@@ -143,6 +153,7 @@ where
                 }
                 connection.output_start += written;
                 connection.compact_output();
+                written_at = Instant::now();
             }
             read = reader.read_buf(&mut connection.input), if can_read => {
                 if read? == 0 {
@@ -151,6 +162,14 @@ where
             }
             _ = closed.wait_for(|closed| *closed), if reading => {
                 connection.reading = false;
+            }
+            () = tokio::time::sleep_until(written_at + stall_timeout.unwrap_or_default()),
+                if has_output && stall_timeout.is_some() =>
+            {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client read no reply for {stall_timeout:?}"),
+                ));
             }
         }
     }

@@ -299,6 +299,39 @@ async fn removing_an_export_closes_its_connections() {
     assert!(after.is_err(), "the connection is closed");
 }
 
+/// A session with `server` over an in-memory pipe of 64 KiB: the task serving it, the
+/// client's halves, and the bytes that open export "disk" (for the client to send).
+fn piped_session(
+    server: &Arc<NbdServer>,
+) -> (
+    tokio::task::JoinHandle<io::Result<()>>,
+    tokio::io::ReadHalf<tokio::io::DuplexStream>,
+    tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    Vec<u8>,
+) {
+    let (client_side, server_side) = tokio::io::duplex(64 << 10);
+    let (reader, writer) = tokio::io::split(server_side);
+    let serve = tokio::spawn(server.clone().serve(reader, writer));
+    let (client_reader, client_writer) = tokio::io::split(client_side);
+    let mut session = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    session.extend(option(OPT_EXPORT_NAME, b"disk"));
+    (serve, client_reader, client_writer, session)
+}
+
+/// A read of the first MiB.
+fn read_mib(handle: u64) -> [u8; 28] {
+    Request {
+        flags: 0,
+        command: CMD_READ,
+        handle,
+        offset_bytes: 0,
+        len_bytes: 1 << 20,
+    }
+    .encode()
+}
+
 /// A client that sends reads and never reads the replies must not make the server buffer
 /// more than its in-flight budget: the server stops reading requests instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,26 +346,12 @@ async fn unread_replies_stop_the_server_at_its_budget() {
         false,
         None,
     )));
-    let (client_side, server_side) = tokio::io::duplex(64 << 10);
-    let (reader, writer) = tokio::io::split(server_side);
-    let _serve = tokio::spawn(server.clone().serve(reader, writer));
-    let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
-    let mut session = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
-        .to_be_bytes()
-        .to_vec();
-    session.extend(option(OPT_EXPORT_NAME, b"disk"));
+    let (_serve, mut client_reader, mut client_writer, session) = piped_session(&server);
     let mut greeting = [0u8; 18 + 10];
     let sender = tokio::spawn(async move {
         client_writer.write_all(&session).await.expect("negotiate");
         for handle in 0..1000u64 {
-            let request = Request {
-                flags: 0,
-                command: CMD_READ,
-                handle,
-                offset_bytes: 0,
-                len_bytes: 1 << 20,
-            };
-            if client_writer.write_all(&request.encode()).await.is_err() {
+            if client_writer.write_all(&read_mib(handle)).await.is_err() {
                 return;
             }
         }
@@ -351,6 +370,101 @@ async fn unread_replies_stop_the_server_at_its_budget() {
         "{reads} reads of 1 MiB executed with replies unread; budget is {budget_reads}"
     );
     sender.abort();
+}
+
+/// A client that leaves every reply unread is dropped after the stall timeout: the
+/// connection's task ends with `TimedOut` (without the limit it would wait for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reading_no_reply_is_dropped_after_the_stall_timeout() {
+    let server = NbdServer::new(reactors());
+    server.exports().insert(Arc::new(Export::new(
+        "disk".into(),
+        "m".into(),
+        malloc("m"),
+        false,
+        None,
+    )));
+    let limits = basalt_nbd::server::Limits {
+        max_connections: 8,
+        stall_timeout: Some(Duration::from_millis(300)),
+    };
+    // Started only for its limits: the session below runs over an in-memory pipe.
+    server
+        .start_with("127.0.0.1", 0, limits)
+        .await
+        .expect("listen");
+    let (serve, mut client_reader, mut client_writer, session) = piped_session(&server);
+    client_writer.write_all(&session).await.expect("negotiate");
+    let mut greeting = [0u8; 18 + 10];
+    client_reader
+        .read_exact(&mut greeting)
+        .await
+        .expect("greeting");
+    for handle in 0..4u64 {
+        client_writer
+            .write_all(&read_mib(handle))
+            .await
+            .expect("request");
+    }
+    let started = std::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(10), serve)
+        .await
+        .expect("the stalled connection was closed")
+        .expect("serve task");
+    let waited = started.elapsed();
+    assert_eq!(
+        ended.as_ref().map_err(io::Error::kind).err(),
+        Some(io::ErrorKind::TimedOut),
+        "{ended:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(250),
+        "closed after {waited:?}, before the timeout"
+    );
+    drop(client_reader);
+}
+
+/// Connections past the limit are closed at once; a slot freed serves the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_closed() {
+    let server = NbdServer::new(reactors());
+    let limits = basalt_nbd::server::Limits {
+        max_connections: 2,
+        stall_timeout: None,
+    };
+    let port = server
+        .start_with("127.0.0.1", 0, limits)
+        .await
+        .expect("listen")
+        .port();
+    // The server greets each connection it serves first (16 bytes of magic and flags).
+    async fn greeted(port: u16) -> Option<TcpStream> {
+        let mut stream = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let mut greeting = [0u8; 18];
+        match tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut greeting)).await {
+            Ok(Ok(_)) => Some(stream),
+            Ok(Err(error)) if error.kind() == io::ErrorKind::UnexpectedEof => None,
+            other => panic!("neither greeted nor closed: {other:?}"),
+        }
+    }
+    let first = greeted(port).await.expect("first connection served");
+    let _second = greeted(port).await.expect("second connection served");
+    assert!(
+        greeted(port).await.is_none(),
+        "a third connection is closed"
+    );
+    drop(first);
+    let mut served = None;
+    for _ in 0..50 {
+        served = greeted(port).await;
+        if served.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(served.is_some(), "a freed slot serves a new connection");
 }
 
 fn runtime() -> tokio::runtime::Runtime {
