@@ -37,8 +37,31 @@ pub const QUEUE_SIZE_MAX: usize = 1024;
 pub const SEGMENTS_MAX: u32 = 128;
 /// Segments per discard or write zeroes request.
 pub const DISCARD_SEGMENTS_MAX: u32 = 32;
-/// How long stopping a vring waits for its requests in flight.
+/// How long a vring thread's io_uring, dropped, waits for its requests before it leaks
+/// their buffers and mappings (stopping a vring or a session has waited for them before).
 pub(crate) const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
+/// How often a wait for requests in flight says that it still waits.
+const STOP_WAIT_WARNING: Duration = Duration::from_secs(30);
+
+/// Waits until `in_flight` says no request is in flight, however long that takes: the
+/// guest's buffers belong to those requests until they complete (a read still lands in
+/// them), so the vring or session is not given back before; a warning every 30 s says
+/// how many are left. A request's time is bounded by its bdev (an image's by its 60 s
+/// deadline).
+fn wait_for_requests(what: &str, in_flight: impl Fn() -> usize) {
+    let mut warned = Instant::now();
+    loop {
+        let left = in_flight();
+        if left == 0 {
+            return;
+        }
+        if warned.elapsed() >= STOP_WAIT_WARNING {
+            tracing::warn!(left, "{what} still waits for requests in flight");
+            warned = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
 
 /// A feature bit as a mask.
 const fn feature(bit: u32) -> u64 {
@@ -149,7 +172,7 @@ pub struct BlkBackend {
     rings: RwLock<Vec<Arc<DirectRing>>>,
     /// Requests served in place since the controller was created.
     pub in_place_requests: AtomicU64,
-    /// A frontend has set its memory table (connected).
+    /// A frontend is connected (from its connection to the end of its session).
     pub attached: AtomicBool,
     /// The size the frontend was last told of, in blocks.
     pub announced_blocks: AtomicU64,
@@ -269,24 +292,22 @@ impl BlkBackend {
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = session;
     }
 
-    /// Ends the session: waits for the vrings' requests in flight (at most
-    /// `STOP_WAIT_MAX`), then closes it ([`Session::close`]), so that a request finishing
-    /// later leaves the next session's vrings and region alone (the next session takes it
-    /// again: replayed from the region, where its mark stays, or from the available ring).
+    /// Ends the session: waits for the vrings' requests in flight ([`wait_for_requests`]),
+    /// then closes it ([`Session::close`]), so that nothing of the session touches the
+    /// next session's vrings and region.
     pub fn end_session(&self) {
-        let start = Instant::now();
-        while self
-            .in_flight
-            .iter()
-            .any(|count| count.load(Ordering::Acquire) > 0)
-            && start.elapsed() < STOP_WAIT_MAX
-        {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_for_requests("ending the vhost session", || {
+            self.in_flight
+                .iter()
+                .map(|count| count.load(Ordering::Acquire))
+                .sum()
+        });
         if let Some(session) = self.session() {
             session.close();
         }
         self.set_session(None);
+        // The guest's memory stays mapped no longer than the session (QEMU may be gone).
+        *self.memory.write().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     fn session(&self) -> Option<Arc<Session>> {
@@ -704,12 +725,8 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        // The guest's buffers belong to requests in flight until they complete.
-        let start = Instant::now();
         if let Some(count) = self.in_flight.get(queue_index as usize) {
-            while count.load(Ordering::Acquire) > 0 && start.elapsed() < STOP_WAIT_MAX {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            wait_for_requests("stopping a vring", || count.load(Ordering::Acquire));
         }
         Ok(())
     }

@@ -362,11 +362,16 @@ fn serve(
         if stop.load(Ordering::Acquire) {
             break;
         }
+        // Attached from the connection on, not from the memory table only: QEMU connects
+        // and negotiates long before its guest's driver starts the device, and a delete
+        // in between would wait in `stop` for as long as the VM runs.
+        backend.attached.store(true, Ordering::Release);
         let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let mut daemon = match VhostUserDaemon::new(name.to_string(), backend.clone(), memory) {
             Ok(daemon) => daemon,
             Err(error) => {
                 tracing::error!(ctrlr = name, ?error, "vhost daemon could not start");
+                backend.attached.store(false, Ordering::Release);
                 std::thread::sleep(Duration::from_secs(1));
                 continue;
             }
@@ -393,6 +398,7 @@ fn serve(
                 // The frontend and the daemon's connection are closed: both see the end.
                 tracing::error!(ctrlr = name, %error, "vhost relay could not start");
                 let _ = daemon.wait();
+                backend.attached.store(false, Ordering::Release);
                 continue;
             }
         };

@@ -354,6 +354,12 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
     let (memory, info) = guest_memory(dir);
     let mut frontend = connect(&socket, VhostUserProtocolFeatures::empty());
     assert_eq!(frontend.get_queue_num().expect("queues"), 1);
+    // Connected, with no memory table yet (a guest whose driver has not started): a
+    // delete is refused rather than left waiting for the frontend to go.
+    assert!(
+        server.delete("t").is_err(),
+        "a connected frontend is attached"
+    );
     let (_, config) = frontend
         .get_config(0, 60, VhostUserConfigFlags::WRITABLE, &[0u8; 60])
         .expect("config");
