@@ -97,9 +97,7 @@ fn default_max_connections() -> usize {
 }
 
 fn default_stall_timeout_s() -> u64 {
-    Limits::DEFAULT
-        .stall_timeout
-        .map_or(0, |timeout| timeout.as_secs())
+    Limits::DEFAULT.stall_timeout_s()
 }
 
 fn default_listen_address() -> String {
@@ -247,7 +245,7 @@ pub fn config(server: &NbdServer) -> Vec<ConfigCall> {
             listen_address: address.ip().to_string(),
             port: address.port(),
             max_connections: limits.max_connections,
-            stall_timeout_s: limits.stall_timeout.map_or(0, |timeout| timeout.as_secs()),
+            stall_timeout_s: limits.stall_timeout_s(),
         };
         calls.push(ConfigCall::new("nbd_server_start", params));
     }

@@ -38,11 +38,10 @@ impl Limits {
         max_connections: 1024,
         stall_timeout: Some(Duration::from_secs(60)),
     };
-}
 
-impl Default for Limits {
-    fn default() -> Self {
-        Self::DEFAULT
+    /// The stall timeout in whole seconds, 0 for none (as `nbd_server_start` takes it).
+    pub fn stall_timeout_s(&self) -> u64 {
+        self.stall_timeout.map_or(0, |timeout| timeout.as_secs())
     }
 }
 

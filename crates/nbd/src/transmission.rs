@@ -118,7 +118,8 @@ where
         discard: None,
         reading: true,
     };
-    // Since when replies wait unread: the last write, or when the output was last empty.
+    // Since when replies wait unread: the last write, or when replies came to an empty
+    // output (stamped there, not on every turn of the loop).
     let mut written_at = Instant::now();
     loop {
         // A removed export starts no new request, even one already in the input buffer.
@@ -132,9 +133,6 @@ where
         let can_read = connection.can_read();
         let has_output = connection.output_start < connection.output.len();
         let has_in_flight = !connection.in_flight.is_empty();
-        if !has_output {
-            written_at = Instant::now();
-        }
         if can_read {
             connection.make_room_to_read();
         }
@@ -142,6 +140,10 @@ where
         tokio::select! {
             biased;
             replies = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
+                if !has_output {
+                    // The replies start waiting now.
+                    written_at = Instant::now();
+                }
                 for reply in replies {
                     connection.encode(reply);
                 }

@@ -716,7 +716,6 @@ impl VhostUserBackend for BlkBackend {
 
     fn update_memory(&self, memory: Memory) -> io::Result<()> {
         *self.memory.write().unwrap_or_else(|p| p.into_inner()) = Some(memory);
-        self.attached.store(true, Ordering::Release);
         Ok(())
     }
 
