@@ -248,7 +248,10 @@ impl Cluster {
                 .get(&target)
                 .and_then(|osd| osd.address.parse::<SocketAddr>().ok())
             else {
+                // A cached leader gone from the map (removed by `basalt osd rm`) is forgotten,
+                // or every attempt would go to it until the deadline.
                 last = format!("{target} has no address");
+                lock(&self.leaders).remove(&pg);
                 next_member += 1;
                 continue;
             };
