@@ -149,10 +149,11 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
     }
 }
 
-/// Rounds of writes while PGs move and OSDs crash: in each round, at random moments during
-/// fio's writes, one of four OSDs is marked out (or the one out is marked in again), then
-/// an OSD, or every OSD, is killed (`kill -9`) and restarted, so that learners, joint
-/// configurations and snapshot transfers meet crashes. Each round's blocks carry a pattern
+/// Rounds of writes while PGs move and OSDs and monitors crash: in each round, at random
+/// moments during fio's writes, one of four OSDs is marked out (or the one out is marked in
+/// again), then an OSD, every OSD, or the leading monitor of three and an OSD are killed
+/// (`kill -9`) and restarted, so that learners, joint configurations, snapshot transfers
+/// and the map's changes meet crashes. Each round's blocks carry a pattern
 /// of their own. After each round every PG is active+clean on the map's members, the
 /// replicas are equal, and the round's data reads back. `BASALT_MOVES_ROUNDS` (2 by
 /// default) and `BASALT_MOVES_SEED` (printed) for longer runs by hand.
@@ -164,7 +165,9 @@ fn moves_survive_rounds_of_random_crashes() {
     let device = vec!["--device-size".to_string(), "96MiB".to_string()];
     let mut cluster = ClusterProcesses::start_custom(
         &dir.path,
-        vec![format!("127.0.0.1:{}", free_port())],
+        (0..3)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect(),
         vec![(None, device); 4],
     );
     cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
@@ -188,20 +191,46 @@ fn moves_survive_rounds_of_random_crashes() {
             }
         };
         std::thread::sleep(Duration::from_millis(random.below(1500)));
-        let crash = if random.below(2) == 0 {
-            let n = random.below(4) as usize;
-            cluster.kill_osd(n);
-            std::thread::sleep(Duration::from_millis(random.below(1000)));
-            cluster.start_osd(n);
-            format!("osd.{} killed", cluster.osd_id(n))
-        } else {
-            for n in 0..4 {
+        let crash = match random.below(3) {
+            0 => {
+                let n = random.below(4) as usize;
                 cluster.kill_osd(n);
-            }
-            for n in 0..4 {
+                std::thread::sleep(Duration::from_millis(random.below(1000)));
                 cluster.start_osd(n);
+                format!("osd.{} killed", cluster.osd_id(n))
             }
-            "every osd killed".to_string()
+            1 => {
+                for n in 0..4 {
+                    cluster.kill_osd(n);
+                }
+                for n in 0..4 {
+                    cluster.start_osd(n);
+                }
+                "every osd killed".to_string()
+            }
+            _ => {
+                // The leading monitor dies while the map's change is carried out; the
+                // OSDs' reports, heartbeats and boots go to the next leader.
+                let leader = cluster.cli_json(&["status"])["leader"]
+                    .as_str()
+                    .map(str::to_string);
+                let mon = cluster
+                    .mon_addresses()
+                    .iter()
+                    .position(|address| Some(address) == leader.as_ref())
+                    .unwrap_or(0);
+                let n = random.below(4) as usize;
+                cluster.kill_mon_n(mon);
+                cluster.kill_osd(n);
+                std::thread::sleep(Duration::from_millis(random.below(2000)));
+                cluster.start_osd(n);
+                std::thread::sleep(Duration::from_millis(random.below(2000)));
+                cluster.start_mon_n(mon);
+                format!(
+                    "monitor {mon} (the leader) and osd.{} killed",
+                    cluster.osd_id(n)
+                )
+            }
         };
         writes.report(&format!("{change}, then {crash}"));
         writes.finish(&cluster, 4, Duration::from_secs(180));
