@@ -7,6 +7,7 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use basalt_wire::message::{Message, Status};
 use serde_json::json;
 use support::*;
 
@@ -207,7 +208,30 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
 /// leads its PG (a one-OSD cluster, pool of size 1), as a client would, asking again while
 /// the PG has no leader yet: `Err` with the OSD's reason if refused.
 fn write_object(cluster: &ClusterProcesses, name: &str, number: u64) -> Result<(), String> {
-    use basalt_wire::message::{Message, Status};
+    object_call(cluster, name, number, None, |pg, epoch, term, object| {
+        Message::Write {
+            pg,
+            epoch,
+            term,
+            object,
+            offset_bytes: 0,
+            data: vec![7; 4096],
+        }
+    })
+    .map(|_| ())
+}
+
+/// Sends the request `make` builds for object `number` of image `name` to the one OSD of
+/// the cluster (pool of size 1), naming leader term `term`, or if `None` the term the
+/// leader gives when asked; asks again while the PG has no leader yet. `Ok` with the term
+/// named and the reply's data, `Err` with the OSD's reason if refused.
+fn object_call(
+    cluster: &ClusterProcesses,
+    name: &str,
+    number: u64,
+    term: Option<u64>,
+    make: impl Fn(basalt_common::PgId, basalt_common::Epoch, u64, basalt_common::ObjectKey) -> Message,
+) -> Result<(u64, Vec<u8>), String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -218,6 +242,7 @@ fn write_object(cluster: &ClusterProcesses, name: &str, number: u64) -> Result<(
         .map(|address| address.parse().expect("a monitor address"))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut named = term.unwrap_or(0);
     runtime.block_on(async {
         loop {
             let map = basalt_mon::MonClient::new(monitors.clone())
@@ -239,17 +264,16 @@ fn write_object(cluster: &ClusterProcesses, name: &str, number: u64) -> Result<(
             let client = basalt_wire::tcp::Client::connect(address)
                 .await
                 .expect("connect to the osd");
-            let write = Message::Write {
-                pg,
-                epoch: map.epoch,
-                object,
-                offset_bytes: 0,
-                data: vec![7; 4096],
-            };
-            match client.call(&write).await.expect("an answer") {
+            let request = make(pg, map.epoch, named, object);
+            match client.call(&request).await.expect("an answer") {
                 Message::Reply {
-                    status: Status::Ok, ..
-                } => return Ok(()),
+                    status: Status::Ok,
+                    data,
+                } => return Ok((named, data)),
+                Message::Reply {
+                    status: Status::StaleTerm { current },
+                    ..
+                } if term.is_none() => named = current,
                 Message::Reply {
                     status: Status::NotLeader { .. } | Status::StaleEpoch { .. },
                     ..
@@ -261,6 +285,63 @@ fn write_object(cluster: &ClusterProcesses, name: &str, number: u64) -> Result<(
             }
         }
     })
+}
+
+/// A write that names a leader term the PG's leader no longer has is refused and lands
+/// nowhere: a write held up (in a socket, say) past its client's timeout, whose retry was
+/// done by another leader, must not be proposed after the writes the host sent next if its
+/// OSD has led the PG again since. Here the one OSD of a pool of size 1 restarts, so that
+/// it leads the PG in a later term.
+#[test]
+fn a_write_naming_an_old_leader_term_is_refused() {
+    let dir = ScratchDir::new("cluster-term");
+    let mut cluster = ClusterProcesses::start(&dir.path, 1);
+    cluster.cli_ok(&["pool", "create", "p", "--pg-count", "1", "--size", "1"]);
+    cluster.cli_ok(&["image", "create", "p/img", "--size", "4MiB"]);
+    let write = |fill: u8| {
+        move |pg, epoch, term, object| Message::Write {
+            pg,
+            epoch,
+            term,
+            object,
+            offset_bytes: 0,
+            data: vec![fill; 4096],
+        }
+    };
+    let read = |pg, epoch, term, object| Message::Read {
+        pg,
+        epoch,
+        term,
+        object,
+        offset_bytes: 0,
+        len_bytes: 4096,
+    };
+    let (old, _) = object_call(&cluster, "img", 0, None, write(0x11)).expect("a write");
+    assert!(old > 0, "the leader names its term");
+    // A write naming no term is not proposed either: the leader answers with its term.
+    let unnamed = object_call(&cluster, "img", 0, Some(0), write(0x22)).expect_err("refused");
+    assert_eq!(unnamed, format!("StaleTerm {{ current: {old} }}"));
+
+    cluster.kill_osd(0);
+    cluster.start_osd(0);
+    let refused = object_call(&cluster, "img", 0, Some(old), write(0x33)).expect_err("refused");
+    let current: u64 = refused
+        .strip_prefix("StaleTerm { current: ")
+        .and_then(|rest| rest.strip_suffix(" }"))
+        .and_then(|term| term.parse().ok())
+        .unwrap_or_else(|| panic!("refused for another reason: {refused}"));
+    assert!(current > old, "the restarted OSD leads in a later term");
+    let (_, data) = object_call(&cluster, "img", 0, None, read).expect("a read");
+    assert_eq!(data, vec![0x11; 4096], "the refused write did not land");
+    // Nor later: it is not in the log.
+    cluster.kill_osd(0);
+    cluster.start_osd(0);
+    let (_, data) = object_call(&cluster, "img", 0, None, read).expect("a read");
+    assert_eq!(data, vec![0x11; 4096]);
+    let (now, _) = object_call(&cluster, "img", 0, None, write(0x44)).expect("a write");
+    assert!(now > current, "a write naming the leader's term goes in");
+    let (_, data) = object_call(&cluster, "img", 0, None, read).expect("a read");
+    assert_eq!(data, vec![0x44; 4096]);
 }
 
 #[test]

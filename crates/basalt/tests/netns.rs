@@ -281,6 +281,7 @@ fn read_from(mon: &str, osd: u32, led: &[String]) -> Option<basalt_wire::Message
         let read = basalt_wire::Message::Read {
             pg,
             epoch: map.epoch,
+            term: 0,
             object,
             offset_bytes: 0,
             len_bytes: 4096,

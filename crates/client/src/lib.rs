@@ -70,7 +70,9 @@ pub struct Cluster {
     mon: Arc<MonClient>,
     map: watch::Receiver<Arc<ClusterMap>>,
     connections: Mutex<HashMap<SocketAddr, Arc<Client>>>,
-    leaders: Mutex<HashMap<PgId, OsdId>>,
+    /// Each PG's leader as last seen, and its raft term if known (0 if not): writes name
+    /// it, and a leader refuses those that name another (`Status::StaleTerm`).
+    leaders: Mutex<HashMap<PgId, (OsdId, u64)>>,
     deadline: Duration,
     subscription: tokio::task::JoinHandle<()>,
 }
@@ -216,6 +218,7 @@ impl Cluster {
         let mut backoff = Duration::from_millis(5);
         let mut pause = false;
         let mut redirected: Option<OsdId> = None;
+        let mut told_term: Option<u64> = None;
         loop {
             if pause {
                 tokio::time::sleep(backoff).await;
@@ -242,7 +245,7 @@ impl Cluster {
             let cached = lock(&self.leaders).get(&pg).copied();
             // A cached leader may be outside the members: while a PG moves, its leader can be
             // an OSD it is leaving (the OSDs' redirects say so).
-            let target = cached.unwrap_or(members[next_member % members.len()]);
+            let (target, term) = cached.unwrap_or((members[next_member % members.len()], 0));
             let Some(address) = map
                 .osds
                 .get(&target)
@@ -264,12 +267,12 @@ impl Cluster {
                     continue;
                 }
             };
-            request.route(pg, map.epoch);
+            request.route(pg, map.epoch, term);
             let answer = tokio::time::timeout(ATTEMPT_TIMEOUT, client.call(&request)).await;
             match answer {
                 Ok(Ok(Message::Reply { status, data })) => match status {
                     Status::Ok => {
-                        lock(&self.leaders).insert(pg, target);
+                        lock(&self.leaders).insert(pg, (target, term));
                         return Ok(data);
                     }
                     Status::NotLeader { leader } => {
@@ -283,13 +286,21 @@ impl Cluster {
                                 if !members.contains(&leader) {
                                     next_member += 1;
                                 }
-                                lock(&self.leaders).insert(pg, leader);
+                                lock(&self.leaders).insert(pg, (leader, 0));
                             }
                             None => {
                                 lock(&self.leaders).remove(&pg);
                                 next_member += 1;
                             }
                         }
+                    }
+                    Status::StaleTerm { current } => {
+                        // At once with the leader's term, but after the backoff if told the
+                        // same term twice.
+                        last = format!("{target} leads pg {pg} in term {current}, not {term}");
+                        pause = told_term == Some(current);
+                        told_term = Some(current);
+                        lock(&self.leaders).insert(pg, (target, current));
                     }
                     Status::StaleEpoch { current } => {
                         last = format!("map epoch {} is older than {}", map.epoch.0, current.0);
@@ -460,6 +471,7 @@ impl Image {
         let requests = self.requests(offset, len, |pg, epoch, piece| Message::Read {
             pg,
             epoch,
+            term: 0,
             object: piece.object,
             offset_bytes: piece.offset_in_object,
             len_bytes: piece.len_bytes,
@@ -484,6 +496,7 @@ impl Image {
             Message::Write {
                 pg,
                 epoch,
+                term: 0,
                 object: piece.object,
                 offset_bytes: piece.offset_in_object,
                 data: data[piece.at..piece.at + piece.len_bytes as usize].to_vec(),
@@ -498,6 +511,7 @@ impl Image {
         let requests = self.requests(offset, len, |pg, epoch, piece| Message::Discard {
             pg,
             epoch,
+            term: 0,
             object: piece.object,
             offset_bytes: piece.offset_in_object,
             len_bytes: piece.len_bytes,

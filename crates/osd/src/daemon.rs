@@ -1108,6 +1108,7 @@ impl Core {
             object,
             offset_bytes,
             len_bytes,
+            ..
         } = *range;
         // A client whose map is newer than ours may know a pool or image we do not yet:
         // anything we cannot find is then "ask again", not a final refusal.
@@ -1209,6 +1210,17 @@ impl Core {
                 return;
             }
         };
+        // A write is proposed only in the term its client names: one that reached this OSD
+        // late (held in a socket while the client, past its attempt's timeout, had it done
+        // by another leader and sent the host's next writes) must not land after them if
+        // this OSD has led again since. A client that names no term learns it here.
+        if self.raft.is_leader(pg) {
+            let current = self.raft.term(pg).unwrap_or(0);
+            if range.term != current {
+                let _ = reply_to.send(reply(Status::StaleTerm { current }));
+                return;
+            }
+        }
         let write_bytes = op.payload().len() as u64;
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;

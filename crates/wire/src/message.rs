@@ -49,6 +49,12 @@ pub enum Status {
         /// The OSD's epoch.
         current: Epoch,
     },
+    /// This OSD leads the PG, in another term than the write names (none, or one it led
+    /// before); retry naming `current`.
+    StaleTerm {
+        /// The leader's term.
+        current: u64,
+    },
     /// The request is malformed or out of range.
     Invalid {
         /// Why.
@@ -80,6 +86,8 @@ pub enum Message {
         pg: PgId,
         /// The client's map epoch.
         epoch: Epoch,
+        /// The leader's raft term the client knows for the PG, 0 if none.
+        term: u64,
         /// The object.
         object: ObjectKey,
         /// Offset in the object.
@@ -93,6 +101,8 @@ pub enum Message {
         pg: PgId,
         /// The client's map epoch.
         epoch: Epoch,
+        /// The leader's raft term the client knows for the PG, 0 if none.
+        term: u64,
         /// The object.
         object: ObjectKey,
         /// Offset in the object.
@@ -106,6 +116,8 @@ pub enum Message {
         pg: PgId,
         /// The client's map epoch.
         epoch: Epoch,
+        /// The leader's raft term the client knows for the PG, 0 if none.
+        term: u64,
         /// The object.
         object: ObjectKey,
         /// Offset in the object.
@@ -266,6 +278,7 @@ fn put_object(out: &mut Vec<u8>, object: ObjectKey) {
 fn put_object_request(out: &mut Vec<u8>, range: ObjectRange) {
     put_pg(out, range.pg);
     out.extend_from_slice(&range.epoch.0.to_le_bytes());
+    out.extend_from_slice(&range.term.to_le_bytes());
     put_object(out, range.object);
     out.extend_from_slice(&range.offset_bytes.to_le_bytes());
 }
@@ -277,6 +290,8 @@ pub struct ObjectRange {
     pub pg: PgId,
     /// The client's map epoch.
     pub epoch: Epoch,
+    /// The leader's term the client knows, 0 if none.
+    pub term: u64,
     /// The object.
     pub object: ObjectKey,
     /// Offset in the object.
@@ -297,17 +312,19 @@ fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
 impl Message {
     /// What an object request (write, read, discard) addresses; `None` for other messages.
     pub fn object_range(&self) -> Option<ObjectRange> {
-        let (pg, epoch, object, offset_bytes, len_bytes) = match self {
+        let (pg, epoch, term, object, offset_bytes, len_bytes) = match self {
             Message::Write {
                 pg,
                 epoch,
+                term,
                 object,
                 offset_bytes,
                 data,
-            } => (pg, epoch, object, offset_bytes, data.len() as u64),
+            } => (pg, epoch, term, object, offset_bytes, data.len() as u64),
             Message::Read {
                 pg,
                 epoch,
+                term,
                 object,
                 offset_bytes,
                 len_bytes,
@@ -315,30 +332,40 @@ impl Message {
             | Message::Discard {
                 pg,
                 epoch,
+                term,
                 object,
                 offset_bytes,
                 len_bytes,
-            } => (pg, epoch, object, offset_bytes, u64::from(*len_bytes)),
+            } => (pg, epoch, term, object, offset_bytes, u64::from(*len_bytes)),
             _ => return None,
         };
         Some(ObjectRange {
             pg: *pg,
             epoch: *epoch,
+            term: *term,
             object: *object,
             offset_bytes: *offset_bytes,
             len_bytes,
         })
     }
 
-    /// Addresses an object request to `pg` under map `epoch` (a client routing an attempt);
-    /// other messages are left as they are.
-    pub fn route(&mut self, to_pg: PgId, to_epoch: Epoch) {
-        if let Message::Write { pg, epoch, .. }
-        | Message::Read { pg, epoch, .. }
-        | Message::Discard { pg, epoch, .. } = self
+    /// Addresses an object request to `pg` under map `epoch`, naming the leader's term
+    /// `to_term` (0 if not known): a client routing an attempt. Other messages are left as
+    /// they are.
+    pub fn route(&mut self, to_pg: PgId, to_epoch: Epoch, to_term: u64) {
+        if let Message::Write {
+            pg, epoch, term, ..
+        }
+        | Message::Read {
+            pg, epoch, term, ..
+        }
+        | Message::Discard {
+            pg, epoch, term, ..
+        } = self
         {
             *pg = to_pg;
             *epoch = to_epoch;
+            *term = to_term;
         }
     }
 
@@ -381,6 +408,10 @@ impl Message {
                     Status::StaleEpoch { current } => {
                         body.push(2);
                         body.extend_from_slice(&current.0.to_le_bytes());
+                    }
+                    Status::StaleTerm { current } => {
+                        body.push(7);
+                        body.extend_from_slice(&current.to_le_bytes());
                     }
                     Status::Invalid { message } => {
                         body.push(3);
@@ -466,18 +497,26 @@ impl Message {
                 Some(Message::Write {
                     pg: r.pg()?,
                     epoch: Epoch(r.u64()?),
+                    term: r.u64()?,
                     object: r.object()?,
                     offset_bytes: r.u32()?,
                     data: r.bytes()?,
                 })
             })(),
             kind::READ | kind::DISCARD => (|| {
-                let (pg, epoch, object, offset_bytes, len_bytes) =
-                    (r.pg()?, Epoch(r.u64()?), r.object()?, r.u32()?, r.u32()?);
+                let (pg, epoch, term, object, offset_bytes, len_bytes) = (
+                    r.pg()?,
+                    Epoch(r.u64()?),
+                    r.u64()?,
+                    r.object()?,
+                    r.u32()?,
+                    r.u32()?,
+                );
                 Some(if frame.kind == kind::READ {
                     Message::Read {
                         pg,
                         epoch,
+                        term,
                         object,
                         offset_bytes,
                         len_bytes,
@@ -486,6 +525,7 @@ impl Message {
                     Message::Discard {
                         pg,
                         epoch,
+                        term,
                         object,
                         offset_bytes,
                         len_bytes,
@@ -517,6 +557,7 @@ impl Message {
                     6 => Status::Busy {
                         message: r.string()?,
                     },
+                    7 => Status::StaleTerm { current: r.u64()? },
                     _ => return None,
                 };
                 Some(Message::Reply {
@@ -621,6 +662,7 @@ mod tests {
                 leader: leader.map(OsdId)
             }),
             any::<u64>().prop_map(|e| Status::StaleEpoch { current: Epoch(e) }),
+            any::<u64>().prop_map(|current| Status::StaleTerm { current }),
             "[a-z ]{0,20}".prop_map(|message| Status::Invalid { message }),
             "[a-z ]{0,20}".prop_map(|message| Status::Io { message }),
             "[a-z ]{0,20}".prop_map(|message| Status::NoSpace { message }),
@@ -629,43 +671,50 @@ mod tests {
         prop_oneof![
             (
                 pg.clone(),
-                any::<u64>(),
+                (any::<u64>(), any::<u64>()),
                 object.clone(),
                 any::<u32>(),
                 data.clone()
             )
-                .prop_map(|(pg, e, object, offset_bytes, data)| Message::Write {
-                    pg,
-                    epoch: Epoch(e),
-                    object,
-                    offset_bytes,
-                    data
+                .prop_map(|(pg, (e, term), object, offset_bytes, data)| {
+                    Message::Write {
+                        pg,
+                        epoch: Epoch(e),
+                        term,
+                        object,
+                        offset_bytes,
+                        data,
+                    }
                 }),
             (
                 pg.clone(),
-                any::<u64>(),
+                (any::<u64>(), any::<u64>()),
                 object.clone(),
                 any::<u32>(),
                 any::<u32>()
             )
-                .prop_map(|(pg, e, object, offset_bytes, len_bytes)| Message::Read {
-                    pg,
-                    epoch: Epoch(e),
-                    object,
-                    offset_bytes,
-                    len_bytes
+                .prop_map(|(pg, (e, term), object, offset_bytes, len_bytes)| {
+                    Message::Read {
+                        pg,
+                        epoch: Epoch(e),
+                        term,
+                        object,
+                        offset_bytes,
+                        len_bytes,
+                    }
                 }),
             (
                 pg.clone(),
-                any::<u64>(),
+                (any::<u64>(), any::<u64>()),
                 object.clone(),
                 any::<u32>(),
                 any::<u32>()
             )
-                .prop_map(|(pg, e, object, offset_bytes, len_bytes)| {
+                .prop_map(|(pg, (e, term), object, offset_bytes, len_bytes)| {
                     Message::Discard {
                         pg,
                         epoch: Epoch(e),
+                        term,
                         object,
                         offset_bytes,
                         len_bytes,

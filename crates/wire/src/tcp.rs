@@ -804,6 +804,7 @@ mod tests {
         let discard = Message::Discard {
             pg: pg(1),
             epoch: basalt_common::Epoch(1),
+            term: 0,
             object: basalt_common::ObjectKey {
                 image: basalt_common::ImageId(1),
                 number: 0,
