@@ -645,31 +645,39 @@ fn parse_pg(text: &str) -> anyhow::Result<PgId> {
     })
 }
 
+type ReplicaState = Result<basalt_osd::daemon::PgReplicaState, String>;
+
+/// Each member's state of `pg`, with the digest of its data, as the map names them.
+async fn query_members(map: &ClusterMap, pg: PgId) -> anyhow::Result<Vec<(OsdId, ReplicaState)>> {
+    let entry = map
+        .pg(pg)
+        .with_context(|| format!("pg {pg} does not exist"))?;
+    let mut states = Vec::new();
+    for member in &entry.members {
+        let address = map
+            .osds
+            .get(member)
+            .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
+        let state = match address {
+            None => Err("no address".to_string()),
+            Some(address) => {
+                let request = basalt_osd::daemon::OsdRequest::PgQuery { pg };
+                let answer_within = std::time::Duration::from_secs(30);
+                basalt_osd::daemon::query_replica(address, &request, answer_within).await
+            }
+        };
+        states.push((*member, state));
+    }
+    Ok(states)
+}
+
 /// Asks every member of a PG for its replica's state.
 pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Result<ExitCode> {
     let mon = cluster.client()?;
     let pg = parse_pg(&pg)?;
     block_on(async move {
         let map = mon.map().await?;
-        let entry = map
-            .pg(pg)
-            .with_context(|| format!("pg {pg} does not exist"))?;
-        let mut states = Vec::new();
-        for member in &entry.members {
-            let address = map
-                .osds
-                .get(member)
-                .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
-            let state: Result<basalt_osd::daemon::PgReplicaState, String> = match address {
-                None => Err("no address".to_string()),
-                Some(address) => {
-                    let request = basalt_osd::daemon::OsdRequest::PgQuery { pg };
-                    let answer_within = std::time::Duration::from_secs(30);
-                    basalt_osd::daemon::query_replica(address, &request, answer_within).await
-                }
-            };
-            states.push((*member, state));
-        }
+        let states = query_members(&map, pg).await?;
         if json {
             print_json(&json!(
                 states
@@ -709,4 +717,245 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
         }
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// What a scrub found in one PG.
+#[derive(Debug, PartialEq)]
+enum Scrubbed {
+    /// Every replica holds the same data (their digest).
+    Consistent(u32),
+    /// Some replicas differ from the others: each OSD's digest, and those in the minority
+    /// (every replica if no digest has a majority).
+    Inconsistent {
+        digests: Vec<(OsdId, u32)>,
+        odd: Vec<OsdId>,
+    },
+    /// Not compared, and why (a replica did not answer, or they kept applying writes).
+    NotCompared(String),
+}
+
+/// Compares the replicas' states of one PG: only states at the same applied index say
+/// anything (`None`: ask again).
+fn compare(states: &[(OsdId, ReplicaState)]) -> Option<Scrubbed> {
+    let mut answered = Vec::new();
+    for (osd, state) in states {
+        match state {
+            Ok(state) if !state.hosted => {
+                return Some(Scrubbed::NotCompared(format!("{osd} does not host it")));
+            }
+            Ok(state) => answered.push((*osd, state)),
+            Err(error) => {
+                return Some(Scrubbed::NotCompared(format!(
+                    "{osd} did not answer: {error}"
+                )));
+            }
+        }
+    }
+    let Some((_, first)) = answered.first() else {
+        return Some(Scrubbed::NotCompared("the PG has no members".to_string()));
+    };
+    if answered
+        .iter()
+        .any(|(_, state)| state.applied != first.applied)
+    {
+        return None;
+    }
+    let mut counts: BTreeMap<u32, usize> = BTreeMap::new();
+    for (_, state) in &answered {
+        *counts.entry(state.digest).or_default() += 1;
+    }
+    if counts.len() == 1 {
+        return Some(Scrubbed::Consistent(first.digest));
+    }
+    let majority = counts
+        .iter()
+        .find(|(_, count)| **count * 2 > answered.len())
+        .map(|(digest, _)| *digest);
+    Some(Scrubbed::Inconsistent {
+        digests: answered.iter().map(|(osd, s)| (*osd, s.digest)).collect(),
+        odd: answered
+            .iter()
+            .filter(|(_, state)| Some(state.digest) != majority)
+            .map(|(osd, _)| *osd)
+            .collect(),
+    })
+}
+
+/// Compares the data of each PG's replicas (every PG if `pgs` is empty): each replica reads
+/// all of its PG's data back from its device and digests it, and replicas that applied the
+/// same log entries must agree. Fails if any PG is inconsistent or could not be compared.
+pub fn run_pg_scrub(
+    cluster: ClusterArgs,
+    pgs: Vec<String>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    const ATTEMPTS: u32 = 20;
+    let mon = cluster.client()?;
+    let mut wanted = pgs
+        .iter()
+        .map(|pg| parse_pg(pg))
+        .collect::<anyhow::Result<Vec<PgId>>>()?;
+    block_on(async move {
+        let map = mon.map().await?;
+        if wanted.is_empty() {
+            for pool in map.pools.values() {
+                wanted.extend((0..pool.pgs.len() as u32).map(|index| PgId {
+                    pool: pool.id,
+                    index,
+                }));
+            }
+        }
+        let mut results = Vec::new();
+        for pg in wanted {
+            let mut result = None;
+            for attempt in 0..ATTEMPTS {
+                let map = mon.map().await?;
+                result = compare(&query_members(&map, pg).await?);
+                if result.is_some() {
+                    break;
+                }
+                if attempt + 1 < ATTEMPTS {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+            }
+            let result = result.unwrap_or_else(|| {
+                Scrubbed::NotCompared(format!(
+                    "its replicas were at different log entries in {ATTEMPTS} queries (writes \
+                     under way); scrub it again"
+                ))
+            });
+            results.push((pg, result));
+        }
+        let consistent = results
+            .iter()
+            .filter(|(_, result)| matches!(result, Scrubbed::Consistent(_)))
+            .count();
+        let inconsistent = results
+            .iter()
+            .filter(|(_, result)| matches!(result, Scrubbed::Inconsistent { .. }))
+            .count();
+        let not_compared = results.len() - consistent - inconsistent;
+        if json {
+            print_json(&json!(
+                results
+                    .iter()
+                    .map(|(pg, result)| match result {
+                        Scrubbed::Consistent(digest) => json!({
+                            "pg": pg.to_string(), "state": "consistent",
+                            "digest": format!("{digest:08x}"),
+                        }),
+                        Scrubbed::Inconsistent { digests, odd } => json!({
+                            "pg": pg.to_string(), "state": "inconsistent",
+                            "digests": digests.iter()
+                                .map(|(osd, digest)| json!({"osd": osd.0, "digest": format!("{digest:08x}")}))
+                                .collect::<Vec<_>>(),
+                            "odd": odd.iter().map(|osd| osd.0).collect::<Vec<_>>(),
+                        }),
+                        Scrubbed::NotCompared(why) => json!({
+                            "pg": pg.to_string(), "state": "not compared", "why": why,
+                        }),
+                    })
+                    .collect::<Vec<_>>()
+            ));
+        } else {
+            for (pg, result) in &results {
+                match result {
+                    Scrubbed::Consistent(digest) => {
+                        println!("{:<10} consistent (digest {digest:08x})", pg.to_string());
+                    }
+                    Scrubbed::Inconsistent { digests, odd } => println!(
+                        "{:<10} INCONSISTENT: {} differ{} ({})",
+                        pg.to_string(),
+                        odd.iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if odd.len() == 1 { "s" } else { "" },
+                        digests
+                            .iter()
+                            .map(|(osd, digest)| format!("{osd} {digest:08x}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    Scrubbed::NotCompared(why) => {
+                        println!("{:<10} not compared: {why}", pg.to_string());
+                    }
+                }
+            }
+            println!(
+                "{consistent} pgs consistent, {inconsistent} inconsistent, {not_compared} not compared"
+            );
+        }
+        Ok(if inconsistent + not_compared == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(osd: u32, applied: u64, digest: u32) -> (OsdId, ReplicaState) {
+        let state = basalt_osd::daemon::PgReplicaState {
+            osd: OsdId(osd),
+            pg: PgId {
+                pool: basalt_common::PoolId(1),
+                index: 0,
+            },
+            hosted: true,
+            leader: Some(OsdId(0)),
+            term: 2,
+            committed: applied,
+            applied,
+            last_index: applied,
+            objects: 1,
+            mapped_bytes: 4096,
+            digest,
+            voters: vec![OsdId(0), OsdId(1), OsdId(2)],
+            voters_outgoing: Vec::new(),
+            learners: Vec::new(),
+        };
+        (OsdId(osd), Ok(state))
+    }
+
+    #[test]
+    fn replicas_are_compared_only_at_the_same_applied_entry() {
+        assert_eq!(
+            compare(&[state(0, 9, 7), state(1, 9, 7), state(2, 9, 7)]),
+            Some(Scrubbed::Consistent(7))
+        );
+        // Different data at different entries says nothing: ask again.
+        assert_eq!(
+            compare(&[state(0, 9, 7), state(1, 8, 6), state(2, 9, 7)]),
+            None
+        );
+        assert_eq!(
+            compare(&[state(0, 9, 7), state(1, 9, 6), state(2, 9, 7)]),
+            Some(Scrubbed::Inconsistent {
+                digests: vec![(OsdId(0), 7), (OsdId(1), 6), (OsdId(2), 7)],
+                odd: vec![OsdId(1)],
+            })
+        );
+        // No majority: every replica is named.
+        let Some(Scrubbed::Inconsistent { odd, .. }) = compare(&[state(0, 9, 7), state(1, 9, 6)])
+        else {
+            panic!("two replicas that differ are inconsistent");
+        };
+        assert_eq!(odd, vec![OsdId(0), OsdId(1)]);
+        let mut unhosted = state(2, 9, 7);
+        if let Ok(state) = &mut unhosted.1 {
+            state.hosted = false;
+        }
+        assert!(matches!(
+            compare(&[state(0, 9, 7), unhosted]),
+            Some(Scrubbed::NotCompared(why)) if why.contains("osd.2 does not host it")
+        ));
+        assert!(matches!(
+            compare(&[state(0, 9, 7), (OsdId(1), Err("refused".to_string()))]),
+            Some(Scrubbed::NotCompared(why)) if why.contains("osd.1 did not answer: refused")
+        ));
+    }
 }

@@ -134,6 +134,15 @@ enum PgCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Compares the data of each PG's replicas, read back from their devices (every PG
+    /// unless some are named); fails if any differ or could not be compared.
+    Scrub {
+        /// PGs, as `basalt pg ls` shows them (`1.3f`); all if none.
+        pgs: Vec<String>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -198,6 +207,10 @@ fn main() -> ExitCode {
             cluster,
             command: PgCommand::Query { pg, json },
         } => admin_command::run_pg_query(cluster, pg, json),
+        Command::Pg {
+            cluster,
+            command: PgCommand::Scrub { pgs, json },
+        } => admin_command::run_pg_scrub(cluster, pgs, json),
         Command::Status { cluster, json } => admin_command::run_status(cluster, json),
     };
     match result {

@@ -287,6 +287,78 @@ fn object_call(
     })
 }
 
+/// `basalt pg scrub` compares each PG's replicas by the data they read back from their
+/// devices: all consistent after writes; a byte flipped on one OSD's device under a written
+/// block makes that block's PG inconsistent, naming that OSD, and the command fail.
+#[test]
+fn scrub_finds_the_replica_whose_device_was_corrupted() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-scrub");
+    let cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M", "write -P 0x33 4M 3M"]);
+    let scrub = |expect_success: bool| {
+        let output = cluster.cli(&["pg", "scrub", "--json"]);
+        assert_eq!(
+            output.status.success(),
+            expect_success,
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let pgs: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+        pgs.as_array().expect("a list").clone()
+    };
+    let pgs = scrub(true);
+    assert_eq!(pgs.len(), 8);
+    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+
+    // One block of the 0x5a megabyte on osd process 1's device gets a byte flipped.
+    let device = dir.join("osd.1").join("osd.log");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&device)
+        .expect("the device file");
+    let mut block = vec![0u8; 4096];
+    let mut at = None;
+    for offset in (0..).step_by(4096) {
+        use std::io::Read;
+        if file.read_exact(&mut block).is_err() {
+            break;
+        }
+        if block.iter().all(|byte| *byte == 0x5a) {
+            at = Some(offset);
+            break;
+        }
+    }
+    let at: u64 = at.expect("a written block on the device");
+    {
+        use std::io::{Seek, Write};
+        file.seek(std::io::SeekFrom::Start(at)).expect("seek");
+        file.write_all(&[0xa5]).expect("corrupt a byte");
+        file.sync_all().expect("sync");
+    }
+    let victim = cluster.osd_id(1);
+    let pgs = scrub(false);
+    let inconsistent: Vec<&serde_json::Value> = pgs
+        .iter()
+        .filter(|pg| pg["state"] != "consistent")
+        .collect();
+    assert_eq!(inconsistent.len(), 1, "{pgs:?}");
+    assert_eq!(inconsistent[0]["state"], "inconsistent");
+    assert_eq!(inconsistent[0]["odd"], json!([victim]), "{pgs:?}");
+    let text = cluster.cli(&["pg", "scrub"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains(&format!("INCONSISTENT: osd.{victim} differs"))
+            && text.contains("7 pgs consistent, 1 inconsistent, 0 not compared"),
+        "{text}"
+    );
+}
+
 /// A write that names a leader term the PG's leader no longer has is refused and lands
 /// nowhere: a write held up (in a socket, say) past its client's timeout, whose retry was
 /// done by another leader, must not be proposed after the writes the host sent next if its
