@@ -289,12 +289,13 @@ fn object_call(
 
 /// `basalt pg scrub` compares each PG's replicas by the data they read back from their
 /// devices: all consistent after writes; a byte flipped on one OSD's device under a written
-/// block makes that block's PG inconsistent, naming that OSD, and the command fail.
+/// block makes that block's PG inconsistent, naming that OSD, and the command fail. That
+/// OSD then refuses to restart on the damaged log.
 #[test]
 fn scrub_finds_the_replica_whose_device_was_corrupted() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-scrub");
-    let cluster = ClusterProcesses::start(&dir.path, 3);
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
     cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
     cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
     cluster.wait_clean(Duration::from_secs(60));
@@ -356,6 +357,22 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         text.contains(&format!("INCONSISTENT: osd.{victim} differs"))
             && text.contains("7 pgs consistent, 1 inconsistent, 0 not compared"),
         "{text}"
+    );
+
+    // Restarted, that OSD replays its log, finds the damaged batch with intact ones after
+    // it, and refuses to start rather than drop what followed it.
+    cluster.kill_osd(1);
+    // (Under `timeout`: an OSD that started would never end.)
+    let refused = run(Command::new("timeout")
+        .arg("60")
+        .arg(env!("CARGO_BIN_EXE_basalt"))
+        .args(["osd", "--mon", &cluster.mon_addresses()[0], "--data-dir"])
+        .arg(dir.join("osd.1")));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the log is damaged") && stderr.contains("basalt osd out"),
+        "{stderr}"
     );
 }
 

@@ -98,6 +98,28 @@ pub enum LogDeviceError {
         /// The area's.
         area_bytes: u64,
     },
+    /// A batch of the log was damaged after it was written (the one after it is intact):
+    /// what the log held past it cannot be trusted to be whole.
+    #[error(
+        "{path}: the log is damaged: the batch of lsn {lsn} at ring position {position} fails \
+         its checks ({error}), though the batch written after it (at {next_position}) is \
+         intact, so it was written whole and has changed since; the osd does not start on a \
+         device that lost acknowledged data. Mark it out (`basalt osd out ID`) so that its \
+         PGs are copied from the other replicas, then remove it (`basalt osd rm ID`) and \
+         give the disk a fresh device"
+    )]
+    Damaged {
+        /// The device.
+        path: String,
+        /// The damaged batch's LSN.
+        lsn: u64,
+        /// Its position in the ring.
+        position: u64,
+        /// What is wrong with it.
+        error: String,
+        /// Where the intact batch after it lies.
+        next_position: u64,
+    },
     /// An earlier write failed; nothing more is written until the OSD restarts.
     #[error("the log device failed earlier and refuses writes: {reason}")]
     Failed {
@@ -365,6 +387,15 @@ impl LogDevice {
         let replayed = read_log(path, ring, start, lsn, tail + ring.len_bytes, false)
             .await
             .map_err(io_error(path))?;
+        if let Some(damage) = &replayed.damaged {
+            return Err(LogDeviceError::Damaged {
+                path: path.display().to_string(),
+                lsn: damage.lsn.0,
+                position: damage.position,
+                error: damage.error.to_string(),
+                next_position: damage.next_position,
+            });
+        }
         let writer = LogWriter::new(ring, replayed.next_position, replayed.next_lsn, tail);
         let (queue, appends) = mpsc::unbounded_channel();
         let counters = Arc::new(Counters::default());

@@ -221,6 +221,25 @@ pub struct Replayed {
     pub next_lsn: Lsn,
     /// Why replay stopped before the end of the free space (the torn tail), if it did.
     pub stopped_by: Option<BatchError>,
+    /// The batch replay stopped at was damaged, not torn: the batch after it is intact.
+    pub damaged: Option<Damage>,
+}
+
+/// A batch that fails its checks though the batch after it is intact. Batches are written
+/// one at a time, the next only once the last is durable, so a torn write can only be the
+/// last batch; one followed by its successor was written whole and has changed since (the
+/// device corrupted it). Replay stops there all the same, but what follows it was
+/// acknowledged: the caller must not carry on as if the log ended there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damage {
+    /// The damaged batch's LSN.
+    pub lsn: Lsn,
+    /// Its position in the ring.
+    pub position: u64,
+    /// What is wrong with it.
+    pub error: BatchError,
+    /// Where the intact batch after it lies.
+    pub next_position: u64,
 }
 
 /// Replays the log from `start_position` with `first_lsn`, reading no further than
@@ -331,12 +350,63 @@ pub fn replay_trimmed<E>(
         position += size;
         lsn = lsn.next();
     };
+    let damaged = match &stopped_by {
+        Some(error) => {
+            intact_after(&mut read, ring, position, lsn, limit_position)?.map(|next_position| {
+                Damage {
+                    lsn,
+                    position,
+                    error: error.clone(),
+                    next_position,
+                }
+            })
+        }
+        None => None,
+    };
     Ok(Replayed {
         batches,
         next_position: position,
         next_lsn: lsn,
         stopped_by,
+        damaged,
     })
+}
+
+/// Where the batch after the one at `position` (LSN `lsn`) lies intact, if it does: a
+/// header of LSN `lsn + 1` within a largest batch's reach in the same lap, or at the start
+/// of the next lap (where the writer goes when a batch does not fit). Older laps and
+/// formatted space hold lower LSNs or none, so only a batch written after this one
+/// matches. One read of at most a largest batch, when replay has stopped.
+fn intact_after<E>(
+    read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    position: u64,
+    lsn: Lsn,
+    limit: u64,
+) -> Result<Option<u64>, E> {
+    let next = lsn.next();
+    let block = BLOCK_SIZE as u64;
+    let from = position + block;
+    let end = (position + block + batch::DATA_SIZE_MAX as u64)
+        .min(ring.next_lap(position))
+        .min(limit);
+    if from < end {
+        let bytes = read(ring.device_offset(from), (end - from) as usize)?;
+        let found = bytes
+            .chunks_exact(BLOCK_SIZE)
+            .position(|header| batch::decode_header(header, next).is_ok());
+        if let Some(at) = found {
+            return Ok(Some(from + at as u64 * block));
+        }
+    }
+    let next_lap = ring.next_lap(position);
+    if next_lap + block <= limit {
+        let header = read(ring.device_offset(next_lap), BLOCK_SIZE)?;
+        if batch::decode_header(&header, next).is_ok() {
+            return Ok(Some(next_lap));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -495,6 +565,72 @@ mod tests {
             .expect("a header fills the last free block");
         assert_eq!((last.position, last.offset_bytes), (20480, 12288));
         assert_eq!(writer.free_bytes(), 0);
+    }
+
+    /// Five batches of one 4 KiB entry each; `damage` changes a byte of the device.
+    fn five_batches(
+        damage: impl FnOnce(&mut Disk, &[PlacedBatch]),
+    ) -> (Replayed, Vec<PlacedBatch>) {
+        let mut disk = Disk::new(1 << 20);
+        let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
+        let placed: Vec<PlacedBatch> = (0..5u8)
+            .map(|n| {
+                let batch = writer
+                    .append(&[entry(u64::from(n) + 1, n, 4096)])
+                    .expect("room");
+                disk.write(&batch);
+                batch
+            })
+            .collect();
+        damage(&mut disk, &placed);
+        (disk.replay(0, Lsn::FIRST), placed)
+    }
+
+    #[test]
+    fn a_damaged_batch_followed_by_an_intact_one_is_told_from_a_torn_tail() {
+        // A byte of the third batch's data flipped: replay stops there, and says the
+        // fourth batch, written after it, is intact.
+        let (replayed, placed) = five_batches(|disk, placed| {
+            disk.bytes[placed[2].data_offsets_bytes[0] as usize + 100] ^= 0xff;
+        });
+        assert_eq!(replayed.batches.len(), 2);
+        assert_eq!(
+            replayed.stopped_by,
+            Some(BatchError::DataChecksum { entry: 0 })
+        );
+        assert_eq!(
+            replayed.damaged,
+            Some(super::Damage {
+                lsn: Lsn(3),
+                position: placed[2].position,
+                error: BatchError::DataChecksum { entry: 0 },
+                next_position: placed[3].position,
+            })
+        );
+        // Its header damaged instead: the same, though its length is unknown.
+        let (replayed, placed) = five_batches(|disk, placed| {
+            disk.bytes[placed[2].offset_bytes as usize + 40] ^= 0xff;
+        });
+        assert_eq!(replayed.batches.len(), 2);
+        let damage = replayed.damaged.expect("damage found");
+        assert_eq!(
+            (damage.lsn, damage.position, damage.next_position),
+            (Lsn(3), placed[2].position, placed[3].position)
+        );
+        // The last batch torn: nothing after it, an ordinary end of the log.
+        let (replayed, _) = five_batches(|disk, placed| {
+            disk.bytes[placed[4].data_offsets_bytes[0] as usize + 100] ^= 0xff;
+        });
+        assert_eq!(replayed.batches.len(), 4);
+        assert_eq!(
+            replayed.stopped_by,
+            Some(BatchError::DataChecksum { entry: 0 })
+        );
+        assert_eq!(replayed.damaged, None);
+        // Nor is the end of an intact log damage.
+        let (replayed, _) = five_batches(|_, _| {});
+        assert_eq!(replayed.batches.len(), 5);
+        assert_eq!(replayed.damaged, None);
     }
 
     #[test]
