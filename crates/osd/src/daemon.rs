@@ -1495,11 +1495,22 @@ impl Core {
                 self.reclaim.cleaning = false;
                 return;
             }
-            if let Some(error) = &replayed.stopped_by {
+            if let Some(damage) = &replayed.damaged {
+                // Written whole and changed since: nothing the cleaner can move past. The
+                // OSD will refuse to start on this device (LogDeviceError::Damaged).
+                tracing::error!(
+                    position = damage.position,
+                    lsn = damage.lsn.0,
+                    error = %damage.error,
+                    "the log is damaged where the cleaner reads: this device cannot be trusted; \
+                     mark the osd out and remove it"
+                );
+            } else if let Some(error) = &replayed.stopped_by {
                 tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
             }
+            let pause = Duration::from_secs(if replayed.damaged.is_some() { 30 } else { 1 });
             self.reclaim.cleaning = false;
-            self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(1);
+            self.reclaim.clean_after = std::time::Instant::now() + pause;
             return;
         }
         let (appends, moves) =
