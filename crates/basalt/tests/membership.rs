@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use support::*;
@@ -270,21 +269,7 @@ fn a_dead_osd_is_removed_for_good() {
     verify.push("--verify_only".into());
 
     // The victim is the OSD that leads the most PGs.
-    let pgs = cluster.cli_json(&["pg", "ls"]);
-    let mut led = BTreeMap::<u64, usize>::new();
-    for leader in pgs
-        .as_array()
-        .expect("pg ls")
-        .iter()
-        .filter_map(|pg| pg["leader"].as_u64())
-    {
-        *led.entry(leader).or_default() += 1;
-    }
-    let (victim, _) = led
-        .into_iter()
-        .max_by_key(|(_, count)| *count)
-        .expect("the clean PGs have leaders");
-    let victim = u32::try_from(victim).expect("an osd id");
+    let victim = cluster.busiest_leader();
     let process = cluster.osd_process(victim);
     let refused = |cluster: &ClusterProcesses, what: &str| {
         let output = cluster.cli(&["osd", "rm", &victim.to_string()]);

@@ -1495,7 +1495,7 @@ impl Core {
                 self.reclaim.cleaning = false;
                 return;
             }
-            if let Some(damage) = &replayed.damaged {
+            let pause = if let Some(damage) = &replayed.damaged {
                 // Written whole and changed since: nothing the cleaner can move past. The
                 // OSD will refuse to start on this device (LogDeviceError::Damaged).
                 tracing::error!(
@@ -1505,10 +1505,13 @@ impl Core {
                     "the log is damaged where the cleaner reads: this device cannot be trusted; \
                      mark the osd out and remove it"
                 );
-            } else if let Some(error) = &replayed.stopped_by {
-                tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
-            }
-            let pause = Duration::from_secs(if replayed.damaged.is_some() { 30 } else { 1 });
+                Duration::from_secs(30)
+            } else {
+                if let Some(error) = &replayed.stopped_by {
+                    tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
+                }
+                Duration::from_secs(1)
+            };
             self.reclaim.cleaning = false;
             self.reclaim.clean_after = std::time::Instant::now() + pause;
             return;

@@ -567,9 +567,10 @@ mod tests {
         assert_eq!(writer.free_bytes(), 0);
     }
 
-    /// Five batches of one 4 KiB entry each; `damage` changes a byte of the device.
+    /// Five batches of one 4 KiB entry each, the byte at the device offset `flip` names
+    /// (if any) flipped.
     fn five_batches(
-        damage: impl FnOnce(&mut Disk, &[PlacedBatch]),
+        flip: impl FnOnce(&[PlacedBatch]) -> Option<u64>,
     ) -> (Replayed, Vec<PlacedBatch>) {
         let mut disk = Disk::new(1 << 20);
         let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
@@ -582,7 +583,9 @@ mod tests {
                 batch
             })
             .collect();
-        damage(&mut disk, &placed);
+        if let Some(at) = flip(&placed) {
+            disk.bytes[at as usize] ^= 0xff;
+        }
         (disk.replay(0, Lsn::FIRST), placed)
     }
 
@@ -590,9 +593,7 @@ mod tests {
     fn a_damaged_batch_followed_by_an_intact_one_is_told_from_a_torn_tail() {
         // A byte of the third batch's data flipped: replay stops there, and says the
         // fourth batch, written after it, is intact.
-        let (replayed, placed) = five_batches(|disk, placed| {
-            disk.bytes[placed[2].data_offsets_bytes[0] as usize + 100] ^= 0xff;
-        });
+        let (replayed, placed) = five_batches(|placed| Some(placed[2].data_offsets_bytes[0] + 100));
         assert_eq!(replayed.batches.len(), 2);
         assert_eq!(
             replayed.stopped_by,
@@ -608,9 +609,7 @@ mod tests {
             })
         );
         // Its header damaged instead: the same, though its length is unknown.
-        let (replayed, placed) = five_batches(|disk, placed| {
-            disk.bytes[placed[2].offset_bytes as usize + 40] ^= 0xff;
-        });
+        let (replayed, placed) = five_batches(|placed| Some(placed[2].offset_bytes + 40));
         assert_eq!(replayed.batches.len(), 2);
         let damage = replayed.damaged.expect("damage found");
         assert_eq!(
@@ -618,9 +617,7 @@ mod tests {
             (Lsn(3), placed[2].position, placed[3].position)
         );
         // The last batch torn: nothing after it, an ordinary end of the log.
-        let (replayed, _) = five_batches(|disk, placed| {
-            disk.bytes[placed[4].data_offsets_bytes[0] as usize + 100] ^= 0xff;
-        });
+        let (replayed, _) = five_batches(|placed| Some(placed[4].data_offsets_bytes[0] + 100));
         assert_eq!(replayed.batches.len(), 4);
         assert_eq!(
             replayed.stopped_by,
@@ -628,7 +625,7 @@ mod tests {
         );
         assert_eq!(replayed.damaged, None);
         // Nor is the end of an intact log damage.
-        let (replayed, _) = five_batches(|_, _| {});
+        let (replayed, _) = five_batches(|_| None);
         assert_eq!(replayed.batches.len(), 5);
         assert_eq!(replayed.damaged, None);
     }

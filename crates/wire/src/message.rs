@@ -300,6 +300,34 @@ pub struct ObjectRange {
     pub len_bytes: u64,
 }
 
+/// A read (if `read`) or a discard of `len_bytes` at a place given as PG, epoch, term,
+/// object and offset in it.
+fn read_or_discard(
+    read: bool,
+    (pg, epoch, term, object, offset_bytes): (PgId, Epoch, u64, ObjectKey, u32),
+    len_bytes: u32,
+) -> Message {
+    if read {
+        Message::Read {
+            pg,
+            epoch,
+            term,
+            object,
+            offset_bytes,
+            len_bytes,
+        }
+    } else {
+        Message::Discard {
+            pg,
+            epoch,
+            term,
+            object,
+            offset_bytes,
+            len_bytes,
+        }
+    }
+}
+
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(
         &u32::try_from(bytes.len())
@@ -512,25 +540,8 @@ impl Message {
                     r.u32()?,
                     r.u32()?,
                 );
-                Some(if frame.kind == kind::READ {
-                    Message::Read {
-                        pg,
-                        epoch,
-                        term,
-                        object,
-                        offset_bytes,
-                        len_bytes,
-                    }
-                } else {
-                    Message::Discard {
-                        pg,
-                        epoch,
-                        term,
-                        object,
-                        offset_bytes,
-                        len_bytes,
-                    }
-                })
+                let range = (pg, epoch, term, object, offset_bytes);
+                Some(read_or_discard(frame.kind == kind::READ, range, len_bytes))
             })(),
             kind::REPLY => (|| {
                 let status = match r.u8()? {
@@ -690,36 +701,14 @@ mod tests {
                 pg.clone(),
                 (any::<u64>(), any::<u64>()),
                 object.clone(),
-                any::<u32>(),
-                any::<u32>()
+                (any::<u32>(), any::<u32>()),
+                any::<bool>()
             )
-                .prop_map(|(pg, (e, term), object, offset_bytes, len_bytes)| {
-                    Message::Read {
-                        pg,
-                        epoch: Epoch(e),
-                        term,
-                        object,
-                        offset_bytes,
-                        len_bytes,
+                .prop_map(
+                    |(pg, (e, term), object, (offset_bytes, len_bytes), read)| {
+                        read_or_discard(read, (pg, Epoch(e), term, object, offset_bytes), len_bytes)
                     }
-                }),
-            (
-                pg.clone(),
-                (any::<u64>(), any::<u64>()),
-                object.clone(),
-                any::<u32>(),
-                any::<u32>()
-            )
-                .prop_map(|(pg, (e, term), object, offset_bytes, len_bytes)| {
-                    Message::Discard {
-                        pg,
-                        epoch: Epoch(e),
-                        term,
-                        object,
-                        offset_bytes,
-                        len_bytes,
-                    }
-                }),
+                ),
             (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
             (pg.clone(), data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
             data.clone().prop_map(|body| Message::Control { body }),
