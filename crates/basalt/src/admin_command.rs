@@ -647,26 +647,36 @@ fn parse_pg(text: &str) -> anyhow::Result<PgId> {
 
 type ReplicaState = Result<basalt_osd::daemon::PgReplicaState, String>;
 
-/// Each member's state of `pg`, with the digest of its data, as the map names them.
+/// Each member's state of `pg`, with the digest of its data, as the map names them. The
+/// members are asked at once, so that their answers describe about the same moment (and a
+/// PG's data is read back on every replica in parallel).
 async fn query_members(map: &ClusterMap, pg: PgId) -> anyhow::Result<Vec<(OsdId, ReplicaState)>> {
     let entry = map
         .pg(pg)
         .with_context(|| format!("pg {pg} does not exist"))?;
-    let mut states = Vec::new();
-    for member in &entry.members {
-        let address = map
-            .osds
-            .get(member)
-            .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
-        let state = match address {
-            None => Err("no address".to_string()),
-            Some(address) => {
+    let queries: Vec<_> = entry
+        .members
+        .iter()
+        .map(|member| {
+            let address = map
+                .osds
+                .get(member)
+                .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
+            let query = tokio::spawn(async move {
+                let address = address.ok_or_else(|| "no address".to_string())?;
                 let request = basalt_osd::daemon::OsdRequest::PgQuery { pg };
                 let answer_within = std::time::Duration::from_secs(30);
                 basalt_osd::daemon::query_replica(address, &request, answer_within).await
-            }
-        };
-        states.push((*member, state));
+            });
+            (*member, query)
+        })
+        .collect();
+    let mut states = Vec::new();
+    for (member, query) in queries {
+        let state = query
+            .await
+            .unwrap_or_else(|error| Err(format!("the query failed: {error}")));
+        states.push((member, state));
     }
     Ok(states)
 }
@@ -810,7 +820,12 @@ pub fn run_pg_scrub(
             let mut result = None;
             for attempt in 0..ATTEMPTS {
                 let map = mon.map().await?;
-                result = compare(&query_members(&map, pg).await?);
+                result = match query_members(&map, pg).await {
+                    Ok(states) => compare(&states),
+                    // Named but not in the map, or removed with its pool meanwhile: reported
+                    // with the others, not the end of the scrub.
+                    Err(error) => Some(Scrubbed::NotCompared(error.to_string())),
+                };
                 if result.is_some() {
                     break;
                 }

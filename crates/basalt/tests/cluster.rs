@@ -315,6 +315,19 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     let pgs = scrub(true);
     assert_eq!(pgs.len(), 8);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    // A PG named that does not exist is reported with the others, and fails the scrub.
+    let first = pgs[0]["pg"].as_str().expect("a pg id");
+    let output = cluster.cli(&["pg", "scrub", first, "9.0", "--json"]);
+    assert!(!output.status.success());
+    let named: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    assert_eq!(named[0]["state"], "consistent", "{named}");
+    assert_eq!(named[1]["state"], "not compared", "{named}");
+    assert!(
+        named[1]["why"]
+            .as_str()
+            .is_some_and(|why| why.contains("pg 9.0 does not exist")),
+        "{named}"
+    );
 
     // One block of the 0x5a megabyte on osd process 1's device gets a byte flipped.
     let device = dir.join("osd.1").join("osd.log");

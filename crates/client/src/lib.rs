@@ -186,6 +186,10 @@ impl Cluster {
         }
     }
 
+    fn remember_leader(&self, pg: PgId, leader: OsdId, term: u64) {
+        remember(&mut lock(&self.leaders), pg, leader, term);
+    }
+
     /// Waits (briefly) for a map at least as new as `epoch`.
     async fn await_epoch(&self, epoch: Epoch) {
         let mut map = self.map.clone();
@@ -272,7 +276,7 @@ impl Cluster {
             match answer {
                 Ok(Ok(Message::Reply { status, data })) => match status {
                     Status::Ok => {
-                        lock(&self.leaders).insert(pg, (target, term));
+                        self.remember_leader(pg, target, term);
                         return Ok(data);
                     }
                     Status::NotLeader { leader } => {
@@ -300,7 +304,7 @@ impl Cluster {
                         last = format!("{target} leads pg {pg} in term {current}, not {term}");
                         pause = told_term == Some(current);
                         told_term = Some(current);
-                        lock(&self.leaders).insert(pg, (target, current));
+                        self.remember_leader(pg, target, current);
                     }
                     Status::StaleEpoch { current } => {
                         last = format!("map epoch {} is older than {}", map.epoch.0, current.0);
@@ -336,6 +340,18 @@ impl Cluster {
             }
         }
     }
+}
+
+/// Caches `leader` as `pg`'s leader with `term`, never lowering a term already learned for
+/// the same leader: a read (which the leader does not check) answered after a concurrent
+/// write learned the term would otherwise put back the one it named, and the next write
+/// would be refused once more.
+fn remember(leaders: &mut HashMap<PgId, (OsdId, u64)>, pg: PgId, leader: OsdId, term: u64) {
+    let known = match leaders.get(&pg) {
+        Some((cached, known)) if *cached == leader => *known,
+        _ => 0,
+    };
+    leaders.insert(pg, (leader, term.max(known)));
 }
 
 /// An open image.
@@ -604,6 +620,24 @@ mod tests {
             (0..40).map(|n| (n, n * 2)).collect::<Vec<_>>(),
             "answers in order"
         );
+    }
+
+    #[test]
+    fn a_learned_leader_term_is_not_lowered() {
+        let pg = PgId {
+            pool: basalt_common::PoolId(1),
+            index: 0,
+        };
+        let mut leaders = HashMap::new();
+        remember(&mut leaders, pg, OsdId(1), 7);
+        // A read that named no term, answered after the write learned 7.
+        remember(&mut leaders, pg, OsdId(1), 0);
+        assert_eq!(leaders[&pg], (OsdId(1), 7));
+        remember(&mut leaders, pg, OsdId(1), 9);
+        assert_eq!(leaders[&pg], (OsdId(1), 9));
+        // Another leader: its own term, from nothing.
+        remember(&mut leaders, pg, OsdId(2), 0);
+        assert_eq!(leaders[&pg], (OsdId(2), 0));
     }
 
     #[test]

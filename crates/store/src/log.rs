@@ -350,19 +350,17 @@ pub fn replay_trimmed<E>(
         position += size;
         lsn = lsn.next();
     };
-    let damaged = match &stopped_by {
-        Some(error) => {
-            intact_after(&mut read, ring, position, lsn, limit_position)?.map(|next_position| {
-                Damage {
-                    lsn,
-                    position,
-                    error: error.clone(),
-                    next_position,
-                }
-            })
-        }
-        None => None,
-    };
+    // The batch may have been placed at the start of the next lap (the writer skips there
+    // when a batch does not fit): replay tried it too, and it may be the damaged one.
+    let damaged = stopped_by.as_ref().and_then(|_| {
+        let skipped = ring.next_lap(position);
+        let skip_possible = !position.is_multiple_of(ring.len_bytes) && skipped < limit_position;
+        damage_at(&mut read, ring, position, lsn, limit_position).or_else(|| {
+            skip_possible
+                .then(|| damage_at(&mut read, ring, skipped, lsn, limit_position))
+                .flatten()
+        })
+    });
     Ok(Replayed {
         batches,
         next_position: position,
@@ -372,41 +370,63 @@ pub fn replay_trimmed<E>(
     })
 }
 
-/// Where the batch after the one at `position` (LSN `lsn`) lies intact, if it does: a
-/// header of LSN `lsn + 1` within a largest batch's reach in the same lap, or at the start
-/// of the next lap (where the writer goes when a batch does not fit). Older laps and
-/// formatted space hold lower LSNs or none, so only a batch written after this one
-/// matches. One read of at most a largest batch, when replay has stopped.
-fn intact_after<E>(
+/// The damage of the batch of LSN `lsn` at `position`, which failed its checks, if the
+/// batch of the next LSN lies intact after it (header and every entry's data checked):
+/// exactly where the writer put it when this batch's header is intact (right after it, or
+/// at the next lap if it did not fit there), else its header may be anywhere within a
+/// largest batch's reach. Older laps and formatted space hold lower LSNs or none, so only
+/// a batch written after this one can match. A read error gives no verdict: replay itself
+/// reached here, so the log is read as it was before.
+fn damage_at<E>(
     read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     position: u64,
     lsn: Lsn,
     limit: u64,
-) -> Result<Option<u64>, E> {
-    let next = lsn.next();
+) -> Option<Damage> {
+    let error = match read_batch(read, ring, position, lsn, limit) {
+        Ok(Err(error)) => error,
+        // Intact after all (a read that raced nothing here), or unreadable: no verdict.
+        Ok(Ok(_)) | Err(_) => return None,
+    };
     let block = BLOCK_SIZE as u64;
-    let from = position + block;
-    let end = (position + block + batch::DATA_SIZE_MAX as u64)
-        .min(ring.next_lap(position))
-        .min(limit);
-    if from < end {
-        let bytes = read(ring.device_offset(from), (end - from) as usize)?;
-        let found = bytes
-            .chunks_exact(BLOCK_SIZE)
-            .position(|header| batch::decode_header(header, next).is_ok());
-        if let Some(at) = found {
-            return Ok(Some(from + at as u64 * block));
+    let header = read(ring.device_offset(position), BLOCK_SIZE).ok()?;
+    let candidates: Vec<u64> = match batch::decode_header(&header, lsn) {
+        Ok(header) => {
+            let end = position + header.batch_size() as u64;
+            vec![end, ring.next_lap(end)]
         }
-    }
-    let next_lap = ring.next_lap(position);
-    if next_lap + block <= limit {
-        let header = read(ring.device_offset(next_lap), BLOCK_SIZE)?;
-        if batch::decode_header(&header, next).is_ok() {
-            return Ok(Some(next_lap));
+        Err(_) => {
+            // A successor's header lies at most a largest batch after this one's.
+            let from = position + block;
+            let end = (position + 2 * block + batch::DATA_SIZE_MAX as u64)
+                .min(ring.next_lap(position))
+                .min(limit);
+            let mut found = Vec::new();
+            if from < end {
+                let next = lsn.next();
+                let bytes = read(ring.device_offset(from), (end - from) as usize).ok()?;
+                found.extend(
+                    bytes
+                        .chunks_exact(BLOCK_SIZE)
+                        .enumerate()
+                        .filter(|(_, header)| batch::decode_header(header, next).is_ok())
+                        .map(|(at, _)| from + at as u64 * block),
+                );
+            }
+            found.push(ring.next_lap(position));
+            found
         }
-    }
-    Ok(None)
+    };
+    let next_position = candidates.into_iter().find(|&at| {
+        at < limit && matches!(read_batch(read, ring, at, lsn.next(), limit), Ok(Ok(_)))
+    })?;
+    Some(Damage {
+        lsn,
+        position,
+        error,
+        next_position,
+    })
 }
 
 #[cfg(test)]
@@ -627,6 +647,103 @@ mod tests {
         // Nor is the end of an intact log damage.
         let (replayed, _) = five_batches(|_| None);
         assert_eq!(replayed.batches.len(), 5);
+        assert_eq!(replayed.damaged, None);
+    }
+
+    #[test]
+    fn damage_is_found_after_a_largest_batch_and_at_the_next_lap() {
+        // A largest batch (4 MiB of data) with its header damaged: its successor's header
+        // lies a whole largest batch after it.
+        let mut disk = Disk::new(16 << 20);
+        let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
+        let placed: Vec<PlacedBatch> = [4096, batch::DATA_SIZE_MAX, 4096]
+            .iter()
+            .enumerate()
+            .map(|(n, len)| {
+                let batch = writer
+                    .append(&[entry(n as u64 + 1, 1, *len)])
+                    .expect("room");
+                disk.write(&batch);
+                batch
+            })
+            .collect();
+        disk.bytes[placed[1].offset_bytes as usize + 40] ^= 0xff;
+        let damage = disk.replay(0, Lsn::FIRST).damaged.expect("damage found");
+        assert_eq!(
+            (damage.lsn, damage.position, damage.next_position),
+            (Lsn(2), placed[1].position, placed[2].position)
+        );
+
+        // A batch the writer placed at the next lap (it did not fit before the lap's end),
+        // damaged there, with its successor after it.
+        let mut disk = Disk::new(64 << 10);
+        let ring = disk.ring();
+        let mut writer = LogWriter::new(ring, 0, Lsn::FIRST, 0);
+        for n in 0..7 {
+            disk.write(&writer.append(&[entry(n + 1, 1, 4096)]).expect("room"));
+        }
+        writer.set_tail(32 << 10);
+        let skipped = writer.append(&[entry(8, 2, 8192)]).expect("room");
+        assert_eq!(skipped.position, 64 << 10, "placed at the next lap");
+        disk.write(&skipped);
+        let after = writer.append(&[entry(9, 3, 4096)]).expect("room");
+        disk.write(&after);
+        disk.bytes[skipped.data_offsets_bytes[0] as usize + 1] ^= 0xff;
+        let replayed = disk.replay_ring(ring, 32 << 10, Lsn(5), (32 << 10) + ring.len_bytes);
+        assert_eq!(replayed.batches.len(), 3);
+        assert_eq!(
+            replayed.damaged,
+            Some(super::Damage {
+                lsn: Lsn(8),
+                position: skipped.position,
+                error: BatchError::DataChecksum { entry: 0 },
+                next_position: after.position,
+            })
+        );
+    }
+
+    #[test]
+    fn a_torn_last_batch_is_not_taken_for_damage() {
+        // Its data holds what looks like the next batch (a guest's bytes may): with the
+        // torn batch's header intact, only where the writer would have put the next batch
+        // counts.
+        let mut disk = Disk::new(1 << 20);
+        let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
+        let first = writer.append(&[entry(1, 1, 4096)]).expect("room");
+        disk.write(&first);
+        let mut forged = batch::encode(Lsn(3), &[]);
+        forged.resize(8192, 0);
+        let mut torn_entry = entry(2, 0, 8192);
+        torn_entry.data = forged;
+        let torn = writer.append(&[torn_entry]).expect("room");
+        disk.write(&torn);
+        disk.bytes[torn.data_offsets_bytes[0] as usize + 4096] ^= 0xff;
+        let replayed = disk.replay(0, Lsn::FIRST);
+        assert_eq!(replayed.batches.len(), 1);
+        assert_eq!(
+            replayed.stopped_by,
+            Some(BatchError::DataChecksum { entry: 0 })
+        );
+        assert_eq!(replayed.damaged, None);
+
+        // A read error while looking for the successor gives no verdict, and replay
+        // itself goes on as before.
+        let (_, placed) = five_batches(|_| None);
+        let mut disk = Disk::new(1 << 20);
+        for batch in &placed {
+            disk.write(batch);
+        }
+        disk.bytes[placed[2].data_offsets_bytes[0] as usize] ^= 0xff;
+        let successor = placed[3].offset_bytes as usize;
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            let (from, to) = (offset as usize, offset as usize + len);
+            if from <= successor && successor < to {
+                return Err(());
+            }
+            Ok(disk.bytes[from..to].to_vec())
+        };
+        let replayed = replay(read, disk.ring(), 0, Lsn::FIRST, 1 << 20).expect("replayed");
+        assert_eq!(replayed.batches.len(), 2);
         assert_eq!(replayed.damaged, None);
     }
 
