@@ -605,6 +605,15 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
         written.len() >= 8,
         "some writes went before it filled: {written:?}"
     );
+    // The OSD says it is full once its live data passes 28 MiB (what its 62 MiB log keeps
+    // free for cleaning and raft's entries aside), and the reserve holds what its PGs'
+    // leaders accept until the map tells them (16 MiB above the cleaner's floor): past
+    // that the full replica cannot persist its raft entries and falls behind for good.
+    assert!(
+        written.len() <= 28 + 16,
+        "osd.{small} reported full too late: {} MiB written",
+        written.len()
+    );
     eprintln!(
         "osd.{small} full after {next} MiB, {} written",
         written.len()

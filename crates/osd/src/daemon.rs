@@ -492,6 +492,8 @@ struct Core {
     engine: Arc<FileEngine>,
     counters: Arc<Counters>,
     report: Arc<Mutex<OsdReport>>,
+    /// Wakes the heartbeat task to send the report now (this OSD became full or not).
+    report_now: Arc<tokio::sync::Notify>,
     actions: Vec<Action>,
     /// The last hard state handed to the log, per PG.
     hard_states: HashMap<PgId, basalt_replication::HardState>,
@@ -2217,6 +2219,11 @@ impl Core {
             .store(self.reclaim.live_bytes, Ordering::Relaxed);
     }
 
+    /// Whether [`Core::is_full`] differs from what the last report said.
+    fn full_changed(&self) -> bool {
+        self.is_full() != self.report.lock().unwrap_or_else(|p| p.into_inner()).full
+    }
+
     fn update_report(&self, capacity_bytes: u64) {
         let leading: Vec<PgId> = self
             .raft
@@ -2740,12 +2747,17 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     })];
 
     let report = Arc::new(Mutex::new(OsdReport::default()));
+    let report_now = Arc::new(tokio::sync::Notify::new());
     let heartbeat_report = report.clone();
     let heartbeat_mon = mon.clone();
+    let heartbeat_now = report_now.clone();
     tasks.push(tokio::spawn(async move {
         let mut interval = tokio::time::interval(HEARTBEAT_INTERVAL);
         loop {
-            interval.tick().await;
+            tokio::select! {
+                _ = interval.tick() => {}
+                () = heartbeat_now.notified() => {}
+            }
             let report = heartbeat_report
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -3012,6 +3024,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         engine,
         counters,
         report,
+        report_now: report_now.clone(),
         actions: Vec::new(),
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
@@ -3084,8 +3097,13 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     if ticks.is_multiple_of(10) {
                         core.check_memberships();
                     }
-                    if ticks.is_multiple_of(5) {
-                        core.refresh_live_bytes();
+                    core.refresh_live_bytes();
+                    // Becoming full is told at once: the leaders of this OSD's PGs accept
+                    // writes until the map says so, and the reserve must hold them.
+                    if core.full_changed() {
+                        core.update_report(capacity_bytes);
+                        core.report_now.notify_one();
+                    } else if ticks.is_multiple_of(5) {
                         core.update_report(capacity_bytes);
                     }
                 }

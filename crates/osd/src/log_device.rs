@@ -762,6 +762,7 @@ async fn write_loop(
 ) {
     let mut waiting: VecDeque<Append> = VecDeque::new();
     let mut failed: Option<String> = None;
+    let mut short_of_room = false;
     loop {
         if waiting.is_empty() {
             match appends.recv().await {
@@ -784,7 +785,8 @@ async fn write_loop(
         // Appends in order while they leave the floor free; else relocations alone, which
         // may use it; else wait for the tail to move (or for a relocation to arrive).
         let mut group = take_group(&mut waiting, false);
-        if !fits(&group, &writer, floor_bytes) {
+        let appends_fit = fits(&group, &writer, floor_bytes);
+        if !appends_fit {
             // Put them back, in order, and try the relocations alone.
             for append in group.into_iter().rev() {
                 waiting.push_front(append);
@@ -793,6 +795,16 @@ async fn write_loop(
             if group.is_empty() || !fits(&group, &writer, 0) {
                 for append in group.into_iter().rev() {
                     waiting.push_front(append);
+                }
+                if !short_of_room {
+                    // Client writes stop well before this (the OSD reports itself full):
+                    // raft's entries filled the reserve.
+                    tracing::warn!(
+                        waiting = waiting.len(),
+                        free_bytes = writer.free_bytes(),
+                        "appends wait for room in the log"
+                    );
+                    short_of_room = true;
                 }
                 tokio::select! {
                     () = tail_moved.notified() => {}
@@ -803,6 +815,10 @@ async fn write_loop(
                 }
                 continue;
             }
+        }
+        if short_of_room && appends_fit {
+            tracing::info!("appends go on: the log has room again");
+            short_of_room = false;
         }
         // The entries move into the batch (no copy of their data); each caller keeps its
         // answer channel and how many entries and data bytes were its own.

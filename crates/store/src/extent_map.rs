@@ -39,6 +39,8 @@ pub enum Piece {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExtentMap {
     extents: BTreeMap<u64, Mapping>,
+    /// The sum of the extents' lengths, kept as they change.
+    mapped_bytes: u64,
 }
 
 impl ExtentMap {
@@ -54,7 +56,7 @@ impl ExtentMap {
 
     /// Bytes mapped.
     pub fn mapped_bytes(&self) -> u64 {
-        self.extents.values().map(|m| m.len_bytes).sum()
+        self.mapped_bytes
     }
 
     /// Maps `[offset, offset + len)` to `device_offset`, replacing what was there.
@@ -70,6 +72,7 @@ impl ExtentMap {
                 device_offset_bytes,
             },
         );
+        self.mapped_bytes += len_bytes;
         debug_assert!(
             self.check_invariants().is_ok(),
             "{:?}",
@@ -84,6 +87,7 @@ impl ExtentMap {
         if let Some((&start, &mapping)) = self.extents.range(..offset_bytes).next_back() {
             let mapping_end = start + mapping.len_bytes;
             if mapping_end > offset_bytes {
+                self.mapped_bytes -= mapping_end.min(end) - offset_bytes;
                 self.extents.insert(
                     start,
                     Mapping {
@@ -109,6 +113,7 @@ impl ExtentMap {
         for (start, mapping) in inside {
             self.extents.remove(&start);
             let mapping_end = start + mapping.len_bytes;
+            self.mapped_bytes -= mapping_end.min(end) - start;
             if mapping_end > end {
                 let tail = Mapping {
                     len_bytes: mapping_end - end,
@@ -207,8 +212,15 @@ impl ExtentMap {
         moved
     }
 
-    /// Extents are non-empty and do not overlap.
+    /// Extents are non-empty and do not overlap, and their lengths add up to the count kept.
     pub fn check_invariants(&self) -> Result<(), String> {
+        let total: u64 = self.extents.values().map(|m| m.len_bytes).sum();
+        if total != self.mapped_bytes {
+            return Err(format!(
+                "extents hold {total} bytes, {} counted",
+                self.mapped_bytes
+            ));
+        }
         let mut previous_end = 0;
         for (&start, mapping) in &self.extents {
             if mapping.len_bytes == 0 {
@@ -304,6 +316,7 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(map.check_invariants(), Ok(()));
+                prop_assert_eq!(map.mapped_bytes(), model.iter().filter(|b| b.is_some()).count() as u64);
             }
             prop_assert_eq!(resolve(&map, LEN), model.clone());
             prop_assert_eq!(map.mapped_bytes(), model.iter().filter(|b| b.is_some()).count() as u64);
