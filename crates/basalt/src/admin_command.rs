@@ -11,7 +11,7 @@ use anyhow::Context;
 use basalt_common::{ByteSize, OsdId, PgId};
 use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
-use basalt_mon::protocol::ClusterStatus;
+use basalt_mon::protocol::{ClusterStatus, inconsistent_pgs, odd_replicas};
 use serde_json::json;
 
 use crate::daemon_command::{read_config, resolve_mons};
@@ -481,13 +481,35 @@ pub fn run_pg_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// The health checks that fail, as `ceph -s` names them.
+/// The health checks that fail, as `ceph -s` names them, and whether one is an error
+/// (data found to differ between replicas) rather than a warning.
 fn health(
     status: &ClusterStatus,
     states: &[(PgId, Vec<OsdId>, Option<OsdId>, &'static str)],
-) -> Vec<String> {
+) -> (Vec<String>, bool) {
     let map = &status.map;
     let mut warnings = Vec::new();
+    // The background scrubs' verdicts, from the OSDs' reports.
+    let inconsistent = inconsistent_pgs(
+        &status.reports,
+        states
+            .iter()
+            .map(|(pg, members, _, _)| (*pg, members.clone())),
+    );
+    if !inconsistent.is_empty() {
+        let named: Vec<String> = inconsistent
+            .iter()
+            .map(|(pg, odd)| {
+                let odd: Vec<String> = odd.iter().map(ToString::to_string).collect();
+                format!("pg {pg} ({})", odd.join(", "))
+            })
+            .collect();
+        warnings.push(format!(
+            "{} pgs inconsistent: {}",
+            inconsistent.len(),
+            named.join(", ")
+        ));
+    }
     if map.osds.is_empty() {
         warnings.push("no osds".to_string());
     }
@@ -534,7 +556,7 @@ fn health(
             nearly_full.join(", ")
         ));
     }
-    warnings
+    (warnings, !inconsistent.is_empty())
 }
 
 pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> {
@@ -542,7 +564,7 @@ pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
     block_on(async move {
         let status = mon.status().await?;
         let states = pg_states(&status);
-        let warnings = health(&status, &states);
+        let (warnings, error) = health(&status, &states);
         let map = &status.map;
         let mut by_state: BTreeMap<&str, usize> = BTreeMap::new();
         for state in &states {
@@ -552,7 +574,9 @@ pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
         let capacity: u64 = status.reports.iter().map(|(_, r)| r.capacity_bytes).sum();
         let up = map.osds.values().filter(|o| o.up).count();
         let is_in = map.osds.values().filter(|o| o.is_in).count();
-        let health_name = if warnings.is_empty() {
+        let health_name = if error {
+            "HEALTH_ERR"
+        } else if warnings.is_empty() {
             "HEALTH_OK"
         } else {
             "HEALTH_WARN"
@@ -770,25 +794,15 @@ fn compare(states: &[(OsdId, ReplicaState)]) -> Option<Scrubbed> {
     {
         return None;
     }
-    let mut counts: BTreeMap<u32, usize> = BTreeMap::new();
-    for (_, state) in &answered {
-        *counts.entry(state.digest).or_default() += 1;
-    }
-    if counts.len() == 1 {
+    let digests: Vec<(OsdId, u32)> = answered
+        .iter()
+        .map(|(osd, state)| (*osd, state.digest))
+        .collect();
+    let odd = odd_replicas(&digests);
+    if odd.is_empty() {
         return Some(Scrubbed::Consistent(first.digest));
     }
-    let majority = counts
-        .iter()
-        .find(|(_, count)| **count * 2 > answered.len())
-        .map(|(digest, _)| *digest);
-    Some(Scrubbed::Inconsistent {
-        digests: answered.iter().map(|(osd, s)| (*osd, s.digest)).collect(),
-        odd: answered
-            .iter()
-            .filter(|(_, state)| Some(state.digest) != majority)
-            .map(|(osd, _)| *osd)
-            .collect(),
-    })
+    Some(Scrubbed::Inconsistent { digests, odd })
 }
 
 /// Compares the data of each PG's replicas (every PG if `pgs` is empty): each replica reads

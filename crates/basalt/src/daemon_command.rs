@@ -19,6 +19,7 @@
 //! device_size = "4GiB"
 //! metrics_addr = "127.0.0.1:9481"
 //! max_moves = 4
+//! scrub_interval_seconds = 604800
 //! ```
 //!
 //! Flags win over the file.
@@ -81,6 +82,7 @@ pub struct OsdSection {
     metrics_addr: Option<SocketAddr>,
     max_moves: Option<usize>,
     poll_us: Option<u64>,
+    scrub_interval_seconds: Option<u64>,
 }
 
 /// Reads a config file.
@@ -213,6 +215,11 @@ pub struct OsdArgs {
     /// the default). Cuts QD1 latency; the CPU stays busy while it polls.
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub poll_us: Option<u64>,
+    /// Seconds between background scrubs of each PG this OSD leads: every replica reads
+    /// the PG back from its device and digests it as of one entry of its log, and
+    /// `basalt status` names the PGs whose replicas differ (0: never). Default a week.
+    #[arg(long)]
+    pub scrub_interval_seconds: Option<u64>,
     /// A TOML config file (its [cluster] and [osd] sections).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -271,6 +278,14 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             }
             (None, micros) => micros.unwrap_or(0),
         }),
+        scrub_interval: match args
+            .scrub_interval_seconds
+            .or(section.scrub_interval_seconds)
+            .unwrap_or(basalt_osd::daemon::SCRUB_INTERVAL_DEFAULT.as_secs())
+        {
+            0 => None,
+            seconds => Some(Duration::from_secs(seconds)),
+        },
     };
     crate::control_runtime()?.block_on(async move {
         let running = basalt_osd::daemon::start(config).await?;

@@ -289,13 +289,24 @@ fn object_call(
 
 /// `basalt pg scrub` compares each PG's replicas by the data they read back from their
 /// devices: all consistent after writes; a byte flipped on one OSD's device under a written
-/// block makes that block's PG inconsistent, naming that OSD, and the command fail. That
-/// OSD then refuses to restart on the damaged log.
+/// block makes that block's PG inconsistent, naming that OSD, and the command fail. The
+/// background scrubs (every second here) find it too: `basalt status` turns HEALTH_ERR and
+/// names the PG and the OSD. That OSD then refuses to restart on the damaged log.
 #[test]
 fn scrub_finds_the_replica_whose_device_was_corrupted() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-scrub");
-    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    let scrubbing = || {
+        (
+            None,
+            vec!["--scrub-interval-seconds".to_string(), "1".to_string()],
+        )
+    };
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![scrubbing(), scrubbing(), scrubbing()],
+    );
     cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
     cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
     cluster.wait_clean(Duration::from_secs(60));
@@ -315,6 +326,19 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     let pgs = scrub(true);
     assert_eq!(pgs.len(), 8);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    let health = || {
+        let status = cluster.cli_json(&["status"]);
+        (
+            status["health"]["status"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            status["health"]["checks"].to_string(),
+        )
+    };
+    // Several rounds of background scrubs, all consistent.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(health().0, "HEALTH_OK", "{:?}", health());
     // A PG named that does not exist is reported with the others, and fails the scrub.
     let first = pgs[0]["pg"].as_str().expect("a pg id");
     let output = cluster.cli(&["pg", "scrub", first, "9.0", "--json"]);
@@ -369,6 +393,23 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     assert!(
         text.contains(&format!("INCONSISTENT: osd.{victim} differs"))
             && text.contains("7 pgs consistent, 1 inconsistent, 0 not compared"),
+        "{text}"
+    );
+    let named = format!(
+        "1 pgs inconsistent: pg {} (osd.{victim})",
+        inconsistent[0]["pg"].as_str().expect("a pg id")
+    );
+    wait_for(
+        "a background scrub to find the damage",
+        Duration::from_secs(30),
+        || {
+            let (status, checks) = health();
+            status == "HEALTH_ERR" && checks.contains(&named)
+        },
+    );
+    let text = cluster.cli_ok(&["status"]);
+    assert!(
+        text.contains("health: HEALTH_ERR") && text.contains(&named),
         "{text}"
     );
 

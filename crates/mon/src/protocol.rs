@@ -45,6 +45,81 @@ pub struct OsdReport {
     /// not say; its capacity counts then).
     #[serde(default)]
     pub writable_bytes: u64,
+    /// The latest background scrub of each PG replica it hosts.
+    #[serde(default)]
+    pub scrubs: Vec<PgScrub>,
+}
+
+/// A replica's digest of a PG's data as of a scrub marker in the PG's log: replicas that
+/// digested the same marker (the same `index`) hold the same data if their digests agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PgScrub {
+    /// The PG.
+    pub pg: PgId,
+    /// The log index of the marker.
+    pub index: u64,
+    /// CRC32C of the PG's objects as the replica read them back from its device.
+    pub digest: u32,
+}
+
+/// The replicas whose digest differs from the majority's, in the order given (every
+/// replica when no digest has a majority; none when all agree).
+pub fn odd_replicas(digests: &[(OsdId, u32)]) -> Vec<OsdId> {
+    let mut counts: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
+    for (_, digest) in digests {
+        *counts.entry(*digest).or_default() += 1;
+    }
+    if counts.len() <= 1 {
+        return Vec::new();
+    }
+    let majority = counts
+        .iter()
+        .find(|(_, count)| **count * 2 > digests.len())
+        .map(|(digest, _)| *digest);
+    digests
+        .iter()
+        .filter(|(_, digest)| Some(*digest) != majority)
+        .map(|(osd, _)| *osd)
+        .collect()
+}
+
+/// The PGs whose replicas' latest background scrubs disagree, each with the replicas
+/// outside the majority. A PG is judged only when every member in `members` has reported a
+/// scrub of the same marker; the latest such verdict is what a report shows until the
+/// next marker.
+pub fn inconsistent_pgs(
+    reports: &[(OsdId, OsdReport)],
+    members: impl IntoIterator<Item = (PgId, Vec<OsdId>)>,
+) -> Vec<(PgId, Vec<OsdId>)> {
+    let mut found = Vec::new();
+    for (pg, members) in members {
+        let scrubs: Vec<Option<(OsdId, PgScrub)>> = members
+            .iter()
+            .map(|osd| {
+                let (_, report) = reports.iter().find(|(id, _)| id == osd)?;
+                let scrub = report.scrubs.iter().find(|scrub| scrub.pg == pg)?;
+                Some((*osd, *scrub))
+            })
+            .collect();
+        let Some(scrubs) = scrubs.into_iter().collect::<Option<Vec<_>>>() else {
+            continue;
+        };
+        let Some((_, first)) = scrubs.first() else {
+            continue;
+        };
+        if scrubs.iter().any(|(_, scrub)| scrub.index != first.index) {
+            continue;
+        }
+        let digests: Vec<(OsdId, u32)> = scrubs
+            .iter()
+            .map(|(osd, scrub)| (*osd, scrub.digest))
+            .collect();
+        let odd = odd_replicas(&digests);
+        if !odd.is_empty() {
+            found.push((pg, odd));
+        }
+    }
+    found
 }
 
 /// An OSD whose live data passes this share of what it can hold is nearly full: a health
@@ -231,6 +306,53 @@ mod tests {
         )
         .expect("old report");
         assert_eq!(old.nearly_full_percent(), Some(95));
+    }
+
+    #[test]
+    fn replicas_are_judged_by_the_scrub_of_one_marker() {
+        let pg = PgId {
+            pool: basalt_common::PoolId(0),
+            index: 3,
+        };
+        let osds = [OsdId(0), OsdId(1), OsdId(2)];
+        let reports = |scrubs: [(u64, u32); 3]| -> Vec<(OsdId, OsdReport)> {
+            osds.iter()
+                .zip(scrubs)
+                .map(|(osd, (index, digest))| {
+                    let scrubs = vec![PgScrub { pg, index, digest }];
+                    (
+                        *osd,
+                        OsdReport {
+                            scrubs,
+                            ..OsdReport::default()
+                        },
+                    )
+                })
+                .collect()
+        };
+        let judge =
+            |reports: &[(OsdId, OsdReport)]| inconsistent_pgs(reports, [(pg, osds.to_vec())]);
+        assert_eq!(judge(&reports([(7, 1), (7, 1), (7, 1)])), vec![]);
+        assert_eq!(
+            judge(&reports([(7, 1), (7, 2), (7, 1)])),
+            vec![(pg, vec![OsdId(1)])]
+        );
+        // No majority: every replica is named.
+        assert_eq!(
+            judge(&reports([(7, 1), (7, 2), (7, 3)])),
+            vec![(pg, osds.to_vec())]
+        );
+        // Digests of different markers say nothing (a replica has not digested the latest).
+        assert_eq!(judge(&reports([(7, 1), (9, 2), (7, 1)])), vec![]);
+        // Nor do the reports of fewer than all members.
+        let mut partial = reports([(7, 1), (7, 2), (7, 1)]);
+        partial[1].1.scrubs.clear();
+        assert_eq!(judge(&partial), vec![]);
+        assert_eq!(odd_replicas(&[]), Vec::<OsdId>::new());
+        assert_eq!(
+            odd_replicas(&[(OsdId(4), 5), (OsdId(5), 6)]),
+            vec![OsdId(4), OsdId(5)]
+        );
     }
 
     #[test]

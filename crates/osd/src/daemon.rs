@@ -38,7 +38,7 @@ use basalt_common::{Lsn, ObjectKey, OsdId, PgId};
 use basalt_io::{DmaBuf, FileEngine};
 use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
-use basalt_mon::protocol::{MonReply, MonRequest, OsdReport};
+use basalt_mon::protocol::{MonReply, MonRequest, OsdReport, PgScrub};
 use basalt_replication::{
     Action, EntryType, MultiRaft, ProposeError, RaftMessage, ReadStart, Reconfiguring, Restored,
     beat_of, decode_message, encode_message, heartbeat,
@@ -56,6 +56,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::log_device::{Appended, LogDevice, LogDeviceError, LogStats, ReadPin};
 use crate::pg_log::{self, RestoredPgs};
 use crate::reclaim::{self, Durable, Move, Retention};
+use crate::scrub::DigestPlan;
 use crate::snapshot::{self, Chunk, Cursor};
 use crate::superblock::Superblock;
 
@@ -117,7 +118,12 @@ pub struct OsdConfig {
     /// How long the OSD's thread stays awake after each turn of its core, checking its
     /// sockets and its device without sleeping (zero: it sleeps at once). See [`poll_after_turns`].
     pub poll: Duration,
+    /// How often each PG led here gets a background scrub (never if `None`).
+    pub scrub_interval: Option<Duration>,
 }
+
+/// [`OsdConfig::scrub_interval`] unless configured: a week, as Ceph's deep scrubs.
+pub const SCRUB_INTERVAL_DEFAULT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// [`OsdConfig::max_moves`] unless configured.
 pub const MAX_MOVES_DEFAULT: usize = 4;
@@ -494,6 +500,10 @@ struct Core {
     report: Arc<Mutex<OsdReport>>,
     /// Wakes the heartbeat task to send the report now (this OSD became full or not).
     report_now: Arc<tokio::sync::Notify>,
+    /// When the PGs led here get their next scrub marker.
+    scrub_schedule: crate::scrub::Schedule,
+    /// Each hosted PG's latest scrub digest, written by the digest tasks.
+    scrubs: Arc<Mutex<BTreeMap<PgId, PgScrub>>>,
     actions: Vec<Action>,
     /// The last hard state handed to the log, per PG.
     hard_states: HashMap<PgId, basalt_replication::HardState>,
@@ -1716,57 +1726,60 @@ impl Core {
             let _ = reply_to.send(answer(Ok(state)));
             return;
         }
-        let mut plans = Vec::new();
         if let Some(objects) = self.objects.get(&pg) {
             state.objects = objects.object_count();
             state.mapped_bytes = objects.mapped_bytes();
-            for key in objects.keys() {
-                // Offsets in an object fit a u32: this spans any object, as metadata only.
-                let pieces = objects.plan_read(key, 0, u64::from(u32::MAX));
-                // A pin per object, dropped once it is read: the PG's whole read does not
-                // hold the log's reuse back.
-                let pin = self.pin_reads(&pieces);
-                plans.push((key, pieces, pin));
-            }
         }
+        let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
         let engine = self.engine.clone();
         tokio::spawn(async move {
-            let mut digest = 0u32;
-            for (key, pieces, _pin) in plans {
-                digest = crc32c::crc32c_append(digest, &key.image.0.to_le_bytes());
-                digest = crc32c::crc32c_append(digest, &key.number.to_le_bytes());
-                // Where each mapped stretch starts, whatever pieces it is made of: replicas
-                // with the same bytes agree however their writes fell (a snapshot copies
-                // an object in long runs).
-                let mut mapped_to = None;
-                for piece in pieces {
-                    let Piece::Mapped {
-                        offset_bytes,
-                        len_bytes,
-                        ..
-                    } = piece
-                    else {
-                        continue;
-                    };
-                    match read_pieces(&engine, offset_bytes, len_bytes, &[piece]).await {
-                        Ok(data) => {
-                            if mapped_to != Some(offset_bytes) {
-                                digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
-                            }
-                            mapped_to = Some(offset_bytes + len_bytes);
-                            digest = crc32c::crc32c_append(digest, &data);
-                        }
-                        Err(error) => {
-                            let _ =
-                                reply_to.send(answer(Err(format!("reading the device: {error}"))));
-                            return;
-                        }
-                    }
+            match crate::scrub::digest(&engine, plan).await {
+                Ok(digest) => {
+                    state.digest = digest;
+                    let _ = reply_to.send(answer(Ok(state)));
+                }
+                Err(error) => {
+                    let _ = reply_to.send(answer(Err(format!("reading the device: {error}"))));
                 }
             }
-            state.digest = digest;
-            let _ = reply_to.send(answer(Ok(state)));
         });
+    }
+
+    /// Digests `pg` as it stands at the scrub marker at `index`, just applied, and keeps
+    /// the digest for the reports.
+    fn scrub_at(&self, pg: PgId, index: u64) {
+        let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
+        let (engine, scrubs) = (self.engine.clone(), self.scrubs.clone());
+        tokio::spawn(async move {
+            match crate::scrub::digest(&engine, plan).await {
+                Ok(digest) => {
+                    tracing::debug!(%pg, index, digest, "scrubbed");
+                    let mut scrubs = scrubs.lock().unwrap_or_else(|p| p.into_inner());
+                    let scrub = PgScrub { pg, index, digest };
+                    let newer = scrubs.get(&pg).is_none_or(|known| known.index <= index);
+                    if newer {
+                        scrubs.insert(pg, scrub);
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(%pg, index, %error, "a scrub cannot read the pg's data back from the device");
+                }
+            }
+        });
+    }
+
+    /// Proposes a scrub marker in each PG led here whose turn it is.
+    fn propose_scrubs(&mut self) {
+        let leading: Vec<PgId> = self
+            .raft
+            .pgs()
+            .filter(|pg| self.raft.is_leader(*pg))
+            .collect();
+        for pg in self.scrub_schedule.due(leading, std::time::Instant::now()) {
+            if let Err(error) = self.raft.propose(pg, crate::scrub::MARKER.to_vec()) {
+                tracing::debug!(%pg, %error, "scrub marker not proposed");
+            }
+        }
     }
 
     /// Keeps the log from being reused under the device reads of these pieces until the
@@ -1832,6 +1845,9 @@ impl Core {
                 .flatten();
             if let Some(reference) = &reference {
                 self.objects.entry(pg).or_default().apply_ref(reference);
+            }
+            if normal && crate::scrub::is_marker(&entry.data) {
+                self.scrub_at(pg, entry.index);
             }
             match &op {
                 // A write is applied only once durable here, and then refers to its payload.
@@ -2200,6 +2216,10 @@ impl Core {
         self.restored.remove(&pg);
         self.restored_objects.remove(&pg);
         self.snapshots_sent.retain(|(sent, _), _| *sent != pg);
+        self.scrubs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&pg);
         self.refresh_live_bytes();
         tracing::info!(%pg, "pg removed from this osd");
     }
@@ -2250,13 +2270,21 @@ impl Core {
             hosted: self.raft.pgs().count() as u32,
             moving,
             writable_bytes: self.writable_bytes(),
+            scrubs: self
+                .scrubs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .filter(|scrub| self.raft.hosts(scrub.pg))
+                .copied()
+                .collect(),
         };
     }
 }
 
 /// Reads a planned range: mapped pieces from the device (aligned for O_DIRECT), holes as
 /// zeroes.
-async fn read_pieces(
+pub(crate) async fn read_pieces(
     engine: &FileEngine,
     offset_bytes: u64,
     len_bytes: u64,
@@ -3025,6 +3053,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         counters,
         report,
         report_now: report_now.clone(),
+        scrub_schedule: crate::scrub::Schedule::new(config.scrub_interval),
+        scrubs: Arc::new(Mutex::new(BTreeMap::new())),
         actions: Vec::new(),
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
@@ -3096,6 +3126,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     ticks += 1;
                     if ticks.is_multiple_of(10) {
                         core.check_memberships();
+                        core.propose_scrubs();
                     }
                     core.refresh_live_bytes();
                     // Becoming full is told at once: the leaders of this OSD's PGs accept

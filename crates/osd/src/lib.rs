@@ -18,11 +18,13 @@
 //! - [`snapshot`]: PG snapshots for replicas further behind than their leader's log: the
 //!   chunks that carry a PG's objects, and their log entries.
 //!
-//! Planned (issue #3): PG membership changes.
+//! - [`scrub`]: background scrubs (a marker in a PG's log, at which every replica digests
+//!   the PG's data) and the digest itself.
 
 pub mod daemon;
 pub mod log_device;
 pub mod pg_log;
 pub mod reclaim;
+pub mod scrub;
 pub mod snapshot;
 pub mod superblock;

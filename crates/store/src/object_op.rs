@@ -26,6 +26,9 @@ pub mod kind {
     /// A write whose payload lies on the device: how a durable write's raft entry is kept
     /// in memory (never written to the log or sent).
     pub const WRITE_REF: u8 = 4;
+    /// A scrub marker: each replica digests its PG's data as of this entry. Raft entry
+    /// data of this one byte, no object operation (the log stores it as `RAFT_OTHER`).
+    pub const SCRUB: u8 = 5;
 }
 
 /// A durable write as kept in memory: the write's header and where its payload lies on the
