@@ -218,12 +218,15 @@ pub struct OsdArgs {
     /// Seconds between background scrubs of each PG this OSD leads: every replica reads
     /// the PG back from its device and digests it as of one entry of its log, and
     /// `basalt status` names the PGs whose replicas differ (0: never). Default a week.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=SCRUB_INTERVAL_MAX_SECONDS))]
     pub scrub_interval_seconds: Option<u64>,
     /// A TOML config file (its [cluster] and [osd] sections).
     #[arg(long)]
     pub config: Option<PathBuf>,
 }
+
+/// The longest background scrub interval taken: a year.
+const SCRUB_INTERVAL_MAX_SECONDS: u64 = 365 * 24 * 3600;
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -284,6 +287,11 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             .unwrap_or(basalt_osd::daemon::SCRUB_INTERVAL_DEFAULT.as_secs())
         {
             0 => None,
+            seconds if seconds > SCRUB_INTERVAL_MAX_SECONDS => {
+                anyhow::bail!(
+                    "[osd] scrub_interval_seconds: at most {SCRUB_INTERVAL_MAX_SECONDS} (a year)"
+                )
+            }
             seconds => Some(Duration::from_secs(seconds)),
         },
     };

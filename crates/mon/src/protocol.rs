@@ -84,34 +84,35 @@ pub fn odd_replicas(digests: &[(OsdId, u32)]) -> Vec<OsdId> {
 }
 
 /// The PGs whose replicas' latest background scrubs disagree, each with the replicas
-/// outside the majority. A PG is judged only when every member in `members` has reported a
-/// scrub of the same marker; the latest such verdict is what a report shows until the
-/// next marker.
+/// outside the majority. For each PG, the replicas compared are the members (of
+/// `members`) that reported the highest marker index that two or more of them reported:
+/// a member down (its report gone) or still digesting the latest marker does not hold the
+/// verdict back. A verdict stands until the next marker.
 pub fn inconsistent_pgs(
     reports: &[(OsdId, OsdReport)],
     members: impl IntoIterator<Item = (PgId, Vec<OsdId>)>,
 ) -> Vec<(PgId, Vec<OsdId>)> {
     let mut found = Vec::new();
     for (pg, members) in members {
-        let scrubs: Vec<Option<(OsdId, PgScrub)>> = members
+        let scrubs: Vec<(OsdId, PgScrub)> = members
             .iter()
-            .map(|osd| {
+            .filter_map(|osd| {
                 let (_, report) = reports.iter().find(|(id, _)| id == osd)?;
                 let scrub = report.scrubs.iter().find(|scrub| scrub.pg == pg)?;
                 Some((*osd, *scrub))
             })
             .collect();
-        let Some(scrubs) = scrubs.into_iter().collect::<Option<Vec<_>>>() else {
+        let shared = scrubs
+            .iter()
+            .map(|(_, scrub)| scrub.index)
+            .filter(|index| scrubs.iter().filter(|(_, s)| s.index == *index).count() >= 2)
+            .max();
+        let Some(index) = shared else {
             continue;
         };
-        let Some((_, first)) = scrubs.first() else {
-            continue;
-        };
-        if scrubs.iter().any(|(_, scrub)| scrub.index != first.index) {
-            continue;
-        }
         let digests: Vec<(OsdId, u32)> = scrubs
             .iter()
+            .filter(|(_, scrub)| scrub.index == index)
             .map(|(osd, scrub)| (*osd, scrub.digest))
             .collect();
         let odd = odd_replicas(&digests);
@@ -342,11 +343,28 @@ mod tests {
             judge(&reports([(7, 1), (7, 2), (7, 3)])),
             vec![(pg, osds.to_vec())]
         );
-        // Digests of different markers say nothing (a replica has not digested the latest).
+        // Only digests of one marker are compared: the latest that two replicas or more
+        // digested (one has not digested the latest yet).
         assert_eq!(judge(&reports([(7, 1), (9, 2), (7, 1)])), vec![]);
-        // Nor do the reports of fewer than all members.
+        assert_eq!(
+            judge(&reports([(9, 1), (9, 2), (7, 1)])),
+            vec![(pg, vec![OsdId(0), OsdId(1)])]
+        );
+        assert_eq!(
+            judge(&reports([(7, 1), (9, 2), (7, 2)])),
+            vec![(pg, vec![OsdId(0), OsdId(2)])]
+        );
+        assert_eq!(
+            judge(&reports([(5, 1), (7, 2), (9, 1)])),
+            vec![],
+            "no marker shared"
+        );
+        // A member without a report (down) does not hold the others' verdict back.
         let mut partial = reports([(7, 1), (7, 2), (7, 1)]);
-        partial[1].1.scrubs.clear();
+        partial[2].1.scrubs.clear();
+        assert_eq!(judge(&partial), vec![(pg, vec![OsdId(0), OsdId(1)])]);
+        partial.remove(2);
+        partial[1].1.scrubs[0].digest = 1;
         assert_eq!(judge(&partial), vec![]);
         assert_eq!(odd_replicas(&[]), Vec::<OsdId>::new());
         assert_eq!(

@@ -366,6 +366,8 @@ struct Installing {
     stepped: bool,
     /// Tells this transfer's events from those of an earlier one given up.
     transfer: u64,
+    /// The highest applied index of the leader among the chunks received.
+    fuzzy_through: u64,
 }
 
 /// An append's completion.
@@ -504,6 +506,11 @@ struct Core {
     scrub_schedule: crate::scrub::Schedule,
     /// Each hosted PG's latest scrub digest, written by the digest tasks.
     scrubs: Arc<Mutex<BTreeMap<PgId, PgScrub>>>,
+    /// Per PG, the last log index at which its objects may not be its state at any one
+    /// entry: scrub markers up to it are not digested. A snapshot's objects hold writes up
+    /// to its leader's applied index at the last chunk; at start, markers already in the
+    /// log are not digested again (the objects restored may be from such a snapshot).
+    scrub_fuzzy_through: HashMap<PgId, u64>,
     actions: Vec<Action>,
     /// The last hard state handed to the log, per PG.
     hard_states: HashMap<PgId, basalt_replication::HardState>,
@@ -805,6 +812,7 @@ impl Core {
                 begun: false,
                 stepped: false,
                 transfer,
+                fuzzy_through: 0,
             },
         );
         let events = self.events.clone();
@@ -840,6 +848,7 @@ impl Core {
         };
         let bytes = chunk.data_bytes();
         let last = chunk.next.is_none();
+        installing.fuzzy_through = installing.fuzzy_through.max(chunk.applied);
         let transfer = installing.transfer;
         let first = !installing.begun;
         let batches = batch::split(snapshot::chunk_entries(pg, chunk, first));
@@ -967,6 +976,8 @@ impl Core {
         match self.installing.remove(&pg) {
             Some(installing) => {
                 self.objects.insert(pg, installing.aside);
+                self.scrub_fuzzy_through
+                    .insert(pg, installing.fuzzy_through.max(index));
             }
             None => tracing::error!(%pg, index, "a snapshot installed without its objects"),
         }
@@ -1051,6 +1062,7 @@ impl Core {
             let mut chunk = Chunk {
                 objects: Vec::with_capacity(reads.len()),
                 next,
+                applied,
             };
             for (key, runs) in reads {
                 let mut data = Vec::with_capacity(runs.len());
@@ -1748,6 +1760,14 @@ impl Core {
     /// Digests `pg` as it stands at the scrub marker at `index`, just applied, and keeps
     /// the digest for the reports.
     fn scrub_at(&self, pg: PgId, index: u64) {
+        if self
+            .scrub_fuzzy_through
+            .get(&pg)
+            .is_some_and(|through| index <= *through)
+        {
+            tracing::debug!(%pg, index, "scrub marker not digested: the objects may be fuzzy there");
+            return;
+        }
         let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
         let (engine, scrubs) = (self.engine.clone(), self.scrubs.clone());
         tokio::spawn(async move {
@@ -1775,9 +1795,21 @@ impl Core {
             .pgs()
             .filter(|pg| self.raft.is_leader(*pg))
             .collect();
-        for pg in self.scrub_schedule.due(leading, std::time::Instant::now()) {
-            if let Err(error) = self.raft.propose(pg, crate::scrub::MARKER.to_vec()) {
+        let now = std::time::Instant::now();
+        for pg in self.scrub_schedule.due(leading, now) {
+            // Not into the log of a full replica (it could not persist it), and not lost:
+            // a marker not proposed is tried again.
+            let proposed = self
+                .replicas_not_full(pg)
+                .map_err(|status| format!("{status:?}"))
+                .and_then(|()| {
+                    self.raft
+                        .propose(pg, crate::scrub::MARKER.to_vec())
+                        .map_err(|error| error.to_string())
+                });
+            if let Err(error) = proposed {
                 tracing::debug!(%pg, %error, "scrub marker not proposed");
+                self.scrub_schedule.retry(pg, now);
             }
         }
     }
@@ -1836,6 +1868,16 @@ impl Core {
         pg: PgId,
         entries: Vec<basalt_replication::RaftEntry>,
     ) -> Result<(), OsdError> {
+        // Only the last of the scrub markers applied together is digested: each digest
+        // reads the whole PG, and a replica catching up through the log meets many.
+        let last_marker = entries
+            .iter()
+            .rev()
+            .find(|entry| {
+                entry.get_entry_type() == EntryType::EntryNormal
+                    && crate::scrub::is_marker(&entry.data)
+            })
+            .map(|entry| entry.index);
         for entry in entries {
             self.applied.insert(pg, entry.index);
             let normal = entry.get_entry_type() == EntryType::EntryNormal && !entry.data.is_empty();
@@ -1846,7 +1888,7 @@ impl Core {
             if let Some(reference) = &reference {
                 self.objects.entry(pg).or_default().apply_ref(reference);
             }
-            if normal && crate::scrub::is_marker(&entry.data) {
+            if normal && Some(entry.index) == last_marker {
                 self.scrub_at(pg, entry.index);
             }
             match &op {
@@ -2220,12 +2262,22 @@ impl Core {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&pg);
+        self.scrub_fuzzy_through.remove(&pg);
         self.refresh_live_bytes();
+        self.refresh_retained_bytes();
         tracing::info!(%pg, "pg removed from this osd");
     }
 
+    /// Counts the live bytes (a walk over the objects: their extent maps keep their counts).
     fn refresh_live_bytes(&mut self) {
         self.reclaim.live_bytes = self.objects.values().map(PgObjects::mapped_bytes).sum();
+        self.counters
+            .live_bytes
+            .store(self.reclaim.live_bytes, Ordering::Relaxed);
+    }
+
+    /// Counts the payload bytes of the raft entries kept in memory (a walk over them all).
+    fn refresh_retained_bytes(&mut self) {
         self.reclaim.retained_bytes = self
             .raft
             .pgs()
@@ -2234,9 +2286,6 @@ impl Core {
             .filter_map(|entry| PayloadRef::decode(&entry.data))
             .map(|reference| u64::from(reference.len_bytes))
             .sum();
-        self.counters
-            .live_bytes
-            .store(self.reclaim.live_bytes, Ordering::Relaxed);
     }
 
     /// Whether [`Core::is_full`] differs from what the last report said.
@@ -3055,6 +3104,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         report_now: report_now.clone(),
         scrub_schedule: crate::scrub::Schedule::new(config.scrub_interval),
         scrubs: Arc::new(Mutex::new(BTreeMap::new())),
+        scrub_fuzzy_through: HashMap::new(),
         actions: Vec::new(),
         hard_states: HashMap::new(),
         lazy_commit: std::collections::HashSet::new(),
@@ -3088,6 +3138,13 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     };
     core.adopt_map(Arc::new(map));
     core.refresh_live_bytes();
+    core.refresh_retained_bytes();
+    let replayed: Vec<(PgId, u64)> = core
+        .raft
+        .pgs()
+        .map(|pg| (pg, core.raft.last_index(pg).unwrap_or(0)))
+        .collect();
+    core.scrub_fuzzy_through.extend(replayed);
     if !core.restored.is_empty() {
         let orphans: Vec<String> = core.restored.keys().map(ToString::to_string).collect();
         tracing::warn!(
@@ -3129,6 +3186,9 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                         core.propose_scrubs();
                     }
                     core.refresh_live_bytes();
+                    if ticks.is_multiple_of(5) {
+                        core.refresh_retained_bytes();
+                    }
                     // Becoming full is told at once: the leaders of this OSD's PGs accept
                     // writes until the map says so, and the reserve must hold them.
                     if core.full_changed() {

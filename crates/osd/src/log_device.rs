@@ -233,6 +233,13 @@ pub struct ReadPin {
     position: u64,
 }
 
+impl ReadPin {
+    /// The ring position it holds the writer back from.
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+}
+
 impl Drop for ReadPin {
     fn drop(&mut self) {
         let mut state = self.tail.lock();

@@ -428,6 +428,7 @@ mod tests {
         let chunk = Chunk {
             objects: vec![(object, vec![(8192, vec![2; 4096])])],
             next: None,
+            applied: 0,
         };
         let mut received = chunk_entries(PG, chunk, true);
         let batch = |entries: Vec<Entry>, first_offset: u64| ReplayedBatch {

@@ -46,25 +46,11 @@ impl DigestPlan {
                 planned.push((key, pieces, pinned));
             }
         }
-        // Read in device order: the pin on the lowest place, the one that holds the log's
-        // reuse back, goes first, and the tail follows the reads.
-        planned.sort_by_key(|(_, pieces, _)| lowest_device_offset(pieces));
+        // Read in the order of the pins' ring positions: the pin nearest the tail, the one
+        // that holds the log's reuse back, goes first, and the tail follows the reads.
+        planned.sort_by_key(|(_, _, pin)| pin.as_ref().map_or(u64::MAX, ReadPin::position));
         Self { objects: planned }
     }
-}
-
-fn lowest_device_offset(pieces: &[Piece]) -> u64 {
-    pieces
-        .iter()
-        .filter_map(|piece| match piece {
-            Piece::Mapped {
-                device_offset_bytes,
-                ..
-            } => Some(*device_offset_bytes),
-            Piece::Hole { .. } => None,
-        })
-        .min()
-        .unwrap_or(u64::MAX)
 }
 
 /// Reads a plan's objects back from the device and digests them: per object, CRC32C over
@@ -145,6 +131,11 @@ impl Schedule {
         self.next = next;
         due
     }
+
+    /// `pg`'s marker was due but could not be proposed: it is due again at `now`.
+    pub fn retry(&mut self, pg: PgId, now: Instant) {
+        self.next.insert(pg, now);
+    }
 }
 
 /// A fraction of the interval in [0, 1), fixed per PG.
@@ -194,6 +185,11 @@ mod tests {
                 .len();
         }
         assert_eq!(again, 64);
+        // A marker that could not be proposed is due again at once.
+        let at = start + Duration::from_secs(300);
+        schedule.retry(pg(5), at);
+        assert!(schedule.due(pgs.clone(), at).contains(&pg(5)));
+        assert!(!schedule.due(pgs.clone(), at).contains(&pg(5)));
         // A PG no longer led is forgotten; led again, it starts over.
         assert_eq!(schedule.due([], start), Vec::<PgId>::new());
         assert!(schedule.next.is_empty());

@@ -59,6 +59,10 @@ pub struct Chunk {
     pub objects: Vec<ObjectRuns>,
     /// Where the next chunk starts; `None`: this was the last.
     pub next: Option<Cursor>,
+    /// The leader's applied index when it read the chunk: the installed objects may hold
+    /// writes up to there, so they are the PG's state at no single entry before it (a
+    /// scrub marker up to there is not digested).
+    pub applied: u64,
 }
 
 /// Why bytes are not a chunk.
@@ -69,7 +73,7 @@ pub struct ChunkError(&'static str);
 impl Chunk {
     /// The encoding: object count u32; per object: image u64, number u64, run count u32;
     /// per run: offset u32, length u32, bytes; then 0, or 1 and the next cursor (image u64,
-    /// number u64, offset u32).
+    /// number u64, offset u32); then the leader's applied index u64.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         let count = |n: usize| u32::try_from(n).expect("chunks are bounded").to_le_bytes();
@@ -95,6 +99,7 @@ impl Chunk {
                 out.extend_from_slice(&offset.to_le_bytes());
             }
         }
+        out.extend_from_slice(&self.applied.to_le_bytes());
         out
     }
 
@@ -151,10 +156,15 @@ impl Chunk {
             }
             _ => return Err(ChunkError("bad next flag")),
         };
+        let applied = u64_of(take(8)?);
         if !rest.is_empty() {
             return Err(ChunkError("trailing bytes"));
         }
-        Ok(Self { objects, next })
+        Ok(Self {
+            objects,
+            next,
+            applied,
+        })
     }
 
     /// Bytes of object data.
@@ -309,10 +319,12 @@ mod tests {
                 0..5,
             ),
             next in proptest::option::of((any::<u64>(), any::<u32>())),
+            applied in any::<u64>(),
         ) {
             let chunk = Chunk {
                 objects: objects.into_iter().map(|(number, runs)| (key(number), runs)).collect(),
                 next: next.map(|(number, offset)| (key(number), offset)),
+                applied,
             };
             prop_assert_eq!(Chunk::decode(&chunk.encode()), Ok(chunk));
         }
@@ -324,6 +336,7 @@ mod tests {
             let chunk = Chunk {
                 objects: vec![(key(1), vec![(offset, vec![7; 40])])],
                 next: None,
+                applied: 0,
             };
             prop_assert!(Chunk::decode(&chunk.encode()).is_err());
         }

@@ -26,9 +26,10 @@ pub mod kind {
     /// A write whose payload lies on the device: how a durable write's raft entry is kept
     /// in memory (never written to the log or sent).
     pub const WRITE_REF: u8 = 4;
-    /// A scrub marker: each replica digests its PG's data as of this entry. Raft entry
-    /// data of this one byte, no object operation (the log stores it as `RAFT_OTHER`).
-    pub const SCRUB: u8 = 5;
+    /// Not a log entry's kind but the one byte of a scrub marker's raft entry data (each
+    /// replica digests its PG's data as of it; the log stores it as a `RAFT_OTHER` entry
+    /// holding that byte). Distinct from every log kind all the same (the OSD's start at 5).
+    pub const SCRUB: u8 = 0x53;
 }
 
 /// A durable write as kept in memory: the write's header and where its payload lies on the
