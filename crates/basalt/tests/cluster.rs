@@ -899,6 +899,100 @@ fn a_replica_far_behind_catches_up_by_snapshot() {
     check_round(&uri, 10);
 }
 
+/// A replica that catches up by snapshot while writes go on holds, once installed, objects
+/// read over a stretch of its leader's log, not the PG's state at any one entry: the scrub
+/// markers in that stretch must not be digested there, or the healthy replica is named
+/// inconsistent. With markers every second and writes all along, `basalt status` never
+/// names a PG while osd.2 comes back, installs snapshots and catches up.
+#[test]
+fn background_scrubs_do_not_blame_a_replica_that_caught_up_by_snapshot() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-scrub-snapshot");
+    let metrics_port = free_port();
+    let osd = |metrics: Option<u16>| {
+        let mut args: Vec<String> = ["--device-size", "128MiB", "--scrub-interval-seconds", "1"]
+            .map(String::from)
+            .to_vec();
+        if let Some(port) = metrics {
+            args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
+        }
+        (None, args)
+    };
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![osd(None), osd(None), osd(Some(metrics_port))],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "24MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
+    cluster.kill_osd(2);
+    for round in 0..10 {
+        hot_round(&uri, round);
+    }
+    let inconsistent = |cluster: &ClusterProcesses| {
+        let status = cluster.cli_json(&["status"]);
+        let checks = status["health"]["checks"].to_string();
+        checks.contains("inconsistent").then_some(checks)
+    };
+    // Writes go on, round after round, until osd.2 has installed snapshots and a few
+    // markers came after.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (uri, stop) = (uri.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut round = 10;
+            loop {
+                hot_round(&uri, round);
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    return round;
+                }
+                round += 1;
+            }
+        })
+    };
+    cluster.start_osd(2);
+    let installed = || {
+        // Nothing installed while its metrics server is not up yet.
+        if std::net::TcpStream::connect(("127.0.0.1", metrics_port)).is_err() {
+            return 0.0;
+        }
+        let metrics = http_get(&format!("127.0.0.1:{metrics_port}"), "/metrics");
+        metric(&metrics, "basalt_osd_snapshots_installed_total")
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut since_install: Option<Instant> = None;
+    let mut polls = 0;
+    while since_install.is_none_or(|at| at.elapsed() < Duration::from_secs(4)) {
+        assert!(Instant::now() < deadline, "osd.2 installed no snapshot");
+        if let Some(checks) = inconsistent(&cluster) {
+            panic!("a PG found inconsistent while osd.2 caught up: {checks}");
+        }
+        if since_install.is_none() && installed() > 0.0 {
+            since_install = Some(Instant::now());
+        }
+        polls += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let last = writer.join().expect("the writes");
+    cluster.wait_replicas_equal(Duration::from_secs(120));
+    // A few more markers on the caught-up replicas.
+    for _ in 0..15 {
+        if let Some(checks) = inconsistent(&cluster) {
+            panic!("a PG found inconsistent after osd.2 caught up: {checks}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "osd.2 installed {} snapshots; {polls} status polls while it caught up; rounds 10 to {last} written meanwhile",
+        installed()
+    );
+    check_round(&uri, last);
+}
+
 /// Rounds of writes through an exported image while processes die (`kill -9`) at random
 /// moments: an OSD; a monitor of three and an OSD; every monitor and OSD; or every OSD and
 /// then one again while it catches up. Each round writes every block of the image with a
