@@ -569,6 +569,12 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
         || read_region(16, 1) == [0] && read_region(14, 2) == 1u16.to_le_bytes(),
     );
     drop(frontend);
+    // The first session must be over before its state is faked: a worker still running
+    // could take the heads put on the ring below (it took B, once in CI).
+    wait_until(
+        || "the first session still attached".into(),
+        || !server.list().iter().any(|c| c.name == "r" && c.attached),
+    );
 
     // What the dead backend left: A (head 4) writes 0xaa to sector 40, B (head 7) 0xbb to
     // sector 48; both taken (available 1 and 2), B put on the used ring (used 1), both
