@@ -326,19 +326,10 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     let pgs = scrub(true);
     assert_eq!(pgs.len(), 8);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
-    let health = || {
-        let status = cluster.cli_json(&["status"]);
-        (
-            status["health"]["status"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            status["health"]["checks"].to_string(),
-        )
-    };
     // Several rounds of background scrubs, all consistent.
     std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(health().0, "HEALTH_OK", "{:?}", health());
+    let health = cluster.health();
+    assert_eq!(health.0, "HEALTH_OK", "{health:?}");
     // A PG named that does not exist is reported with the others, and fails the scrub.
     let first = pgs[0]["pg"].as_str().expect("a pg id");
     let output = cluster.cli(&["pg", "scrub", first, "9.0", "--json"]);
@@ -403,7 +394,7 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         "a background scrub to find the damage",
         Duration::from_secs(30),
         || {
-            let (status, checks) = health();
+            let (status, checks) = cluster.health();
             status == "HEALTH_ERR" && checks.contains(&named)
         },
     );
@@ -933,8 +924,7 @@ fn background_scrubs_do_not_blame_a_replica_that_caught_up_by_snapshot() {
         hot_round(&uri, round);
     }
     let inconsistent = |cluster: &ClusterProcesses| {
-        let status = cluster.cli_json(&["status"]);
-        let checks = status["health"]["checks"].to_string();
+        let (_, checks) = cluster.health();
         checks.contains("inconsistent").then_some(checks)
     };
     // Writes go on, round after round, until osd.2 has installed snapshots and a few

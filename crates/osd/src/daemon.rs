@@ -1888,7 +1888,7 @@ impl Core {
             if let Some(reference) = &reference {
                 self.objects.entry(pg).or_default().apply_ref(reference);
             }
-            if normal && Some(entry.index) == last_marker {
+            if Some(entry.index) == last_marker {
                 self.scrub_at(pg, entry.index);
             }
             match &op {
@@ -3191,11 +3191,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     }
                     // Becoming full is told at once: the leaders of this OSD's PGs accept
                     // writes until the map says so, and the reserve must hold them.
-                    if core.full_changed() {
+                    let full_changed = core.full_changed();
+                    if full_changed || ticks.is_multiple_of(5) {
                         core.update_report(capacity_bytes);
+                    }
+                    if full_changed {
                         core.report_now.notify_one();
-                    } else if ticks.is_multiple_of(5) {
-                        core.update_report(capacity_bytes);
                     }
                 }
             }

@@ -517,6 +517,13 @@ impl ClusterProcesses {
         serde_json::from_str(&self.cli_ok(&args)).expect("json output")
     }
 
+    /// `basalt status`'s health: its name (HEALTH_OK, ...) and its checks as JSON text.
+    pub fn health(&self) -> (String, String) {
+        let status = self.cli_json(&["status"]);
+        let name = status["health"]["status"].as_str().unwrap_or_default();
+        (name.to_string(), status["health"]["checks"].to_string())
+    }
+
     pub fn wait_osds_up(&self, count: usize) {
         wait_for("the osds to be up", Duration::from_secs(60), || {
             let output = basalt()
