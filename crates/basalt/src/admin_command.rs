@@ -505,7 +505,7 @@ fn health(
             })
             .collect();
         warnings.push(format!(
-            "{} pgs inconsistent: {}",
+            "{} pgs inconsistent: {} (`basalt pg repair PG` rebuilds the odd replicas)",
             inconsistent.len(),
             named.join(", ")
         ));
@@ -682,17 +682,12 @@ async fn query_members(map: &ClusterMap, pg: PgId) -> anyhow::Result<Vec<(OsdId,
         .members
         .iter()
         .map(|member| {
-            let address = map
-                .osds
-                .get(member)
-                .and_then(|osd| osd.address.parse::<std::net::SocketAddr>().ok());
+            let (map, member) = (map.clone(), *member);
             let query = tokio::spawn(async move {
-                let address = address.ok_or_else(|| "no address".to_string())?;
                 let request = basalt_osd::daemon::OsdRequest::PgQuery { pg };
-                let answer_within = std::time::Duration::from_secs(30);
-                basalt_osd::daemon::query_replica(address, &request, answer_within).await
+                ask_osd(&map, member, &request, std::time::Duration::from_secs(30)).await
             });
-            (*member, query)
+            (member, query)
         })
         .collect();
     let mut states = Vec::new();
@@ -805,6 +800,31 @@ fn compare(states: &[(OsdId, ReplicaState)]) -> Option<Scrubbed> {
     Some(Scrubbed::Inconsistent { digests, odd })
 }
 
+/// Compares the replicas of `pg` now, asking again while they are at different log
+/// entries (writes under way).
+async fn scrub_pg(mon: &MonClient, pg: PgId) -> anyhow::Result<Scrubbed> {
+    const ATTEMPTS: u32 = 20;
+    for attempt in 0..ATTEMPTS {
+        let map = mon.map().await?;
+        let result = match query_members(&map, pg).await {
+            Ok(states) => compare(&states),
+            // Named but not in the map, or removed with its pool meanwhile: reported with
+            // the others, not the end of the scrub.
+            Err(error) => Some(Scrubbed::NotCompared(error.to_string())),
+        };
+        if let Some(result) = result {
+            return Ok(result);
+        }
+        if attempt + 1 < ATTEMPTS {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    Ok(Scrubbed::NotCompared(format!(
+        "its replicas were at different log entries in {ATTEMPTS} queries (writes under \
+         way); scrub it again"
+    )))
+}
+
 /// Compares the data of each PG's replicas (every PG if `pgs` is empty): each replica reads
 /// all of its PG's data back from its device and digests it, and replicas that applied the
 /// same log entries must agree. Fails if any PG is inconsistent or could not be compared.
@@ -813,7 +833,6 @@ pub fn run_pg_scrub(
     pgs: Vec<String>,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    const ATTEMPTS: u32 = 20;
     let mon = cluster.client()?;
     let mut wanted = pgs
         .iter()
@@ -831,29 +850,7 @@ pub fn run_pg_scrub(
         }
         let mut results = Vec::new();
         for pg in wanted {
-            let mut result = None;
-            for attempt in 0..ATTEMPTS {
-                let map = mon.map().await?;
-                result = match query_members(&map, pg).await {
-                    Ok(states) => compare(&states),
-                    // Named but not in the map, or removed with its pool meanwhile: reported
-                    // with the others, not the end of the scrub.
-                    Err(error) => Some(Scrubbed::NotCompared(error.to_string())),
-                };
-                if result.is_some() {
-                    break;
-                }
-                if attempt + 1 < ATTEMPTS {
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-            }
-            let result = result.unwrap_or_else(|| {
-                Scrubbed::NotCompared(format!(
-                    "its replicas were at different log entries in {ATTEMPTS} queries (writes \
-                     under way); scrub it again"
-                ))
-            });
-            results.push((pg, result));
+            results.push((pg, scrub_pg(&mon, pg).await?));
         }
         let consistent = results
             .iter()
@@ -916,6 +913,248 @@ pub fn run_pg_scrub(
             );
         }
         Ok(if inconsistent + not_compared == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        })
+    })
+}
+
+/// What `basalt pg repair` did to one PG.
+#[derive(Debug)]
+enum Repair {
+    /// Its replicas agreed: nothing to do.
+    Consistent,
+    /// These replicas were rebuilt from the leader, and a scrub at this log index found
+    /// every replica equal.
+    Done { osds: Vec<OsdId>, marker: u64 },
+    /// Not repaired, or not confirmed, and why.
+    Failed(String),
+}
+
+/// The replicas of `pg` to rebuild: `chosen`, else those that differ from the majority, as
+/// the latest background scrub found or else as a scrub now finds (`Err`: the repair
+/// cannot go on).
+async fn odd_replicas_of(
+    mon: &MonClient,
+    pg: PgId,
+    chosen: Option<OsdId>,
+) -> anyhow::Result<Result<Vec<OsdId>, String>> {
+    let status = mon.status().await?;
+    let Some(entry) = status.map.pg(pg) else {
+        return Ok(Err(format!("pg {pg} does not exist")));
+    };
+    let members = entry.members.clone();
+    if let Some(osd) = chosen {
+        return Ok(if !members.contains(&osd) {
+            Err(format!("{osd} holds no replica of pg {pg}"))
+        } else if members.len() < 2 {
+            Err(format!(
+                "{osd} holds the only replica of pg {pg}: nothing to rebuild it from"
+            ))
+        } else {
+            Ok(vec![osd])
+        });
+    }
+    let background = inconsistent_pgs(&status.reports, [(pg, members.clone())]);
+    let odd = match background.into_iter().next() {
+        Some((_, odd)) => odd,
+        None => match scrub_pg(mon, pg).await? {
+            Scrubbed::Consistent(_) => Vec::new(),
+            Scrubbed::Inconsistent { odd, .. } => odd,
+            Scrubbed::NotCompared(why) => return Ok(Err(format!("not compared: {why}"))),
+        },
+    };
+    if !odd.is_empty() && odd.len() * 2 >= members.len() {
+        let odd: Vec<String> = odd.iter().map(ToString::to_string).collect();
+        return Ok(Err(format!(
+            "no majority of its {} replicas agree ({} differ): which copy is good cannot be told",
+            members.len(),
+            odd.join(", ")
+        )));
+    }
+    Ok(Ok(odd))
+}
+
+/// Sends `request` to OSD `osd` of `map`.
+async fn ask_osd(
+    map: &ClusterMap,
+    osd: OsdId,
+    request: &basalt_osd::daemon::OsdRequest,
+    answer_within: std::time::Duration,
+) -> ReplicaState {
+    let address = map
+        .osds
+        .get(&osd)
+        .and_then(|entry| entry.address.parse::<std::net::SocketAddr>().ok())
+        .ok_or_else(|| format!("{osd} has no address in the map"))?;
+    basalt_osd::daemon::query_replica(address, request, answer_within).await
+}
+
+/// Repairs one PG: rebuilds its odd replicas from the leader, puts a scrub marker in its
+/// log, and waits for every member's digest of it.
+async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::Result<Repair> {
+    use basalt_osd::daemon::{OsdRequest, REPAIR_TIMEOUT};
+    let odd = match odd_replicas_of(mon, pg, chosen).await? {
+        Ok(odd) if odd.is_empty() => return Ok(Repair::Consistent),
+        Ok(odd) => odd,
+        Err(why) => return Ok(Repair::Failed(why)),
+    };
+    let map = mon.map().await?;
+    let answer_within = REPAIR_TIMEOUT + std::time::Duration::from_secs(10);
+    let repairs: Vec<_> = odd
+        .iter()
+        .map(|osd| {
+            let (map, osd, avoid) = (map.clone(), *osd, odd.clone());
+            tokio::spawn(async move {
+                let request = OsdRequest::Repair { pg, avoid };
+                ask_osd(&map, osd, &request, answer_within).await
+            })
+        })
+        .collect();
+    for (osd, repair) in odd.iter().zip(repairs) {
+        let answer = repair
+            .await
+            .unwrap_or_else(|error| Err(format!("the request failed: {error}")));
+        if let Err(error) = answer {
+            return Ok(Repair::Failed(format!("{osd} not repaired: {error}")));
+        }
+    }
+    // A scrub marker from the leader (which may be moving: ask each member, a few times).
+    let members = map
+        .pg(pg)
+        .map(|entry| entry.members.clone())
+        .unwrap_or_default();
+    let mut marker = None;
+    let mut refusals = Vec::new();
+    for _ in 0..50 {
+        refusals.clear();
+        for osd in &members {
+            let request = OsdRequest::Scrub { pg };
+            match ask_osd(&map, *osd, &request, std::time::Duration::from_secs(5)).await {
+                Ok(state) => {
+                    marker = Some(state.last_index);
+                    break;
+                }
+                Err(error) => refusals.push(error),
+            }
+        }
+        if marker.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let Some(marker) = marker else {
+        return Ok(Repair::Failed(format!(
+            "repaired, but no member put a scrub marker in its log to confirm it: {}",
+            refusals.join("; ")
+        )));
+    };
+    // Every member's digest of the same marker (that one or a later one), from the
+    // reports the monitors hold.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let status = mon.status().await?;
+        let scrubs: Vec<(OsdId, basalt_mon::protocol::PgScrub)> = members
+            .iter()
+            .filter_map(|osd| {
+                let (_, report) = status.reports.iter().find(|(id, _)| id == osd)?;
+                let scrub = report.scrubs.iter().find(|scrub| scrub.pg == pg)?;
+                Some((*osd, *scrub))
+            })
+            .collect();
+        let same = scrubs.len() == members.len()
+            && scrubs
+                .iter()
+                .all(|(_, scrub)| scrub.index >= marker && scrub.index == scrubs[0].1.index);
+        if same {
+            let digests: Vec<(OsdId, u32)> = scrubs
+                .iter()
+                .map(|(osd, scrub)| (*osd, scrub.digest))
+                .collect();
+            let still = odd_replicas(&digests);
+            if still.is_empty() {
+                return Ok(Repair::Done {
+                    osds: odd,
+                    marker: scrubs[0].1.index,
+                });
+            }
+            let still: Vec<String> = still.iter().map(ToString::to_string).collect();
+            return Ok(Repair::Failed(format!(
+                "repaired, but the scrub at log index {} found {} still differing",
+                scrubs[0].1.index,
+                still.join(", ")
+            )));
+        }
+        if std::time::Instant::now() > deadline {
+            return Ok(Repair::Failed(format!(
+                "repaired, but not every member reported a scrub at log index {marker} or \
+                 later within 60 s"
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// Repairs each PG named (see [`repair_pg`]): its replica on `osd` if given.
+pub fn run_pg_repair(
+    cluster: ClusterArgs,
+    pgs: Vec<String>,
+    osd: Option<String>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    let wanted = pgs
+        .iter()
+        .map(|pg| parse_pg(pg))
+        .collect::<anyhow::Result<Vec<PgId>>>()?;
+    let chosen = osd.as_deref().map(parse_osd_id).transpose()?;
+    block_on(async move {
+        let mut results = Vec::new();
+        for pg in wanted {
+            results.push((pg, repair_pg(&mon, pg, chosen).await?));
+        }
+        let failed = results
+            .iter()
+            .filter(|(_, result)| matches!(result, Repair::Failed(_)))
+            .count();
+        if json {
+            print_json(&json!(
+                results
+                    .iter()
+                    .map(|(pg, result)| match result {
+                        Repair::Consistent => json!({"pg": pg.to_string(), "state": "consistent"}),
+                        Repair::Done { osds, marker } => json!({
+                            "pg": pg.to_string(), "state": "repaired",
+                            "repaired": osds.iter().map(|osd| osd.0).collect::<Vec<_>>(),
+                            "scrubbed_at": marker,
+                        }),
+                        Repair::Failed(why) => json!({
+                            "pg": pg.to_string(), "state": "failed", "why": why,
+                        }),
+                    })
+                    .collect::<Vec<_>>()
+            ));
+        } else {
+            for (pg, result) in &results {
+                let pg = pg.to_string();
+                match result {
+                    Repair::Consistent => {
+                        println!("{pg:<10} consistent: nothing to repair");
+                    }
+                    Repair::Done { osds, marker } => println!(
+                        "{pg:<10} repaired: {} rebuilt from the leader; the scrub at log index \
+                         {marker} found every replica equal",
+                        osds.iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    Repair::Failed(why) => println!("{pg:<10} NOT REPAIRED: {why}"),
+                }
+            }
+        }
+        Ok(if failed == 0 {
             ExitCode::SUCCESS
         } else {
             ExitCode::FAILURE

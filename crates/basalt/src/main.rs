@@ -143,6 +143,21 @@ enum PgCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Rebuilds the replicas of PGs whose data differs from the majority's (as the last
+    /// background scrub found, or a scrub now) from the PG's leader, then scrubs the PG
+    /// again to confirm; fails if a PG could not be repaired or confirmed.
+    Repair {
+        /// PGs, as `basalt pg ls` shows them (`1.3f`).
+        #[arg(required = true)]
+        pgs: Vec<String>,
+        /// Rebuild this OSD's replica (an id, as `basalt osd ls` shows it), whatever the
+        /// scrubs found: for a disk known to be bad.
+        #[arg(long)]
+        osd: Option<String>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -211,6 +226,10 @@ fn main() -> ExitCode {
             cluster,
             command: PgCommand::Scrub { pgs, json },
         } => admin_command::run_pg_scrub(cluster, pgs, json),
+        Command::Pg {
+            cluster,
+            command: PgCommand::Repair { pgs, osd, json },
+        } => admin_command::run_pg_repair(cluster, pgs, osd, json),
         Command::Status { cluster, json } => admin_command::run_status(cluster, json),
     };
     match result {

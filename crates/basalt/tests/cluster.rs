@@ -291,7 +291,9 @@ fn object_call(
 /// devices: all consistent after writes; a byte flipped on one OSD's device under a written
 /// block makes that block's PG inconsistent, naming that OSD, and the command fail. The
 /// background scrubs (every second here) find it too: `basalt status` turns HEALTH_ERR and
-/// names the PG and the OSD. That OSD then refuses to restart on the damaged log.
+/// names the PG and the OSD. `basalt pg repair` rebuilds that replica from the leader: every
+/// PG is consistent again, health returns to HEALTH_OK, and the OSD restarts. Damage in data
+/// written after that makes it refuse to restart on the damaged log.
 #[test]
 fn scrub_finds_the_replica_whose_device_was_corrupted() {
     require("qemu-io");
@@ -312,7 +314,7 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     cluster.wait_clean(Duration::from_secs(60));
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M", "write -P 0x33 4M 3M"]);
-    let scrub = |expect_success: bool| {
+    let scrub = |cluster: &ClusterProcesses, expect_success: bool| {
         let output = cluster.cli(&["pg", "scrub", "--json"]);
         assert_eq!(
             output.status.success(),
@@ -323,7 +325,7 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         let pgs: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
         pgs.as_array().expect("a list").clone()
     };
-    let pgs = scrub(true);
+    let pgs = scrub(&cluster, true);
     assert_eq!(pgs.len(), 8);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
     // Several rounds of background scrubs, all consistent.
@@ -345,33 +347,9 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     );
 
     // One block of the 0x5a megabyte on osd process 1's device gets a byte flipped.
-    let device = dir.join("osd.1").join("osd.log");
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&device)
-        .expect("the device file");
-    let mut block = vec![0u8; 4096];
-    let mut at = None;
-    for offset in (0..).step_by(4096) {
-        use std::io::Read;
-        if file.read_exact(&mut block).is_err() {
-            break;
-        }
-        if block.iter().all(|byte| *byte == 0x5a) {
-            at = Some(offset);
-            break;
-        }
-    }
-    let at: u64 = at.expect("a written block on the device");
-    {
-        use std::io::{Seek, Write};
-        file.seek(std::io::SeekFrom::Start(at)).expect("seek");
-        file.write_all(&[0xa5]).expect("corrupt a byte");
-        file.sync_all().expect("sync");
-    }
+    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x5a);
     let victim = cluster.osd_id(1);
-    let pgs = scrub(false);
+    let pgs = scrub(&cluster, false);
     let inconsistent: Vec<&serde_json::Value> = pgs
         .iter()
         .filter(|pg| pg["state"] != "consistent")
@@ -404,7 +382,70 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         "{text}"
     );
 
-    // Restarted, that OSD replays its log, finds the damaged batch with intact ones after
+    // `basalt pg repair` rebuilds that replica from the leader and scrubs again; a PG
+    // whose replicas agree needs nothing.
+    let damaged = inconsistent[0]["pg"].as_str().expect("a pg id").to_string();
+    // (One that holds data.)
+    let healthy = pgs
+        .iter()
+        .find(|pg| pg["state"] == "consistent" && pg["digest"] != "00000000")
+        .and_then(|pg| pg["pg"].as_str())
+        .expect("a consistent pg")
+        .to_string();
+    let output = cluster.cli(&["pg", "repair", &damaged, &healthy, "--json"]);
+    let repaired: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    assert!(output.status.success(), "{repaired}");
+    assert_eq!(repaired[0]["state"], "repaired", "{repaired}");
+    assert_eq!(repaired[0]["repaired"], json!([victim]), "{repaired}");
+    assert_eq!(repaired[1]["state"], "consistent", "{repaired}");
+    // A replica named is rebuilt whatever the scrubs found: the leader's hands leadership
+    // over first.
+    let leader_of = |pg: &str| {
+        let states = cluster.cli_json(&["pg", "query", pg]);
+        states[0]["leader"].as_u64().expect("a leader")
+    };
+    let leader = leader_of(&healthy);
+    let output = cluster.cli(&[
+        "pg",
+        "repair",
+        &healthy,
+        "--osd",
+        &leader.to_string(),
+        "--json",
+    ]);
+    let repaired: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    assert!(output.status.success(), "{repaired}");
+    assert_eq!(repaired[0]["state"], "repaired", "{repaired}");
+    assert_eq!(repaired[0]["repaired"], json!([leader]), "{repaired}");
+    assert_ne!(leader_of(&healthy), leader);
+    let output = cluster.cli(&["pg", "repair", &healthy, "--osd", "osd.99"]);
+    assert!(!output.status.success());
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("osd.99 holds no replica of pg"), "{text}");
+    let pgs = scrub(&cluster, true);
+    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    wait_for(
+        "the background scrubs to find every pg consistent",
+        Duration::from_secs(30),
+        || cluster.health().0 == "HEALTH_OK",
+    );
+    qemu_io_ok(&uri, false, &["read -P 0x5a 0 1M", "read -P 0x33 4M 3M"]);
+    // The repaired OSD restarts: replay no longer goes through the damaged batch.
+    cluster.kill_osd(1);
+    cluster.start_osd(1);
+    cluster.wait_clean(Duration::from_secs(60));
+    let pgs = scrub(&cluster, true);
+    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+
+    // Damage again, in data written after the repair, that replay must go through.
+    qemu_io_ok(
+        &uri,
+        false,
+        &["write -P 0x77 8M 1M", "write -P 0x44 12M 1M"],
+    );
+    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x77);
+
+    // Restarted, the OSD replays its log, finds the damaged batch with intact ones after
     // it, and refuses to start rather than drop what followed it.
     cluster.kill_osd(1);
     // (Under `timeout`: an OSD that started would never end.)
@@ -419,6 +460,31 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         stderr.contains("the log is damaged") && stderr.contains("basalt osd out"),
         "{stderr}"
     );
+}
+
+/// Flips a byte of the first block of `device` filled with `fill`.
+fn flip_a_byte_in_a_block_of(device: &std::path::Path, fill: u8) {
+    use std::io::{Read, Seek, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(device)
+        .expect("the device file");
+    let mut block = vec![0u8; 4096];
+    let mut at = None;
+    for offset in (0u64..).step_by(4096) {
+        if file.read_exact(&mut block).is_err() {
+            break;
+        }
+        if block.iter().all(|byte| *byte == fill) {
+            at = Some(offset);
+            break;
+        }
+    }
+    let at = at.expect("a written block on the device");
+    file.seek(std::io::SeekFrom::Start(at)).expect("seek");
+    file.write_all(&[!fill]).expect("corrupt a byte");
+    file.sync_all().expect("sync");
 }
 
 /// A write that names a leader term the PG's leader no longer has is refused and lands

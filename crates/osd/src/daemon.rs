@@ -176,6 +176,34 @@ pub enum OsdRequest {
         /// The PG.
         pg: PgId,
     },
+    /// Rebuild this replica's data of a PG from its leader's (`basalt pg repair`): a
+    /// replica that leads hands leadership over first. Answered once the copy is
+    /// installed, with the state after it (without the digest).
+    Repair {
+        /// The PG.
+        pg: PgId,
+        /// Replicas that may hold bad data too: leadership is not handed to them.
+        avoid: Vec<OsdId>,
+    },
+    /// Put a scrub marker in the PG's log now, if this replica leads it; answered with the
+    /// marker's index as `last_index`.
+    Scrub {
+        /// The PG.
+        pg: PgId,
+    },
+}
+
+/// How long a repair may take before it is given up (the operator may ask again).
+pub const REPAIR_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A repair asked of this replica ([`OsdRequest::Repair`]).
+struct Repair {
+    /// Replicas not to hand leadership to.
+    avoid: Vec<OsdId>,
+    /// Who waits for the answer.
+    waiting: Vec<oneshot::Sender<Message>>,
+    /// When it was asked.
+    since: std::time::Instant,
 }
 
 /// One replica's state of a PG.
@@ -418,6 +446,9 @@ struct Reclaim {
     live_bytes: u64,
     /// Payload bytes of the raft entries kept in memory, refreshed on ticks.
     retained_bytes: u64,
+    /// A checkpoint is wanted whatever the log written since (a repair went in: replay
+    /// must not go through the damaged data it replaced).
+    asked: bool,
 }
 
 impl Reclaim {
@@ -541,6 +572,8 @@ struct Core {
     membership_checks: std::collections::HashSet<PgId>,
     /// See [`OsdConfig::max_moves`].
     max_moves: usize,
+    /// Repairs asked of this replica, by PG.
+    repairs: BTreeMap<PgId, Repair>,
 }
 
 impl Core {
@@ -664,9 +697,8 @@ impl Core {
                     // Removed from the PG meanwhile.
                     return Ok(());
                 }
-                if let Some((index, _)) = snapshot {
-                    self.snapshot_installed(pg, index);
-                }
+                let installed_from = snapshot
+                    .and_then(|(index, _)| Some((index, self.snapshot_installed(pg, index)?)));
                 let durable = self.durable.entry(pg).or_default();
                 durable.in_flight.pop_front();
                 if let Some(last_index) = last_index {
@@ -684,6 +716,12 @@ impl Core {
                 self.raft.on_persisted(pg, number);
                 for (to, message) in then_send {
                     self.send(to, pg, message);
+                }
+                if let Some((index, leader)) = installed_from {
+                    // Raft's answer does not end a transfer at this replica's last entry
+                    // (a repair's): this does.
+                    let installed = self.raft.snapshot_installed(leader, index);
+                    self.send(leader, pg, installed);
                 }
             }
             Event::Failed(reason) => return Err(OsdError::Internal(reason)),
@@ -763,13 +801,23 @@ impl Core {
             // A newer leader's snapshot replaces an older one's.
             self.abort_install(pg, "a newer leader sent another", false);
         }
+        // A replica that asked for a snapshot (a repair) fetches it however recent its log.
         let behind = self
             .raft
             .committed(pg)
-            .is_some_and(|committed| committed < index);
+            .is_some_and(|committed| committed < index)
+            || self.raft.requesting_snapshot(pg);
         if !behind || message.term < self.raft.term(pg).unwrap_or(0) {
             // Raft answers a snapshot it does not need, or a stale one, by itself.
             self.raft.step(pg, message);
+            return;
+        }
+        if self.raft.requesting_snapshot(pg) && Some(index) < self.raft.last_index(pg) {
+            // Raft would install it and drop the entries after it, which this replica may
+            // have acknowledged; the one asked for reaches at least its last entry.
+            tracing::info!(%pg, %leader, index, "a snapshot older than the log refused while one is asked for");
+            let refusal = self.raft.snapshot_refusal(leader, index);
+            self.send(leader, pg, refusal);
             return;
         }
         let address = self
@@ -971,21 +1019,33 @@ impl Core {
     }
 
     /// The persist that installs a snapshot is durable: the objects kept aside become the
-    /// PG's, as of the snapshot's index.
-    fn snapshot_installed(&mut self, pg: PgId, index: u64) {
-        match self.installing.remove(&pg) {
+    /// PG's, as of the snapshot's index. Returns the leader it came from, to be told.
+    fn snapshot_installed(&mut self, pg: PgId, index: u64) -> Option<OsdId> {
+        let leader = match self.installing.remove(&pg) {
             Some(installing) => {
                 self.objects.insert(pg, installing.aside);
                 self.scrub_fuzzy_through
                     .insert(pg, installing.fuzzy_through.max(index));
+                Some(installing.leader)
             }
-            None => tracing::error!(%pg, index, "a snapshot installed without its objects"),
-        }
+            None => {
+                tracing::error!(%pg, index, "a snapshot installed without its objects");
+                None
+            }
+        };
         self.applied.insert(pg, index);
         self.counters
             .snapshots_installed
             .fetch_add(1, Ordering::Relaxed);
         tracing::info!(%pg, index, "snapshot installed");
+        if self.repairs.contains_key(&pg) {
+            // The data it replaced may lie in a damaged batch: a checkpoint now keeps
+            // replay from reading it again, which would stop this OSD from starting.
+            self.reclaim.asked = true;
+            let state = self.replica_state(pg);
+            self.end_repair(pg, Ok(state));
+        }
+        leader
     }
 
     /// Gives up a snapshot being installed (its data in the log is never mapped), and tells
@@ -1578,6 +1638,9 @@ impl Core {
     /// for a checkpoint.
     fn checkpoint_due(&self) -> bool {
         let reclaim = &self.reclaim;
+        if reclaim.asked {
+            return true;
+        }
         let ring = self.log.ring().len_bytes;
         let since = reclaim.durable_end.0 - reclaim.replay_position;
         let cleaned = reclaim
@@ -1606,6 +1669,7 @@ impl Core {
             return;
         }
         let checkpoint = self.cut_checkpoint();
+        self.reclaim.asked = false;
         let mark = CheckpointMark {
             sequence: checkpoint.sequence,
             replay_position: checkpoint.replay_position,
@@ -1702,23 +1766,52 @@ impl Core {
         }
     }
 
-    fn control(&self, body: &[u8], reply_to: oneshot::Sender<Message>) {
-        let answer = |result: Result<PgReplicaState, String>| Message::Control {
-            body: serde_json::to_vec(&result).expect("states encode"),
-        };
+    fn control(&mut self, body: &[u8], reply_to: oneshot::Sender<Message>) {
         let request: OsdRequest = match serde_json::from_slice(body) {
             Ok(request) => request,
             Err(error) => {
-                let _ = reply_to.send(answer(Err(format!("malformed osd request: {error}"))));
+                let _ = reply_to.send(control_answer(Err(format!(
+                    "malformed osd request: {error}"
+                ))));
                 return;
             }
         };
         let (pg, with_data) = match request {
             OsdRequest::PgQuery { pg } => (pg, true),
             OsdRequest::PgConf { pg } => (pg, false),
+            OsdRequest::Repair { pg, avoid } => return self.repair(pg, avoid, reply_to),
+            OsdRequest::Scrub { pg } => {
+                let _ = reply_to.send(control_answer(self.scrub_now(pg)));
+                return;
+            }
         };
+        let mut state = self.replica_state(pg);
+        if !with_data {
+            let _ = reply_to.send(control_answer(Ok(state)));
+            return;
+        }
+        if let Some(objects) = self.objects.get(&pg) {
+            state.objects = objects.object_count();
+            state.mapped_bytes = objects.mapped_bytes();
+        }
+        let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            let answer = match crate::scrub::digest(&engine, plan).await {
+                Ok(digest) => {
+                    state.digest = digest;
+                    Ok(state)
+                }
+                Err(error) => Err(format!("reading the device: {error}")),
+            };
+            let _ = reply_to.send(control_answer(answer));
+        });
+    }
+
+    /// This replica's raft state of `pg`, without its objects and digest.
+    fn replica_state(&self, pg: PgId) -> PgReplicaState {
         let members = self.raft.members(pg).unwrap_or_default();
-        let mut state = PgReplicaState {
+        PgReplicaState {
             osd: self.id,
             pg,
             hosted: self.raft.hosts(pg),
@@ -1733,28 +1826,102 @@ impl Core {
             voters: members.voters,
             voters_outgoing: members.voters_outgoing,
             learners: members.learners,
-        };
-        if !with_data {
-            let _ = reply_to.send(answer(Ok(state)));
+        }
+    }
+
+    /// Starts rebuilding this replica's data of `pg` from its leader's
+    /// ([`OsdRequest::Repair`]); `reply_to` is answered when it is installed.
+    fn repair(&mut self, pg: PgId, avoid: Vec<OsdId>, reply_to: oneshot::Sender<Message>) {
+        if !self.raft.hosts(pg) {
+            let refused = Err(format!("{} does not host pg {pg}", self.id));
+            let _ = reply_to.send(control_answer(refused));
             return;
         }
-        if let Some(objects) = self.objects.get(&pg) {
-            state.objects = objects.object_count();
-            state.mapped_bytes = objects.mapped_bytes();
-        }
-        let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
-        let engine = self.engine.clone();
-        tokio::spawn(async move {
-            match crate::scrub::digest(&engine, plan).await {
-                Ok(digest) => {
-                    state.digest = digest;
-                    let _ = reply_to.send(answer(Ok(state)));
-                }
-                Err(error) => {
-                    let _ = reply_to.send(answer(Err(format!("reading the device: {error}"))));
-                }
-            }
+        let repair = self.repairs.entry(pg).or_insert_with(|| Repair {
+            avoid: Vec::new(),
+            waiting: Vec::new(),
+            since: std::time::Instant::now(),
         });
+        repair.avoid = avoid;
+        repair.waiting.push(reply_to);
+        tracing::info!(%pg, "repair asked: this replica's data is to be rebuilt from the leader's");
+        self.advance_repairs();
+    }
+
+    /// Moves each repair on: a replica that leads hands leadership over, a follower asks
+    /// its leader for a snapshot (installing it ends the repair, in
+    /// [`Core::snapshot_installed`]); one that takes too long is given up.
+    fn advance_repairs(&mut self) {
+        let now = std::time::Instant::now();
+        let pgs: Vec<PgId> = self.repairs.keys().copied().collect();
+        for pg in pgs {
+            let Some(repair) = self.repairs.get(&pg) else {
+                continue;
+            };
+            if now.duration_since(repair.since) > REPAIR_TIMEOUT {
+                let late = format!(
+                    "pg {pg} on {} not repaired within {} s",
+                    self.id,
+                    REPAIR_TIMEOUT.as_secs()
+                );
+                self.end_repair(pg, Err(late));
+                continue;
+            }
+            if !self.raft.hosts(pg) {
+                let gone = format!("{} no longer hosts pg {pg}", self.id);
+                self.end_repair(pg, Err(gone));
+                continue;
+            }
+            if self.raft.requesting_snapshot(pg) || self.installing.contains_key(&pg) {
+                continue;
+            }
+            if self.raft.is_leader(pg) {
+                let avoid = repair.avoid.clone();
+                match self.raft.hand_over(pg, &avoid) {
+                    Some(heir) => tracing::info!(%pg, %heir, "leadership handed over for a repair"),
+                    None => tracing::debug!(%pg, "no caught-up replica to hand leadership to yet"),
+                }
+                continue;
+            }
+            match self.raft.request_snapshot(pg) {
+                Ok(()) => tracing::info!(%pg, "repair: a snapshot asked of the leader"),
+                Err(error) => tracing::debug!(%pg, %error, "repair: no snapshot asked yet"),
+            }
+        }
+    }
+
+    /// Ends the repair of `pg`, answering whoever waits for it.
+    fn end_repair(&mut self, pg: PgId, result: Result<PgReplicaState, String>) {
+        let Some(repair) = self.repairs.remove(&pg) else {
+            return;
+        };
+        match &result {
+            Ok(state) => tracing::info!(%pg, applied = state.applied, "repaired"),
+            Err(error) => tracing::warn!(%pg, %error, "repair given up"),
+        }
+        for waiting in repair.waiting {
+            let _ = waiting.send(control_answer(result.clone()));
+        }
+    }
+
+    /// Proposes a scrub marker in `pg` now ([`OsdRequest::Scrub`]), if it is led here.
+    fn scrub_now(&mut self, pg: PgId) -> Result<PgReplicaState, String> {
+        if !self.raft.is_leader(pg) {
+            let leader = self
+                .raft
+                .leader(pg)
+                .map_or("none known".to_string(), |leader| leader.to_string());
+            return Err(format!(
+                "{} does not lead pg {pg} (its leader: {leader})",
+                self.id
+            ));
+        }
+        self.replicas_not_full(pg)
+            .map_err(|status| format!("{status:?}"))?;
+        self.raft
+            .propose(pg, crate::scrub::MARKER.to_vec())
+            .map_err(|error| error.to_string())?;
+        Ok(self.replica_state(pg))
     }
 
     /// Digests `pg` as it stands at the scrub marker at `index`, just applied, and keeps
@@ -2437,6 +2604,13 @@ async fn fetch_chunk(
             }
             other => return Err(format!("an answer of kind {}", other.kind())),
         }
+    }
+}
+
+/// An answer to an [`OsdRequest`], as the control frame that carries it.
+fn control_answer(result: Result<PgReplicaState, String>) -> Message {
+    Message::Control {
+        body: serde_json::to_vec(&result).expect("states encode"),
     }
 }
 
@@ -3126,6 +3300,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             stopped: false,
             live_bytes: 0,
             retained_bytes: 0,
+            asked: false,
         },
         outbox: BTreeMap::new(),
         confirming: HashMap::new(),
@@ -3135,6 +3310,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         snapshots_sent: HashMap::new(),
         membership_checks: std::collections::HashSet::new(),
         max_moves: config.max_moves.max(1),
+        repairs: BTreeMap::new(),
     };
     core.adopt_map(Arc::new(map));
     core.refresh_live_bytes();
@@ -3179,6 +3355,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 _ = ticker.tick() => {
                     core.raft.tick();
                     core.watch_snapshots_sent();
+                    core.advance_repairs();
                     core.reconfigure_pgs();
                     ticks += 1;
                     if ticks.is_multiple_of(10) {

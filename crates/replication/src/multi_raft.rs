@@ -488,6 +488,7 @@ impl MultiRaft {
         // What was applied was committed; a commit index learnt since may be newer than the
         // last one written (commit-only hard states are written lazily).
         let applied = restored.applied.min(last);
+        storage.set_applied(applied);
         hard_state.commit = hard_state
             .commit
             .max(applied)
@@ -597,11 +598,23 @@ impl MultiRaft {
     /// it: a refusal of another snapshot than the one it is sending, a late one, is
     /// ignored).
     pub fn snapshot_refusal(&self, to: OsdId, index: u64) -> Message {
+        self.snapshot_status(to, index, true)
+    }
+
+    /// The message a follower sends to tell the leader (`to`) that it installed the
+    /// snapshot at `index`. Raft's answer to the snapshot tells the leader too, unless the
+    /// snapshot is at the follower's last entry (one it asked for): the leader then learns
+    /// nothing new from it, and only this ends the transfer.
+    pub fn snapshot_installed(&self, to: OsdId, index: u64) -> Message {
+        self.snapshot_status(to, index, false)
+    }
+
+    fn snapshot_status(&self, to: OsdId, index: u64, reject: bool) -> Message {
         let mut message = Message::default();
         message.set_msg_type(MessageType::MsgSnapStatus);
         message.from = raft_id(self.osd);
         message.to = raft_id(to);
-        message.reject = true;
+        message.reject = reject;
         message.index = index;
         message
     }
@@ -612,6 +625,64 @@ impl MultiRaft {
         self.groups
             .get(&pg)
             .is_some_and(|group| group.node.raft.snap().is_some_and(|s| !s.is_empty()))
+    }
+
+    /// Asks the leader of `pg` for a snapshot at least as recent as this replica's last
+    /// entry, to rebuild this replica's data from the leader's (a repair). Until it is
+    /// installed, this replica takes no more entries. Fails (try again later) when this
+    /// replica leads, knows no leader, already waits for a snapshot, or its last entry is
+    /// of an older term than the current one.
+    pub fn request_snapshot(&mut self, pg: PgId) -> Result<(), String> {
+        let group = self
+            .groups
+            .get_mut(&pg)
+            .ok_or_else(|| format!("pg {pg} is not hosted here"))?;
+        group
+            .node
+            .request_snapshot()
+            .map_err(|error| error.to_string())
+    }
+
+    /// Whether this replica asked for a snapshot of `pg` ([`MultiRaft::request_snapshot`])
+    /// that it has not installed yet.
+    pub fn requesting_snapshot(&self, pg: PgId) -> bool {
+        self.groups
+            .get(&pg)
+            .is_some_and(|group| group.node.raft.pending_request_snapshot != raft::INVALID_INDEX)
+    }
+
+    /// If this replica leads `pg`, hands leadership to the voter that has the most of the
+    /// log, among those caught up and not in `avoid`; the heir, if any.
+    pub fn hand_over(&mut self, pg: PgId, avoid: &[OsdId]) -> Option<OsdId> {
+        let group = self.groups.get_mut(&pg)?;
+        if group.node.raft.state != StateRole::Leader {
+            return None;
+        }
+        let avoid: BTreeSet<u64> = avoid.iter().map(|osd| raft_id(*osd)).collect();
+        let me = group.node.raft.id;
+        Self::hand_to(group, |id| id != me && !avoid.contains(&id)).map(osd_of)
+    }
+
+    /// Hands the leadership of `group` to the voter that has the most of the log among
+    /// those `eligible` and caught up; the heir's raft id, if any.
+    fn hand_to(group: &mut Group, eligible: impl Fn(u64) -> bool) -> Option<u64> {
+        let raft = &group.node.raft;
+        let last = raft.raft_log.last_index();
+        let heir = raft
+            .prs()
+            .conf()
+            .to_conf_state()
+            .voters
+            .into_iter()
+            .filter(|id| eligible(*id))
+            .filter_map(|id| Some((id, raft.prs().get(id)?.matched)))
+            .filter(|(_, matched)| matched + CAUGHT_UP_SLACK >= last)
+            .max_by_key(|(_, matched)| *matched)
+            .map(|(id, _)| id)?;
+        group.lease = None;
+        group.handed_on = Some(raft.term);
+        group.node.transfer_leader(heir);
+        Some(heir)
     }
 
     /// The leader this replica knows of.
@@ -935,6 +1006,8 @@ impl MultiRaft {
             // except a snapshot, which is applied when it is durable.
             if group.snapshot_persisting.is_none() {
                 group.node.advance_apply();
+                let applied = group.node.raft.raft_log.applied;
+                group.node.mut_store().set_applied(applied);
             }
         }
     }
@@ -981,26 +1054,19 @@ impl MultiRaft {
             return propose(&mut group.node, leave, Reconfiguring::LeavingJoint);
         }
         let target: BTreeSet<u64> = target.iter().map(|osd| raft_id(*osd)).collect();
+        // Leadership goes to a target member first: clients follow the map's members.
+        if !target.contains(&raft.id)
+            && let Some(heir) = Self::hand_to(group, |id| target.contains(&id))
+        {
+            return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
+        }
+        let raft = &group.node.raft;
         let voters: BTreeSet<u64> = conf.voters.iter().copied().collect();
         let learners: BTreeSet<u64> = conf.learners.iter().copied().collect();
         let done = voters == target && learners.is_empty();
         let last = raft.raft_log.last_index();
         let matched = |id: u64| raft.prs().get(id).map_or(0, |progress| progress.matched);
         let caught_up = |id: u64| matched(id) + CAUGHT_UP_SLACK >= last;
-        // Leadership goes to a target member first: clients follow the map's members.
-        if !target.contains(&raft.id) {
-            let heir = voters
-                .intersection(&target)
-                .copied()
-                .filter(|id| caught_up(*id))
-                .max_by_key(|id| matched(*id));
-            if let Some(heir) = heir {
-                group.lease = None;
-                group.handed_on = Some(raft.term);
-                group.node.transfer_leader(heir);
-                return Some(Reconfiguring::TransferringLeadership(osd_of(heir)));
-            }
-        }
         if !done {
             let missing: Vec<u64> = target
                 .difference(&voters)
@@ -1053,6 +1119,7 @@ impl MultiRaft {
             {
                 group.snapshot_persisting = None;
                 group.node.advance_apply_to(index);
+                group.node.mut_store().set_applied(index);
             }
         }
     }
@@ -1318,6 +1385,100 @@ mod tests {
         let refusal = trio.replicas[lagging].snapshot_refusal(OsdId(leader as u32), index);
         trio.replicas[leader].step(PG, refusal);
         assert!(!trio.replicas[leader].sending_snapshot(PG, follower));
+    }
+
+    /// A follower that asks for a snapshot (a repair) takes no more entries until it has
+    /// one as recent as its own last entry, which the leader sends although nothing of its
+    /// log is compacted; installed, the follower catches up from the log.
+    #[test]
+    fn a_follower_asking_for_a_snapshot_gets_one_as_recent_as_its_log() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let asking = (leader + 1) % 3;
+        for n in 0..10u8 {
+            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+            trio.settle();
+        }
+        let last = trio.replicas[asking].last_index(PG).expect("hosted");
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        trio.replicas[asking]
+            .request_snapshot(PG)
+            .expect("a follower with a leader asks");
+        assert!(trio.replicas[asking].requesting_snapshot(PG));
+        let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
+        let mut snapshot = None;
+        for n in 0..4 * ELECTION_TICKS {
+            trio.replicas[leader]
+                .propose(PG, vec![100 + n as u8])
+                .expect("leader");
+            trio.replicas[leader].tick();
+            for (_, message) in trio.settle_where(|_, _, m| !is_snapshot(m)) {
+                if is_snapshot(&message) && snapshot.is_none() {
+                    snapshot = Some(message);
+                }
+            }
+            if snapshot.is_some() {
+                break;
+            }
+        }
+        let snapshot = snapshot.expect("the leader sent a snapshot");
+        let (index, from) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
+        assert_eq!(from, OsdId(leader as u32));
+        assert!(
+            index >= last,
+            "snapshot at {index}, the follower had {last}"
+        );
+        assert_eq!(
+            trio.replicas[asking].last_index(PG),
+            Some(last),
+            "no entries taken while asking"
+        );
+        assert!(trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
+        trio.replicas[asking].step(PG, snapshot);
+        assert!(trio.replicas[asking].has_pending_snapshot(PG));
+        trio.settle();
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        let installed = trio.replicas[asking].snapshot_installed(OsdId(leader as u32), index);
+        trio.replicas[leader].step(PG, installed);
+        for n in 0..2 * HEARTBEAT_TICKS {
+            trio.replicas[leader]
+                .propose(PG, vec![200 + n as u8])
+                .expect("leader");
+            trio.replicas[leader].tick();
+            let sent = trio.settle();
+            assert!(!sent.iter().any(|(_, m)| is_snapshot(m)), "sent again");
+        }
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
+        assert_eq!(
+            trio.replicas[asking].last_index(PG),
+            trio.replicas[leader].last_index(PG)
+        );
+        // A leader cannot ask.
+        assert!(trio.replicas[leader].request_snapshot(PG).is_err());
+    }
+
+    /// A leader hands leadership to a caught-up voter outside `avoid`, and to none when
+    /// every other voter is avoided.
+    #[test]
+    fn a_leader_hands_over_to_a_voter_it_is_not_told_to_avoid() {
+        let mut trio = Trio::new();
+        let leader = trio.elect();
+        let others: Vec<OsdId> = (0..3)
+            .filter(|n| *n != leader)
+            .map(|n| OsdId(n as u32))
+            .collect();
+        assert_eq!(trio.replicas[leader].hand_over(PG, &others), None);
+        assert!(trio.replicas[leader].is_leader(PG));
+        let heir = trio.replicas[leader]
+            .hand_over(PG, &others[..1])
+            .expect("an heir");
+        assert_eq!(heir, others[1]);
+        trio.settle();
+        assert!(trio.replicas[heir.0 as usize].is_leader(PG));
+        assert!(!trio.replicas[leader].is_leader(PG));
+        let follower = (0..3).find(|n| *n != heir.0 as usize).expect("a follower");
+        assert_eq!(trio.replicas[follower].hand_over(PG, &[]), None);
     }
 
     #[test]

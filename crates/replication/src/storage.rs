@@ -35,6 +35,9 @@ pub struct PgStorage {
     compacted: (u64, u64),
     /// Entries from index `compacted.0 + 1`.
     entries: Vec<Entry>,
+    /// The last entry raft counts applied ([`PgStorage::set_applied`]): a snapshot a
+    /// follower asks for may be as of it.
+    applied: u64,
     hydrate: Option<Hydrate>,
 }
 
@@ -45,6 +48,7 @@ impl Default for PgStorage {
             confs: vec![(0, ConfState::default())],
             compacted: (0, 0),
             entries: Vec::new(),
+            applied: 0,
             hydrate: None,
         }
     }
@@ -137,6 +141,11 @@ impl PgStorage {
         self.compacted = (metadata.index, metadata.term);
         self.confs = vec![(metadata.index, metadata.get_conf_state().clone())];
         self.hard_state.commit = self.hard_state.commit.max(metadata.index);
+    }
+
+    /// Records that raft counts the entries up to `index` applied.
+    pub fn set_applied(&mut self, index: u64) {
+        self.applied = index;
     }
 
     /// The last compacted entry's index and term ((0, 0): none).
@@ -262,13 +271,19 @@ impl Storage for PgStorage {
     /// copy exact, since object operations set their ranges whatever was there).
     ///
     /// Its index is the compaction point, or the last configuration change applied if that
-    /// is later: raft refuses a snapshot whose configuration does not hold the follower
+    /// is later (or the last entry applied, for a follower that asks for a snapshot): raft refuses a snapshot whose configuration does not hold the follower
     /// (a new member is in it only from the change that added it on), and the configuration
     /// must be the one as of the snapshot's index.
     fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
         let (changed, conf) = self.confs.last().expect("never empty");
-        let index = self.compacted.0.max(*changed);
-        if self.compacted.0 == 0 || index < request_index {
+        let mut index = self.compacted.0.max(*changed);
+        if request_index > index && request_index <= self.applied {
+            // A follower asked for one at least as recent as its own last entry (to have
+            // its data rebuilt, `RawNode::request_snapshot`): as of the last entry applied,
+            // whose configuration is the last one recorded.
+            index = self.applied;
+        }
+        if (self.compacted.0 == 0 && request_index == 0) || index < request_index {
             return Err(raft::Error::Store(
                 StorageError::SnapshotTemporarilyUnavailable,
             ));
