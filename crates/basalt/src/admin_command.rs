@@ -945,20 +945,35 @@ async fn odd_replicas_of(
         return Ok(Err(format!("pg {pg} does not exist")));
     };
     let members = entry.members.clone();
+    let background = inconsistent_pgs(&status.reports, [(pg, members.clone())])
+        .into_iter()
+        .next()
+        .map(|(_, odd)| odd);
     if let Some(osd) = chosen {
+        let others: Vec<String> = background
+            .iter()
+            .flatten()
+            .filter(|odd| **odd != osd)
+            .map(ToString::to_string)
+            .collect();
         return Ok(if !members.contains(&osd) {
             Err(format!("{osd} holds no replica of pg {pg}"))
         } else if members.len() < 2 {
             Err(format!(
                 "{osd} holds the only replica of pg {pg}: nothing to rebuild it from"
             ))
+        } else if !others.is_empty() {
+            // The copy it would get could be one of theirs.
+            Err(format!(
+                "the last scrub found {} differing from the others: repair without --osd",
+                others.join(", ")
+            ))
         } else {
             Ok(vec![osd])
         });
     }
-    let background = inconsistent_pgs(&status.reports, [(pg, members.clone())]);
-    let odd = match background.into_iter().next() {
-        Some((_, odd)) => odd,
+    let odd = match background {
+        Some(odd) => odd,
         None => match scrub_pg(mon, pg).await? {
             Scrubbed::Consistent(_) => Vec::new(),
             Scrubbed::Inconsistent { odd, .. } => odd,
@@ -1001,7 +1016,9 @@ async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::
         Err(why) => return Ok(Repair::Failed(why)),
     };
     let map = mon.map().await?;
-    let answer_within = REPAIR_TIMEOUT + std::time::Duration::from_secs(10);
+    // Once a snapshot is on its way, a repair lasts until it is in: as long as copying the
+    // PG takes.
+    let answer_within = REPAIR_TIMEOUT + std::time::Duration::from_secs(30 * 60);
     let repairs: Vec<_> = odd
         .iter()
         .map(|osd| {
@@ -1020,39 +1037,24 @@ async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::
             return Ok(Repair::Failed(format!("{osd} not repaired: {error}")));
         }
     }
-    // A scrub marker from the leader (which may be moving: ask each member, a few times).
     let members = map
         .pg(pg)
         .map(|entry| entry.members.clone())
         .unwrap_or_default();
-    let mut marker = None;
-    let mut refusals = Vec::new();
-    for _ in 0..50 {
-        refusals.clear();
-        for osd in &members {
-            let request = OsdRequest::Scrub { pg };
-            match ask_osd(&map, *osd, &request, std::time::Duration::from_secs(5)).await {
-                Ok(state) => {
-                    marker = Some(state.last_index);
-                    break;
-                }
-                Err(error) => refusals.push(error),
-            }
+    let marker = match propose_marker(&map, pg, &members).await {
+        Ok(marker) => marker,
+        Err(refusals) => {
+            return Ok(Repair::Failed(format!(
+                "repaired, but no member put a scrub marker in its log to confirm it: {refusals}"
+            )));
         }
-        if marker.is_some() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-    let Some(marker) = marker else {
-        return Ok(Repair::Failed(format!(
-            "repaired, but no member put a scrub marker in its log to confirm it: {}",
-            refusals.join("; ")
-        )));
     };
     // Every member's digest of the same marker (that one or a later one), from the
-    // reports the monitors hold.
+    // reports the monitors hold. A replica does not digest a marker its objects may be
+    // fuzzy at (a snapshot it installed since, if it fell behind under writes): another
+    // marker is asked for every few seconds until all digest one.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut asked_again = std::time::Instant::now();
     loop {
         let status = mon.status().await?;
         let scrubs: Vec<(OsdId, basalt_mon::protocol::PgScrub)> = members
@@ -1089,11 +1091,34 @@ async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::
         if std::time::Instant::now() > deadline {
             return Ok(Repair::Failed(format!(
                 "repaired, but not every member reported a scrub at log index {marker} or \
-                 later within 60 s"
+                 later within 60 s (`basalt pg scrub` compares them now)"
             )));
+        }
+        if asked_again.elapsed() > std::time::Duration::from_secs(5) {
+            asked_again = std::time::Instant::now();
+            // Not confirmed if refused: the markers already asked for may yet do.
+            let _ = propose_marker(&map, pg, &members).await;
         }
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
+}
+
+/// Has the leader of `pg` put a scrub marker in its log now (asking each member, a few
+/// times: the leader may be moving); the marker's index, or why none was.
+async fn propose_marker(map: &ClusterMap, pg: PgId, members: &[OsdId]) -> Result<u64, String> {
+    let mut refusals = Vec::new();
+    for _ in 0..50 {
+        refusals.clear();
+        for osd in members {
+            let request = basalt_osd::daemon::OsdRequest::Scrub { pg };
+            match ask_osd(map, *osd, &request, std::time::Duration::from_secs(5)).await {
+                Ok(state) => return Ok(state.last_index),
+                Err(error) => refusals.push(error),
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    Err(refusals.join("; "))
 }
 
 /// Repairs each PG named (see [`repair_pg`]): its replica on `osd` if given.

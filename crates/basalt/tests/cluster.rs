@@ -824,6 +824,37 @@ fn hot_round(uri: &str, round: u32) {
     qemu_io_ok(uri, false, &commands);
 }
 
+/// Rounds of [`hot_round`] one after another on a thread of their own, until stopped.
+struct HotWriter {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u32>,
+}
+
+impl HotWriter {
+    /// Starts with round `first`.
+    fn start(uri: &str, first: u32) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (uri, stopped) = (uri.to_string(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut round = first;
+            loop {
+                hot_round(&uri, round);
+                if stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                    return round;
+                }
+                round += 1;
+            }
+        });
+        Self { stop, thread }
+    }
+
+    /// Stops after the round under way; the last round written.
+    fn stop(self) -> u32 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the writes")
+    }
+}
+
 /// Reads the cold part and the hot part of the image back as `round` left them.
 fn check_round(uri: &str, round: u32) {
     let mut commands = vec!["read -P 90 0 8M".to_string()];
@@ -995,20 +1026,7 @@ fn background_scrubs_do_not_blame_a_replica_that_caught_up_by_snapshot() {
     };
     // Writes go on, round after round, until osd.2 has installed snapshots and a few
     // markers came after.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let (uri, stop) = (uri.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut round = 10;
-            loop {
-                hot_round(&uri, round);
-                if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    return round;
-                }
-                round += 1;
-            }
-        })
-    };
+    let writer = HotWriter::start(&uri, 10);
     cluster.start_osd(2);
     let installed = || {
         // Nothing installed while its metrics server is not up yet.
@@ -1032,8 +1050,7 @@ fn background_scrubs_do_not_blame_a_replica_that_caught_up_by_snapshot() {
         polls += 1;
         std::thread::sleep(Duration::from_millis(200));
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let last = writer.join().expect("the writes");
+    let last = writer.stop();
     cluster.wait_replicas_equal(Duration::from_secs(120));
     // A few more markers on the caught-up replicas.
     for _ in 0..15 {
@@ -1047,6 +1064,54 @@ fn background_scrubs_do_not_blame_a_replica_that_caught_up_by_snapshot() {
         installed()
     );
     check_round(&uri, last);
+}
+
+/// `basalt pg repair --osd` rebuilds one OSD's replica of every PG while writes go on: in
+/// the PGs it leads it hands leadership over first; the scrub after each repair finds the
+/// replicas equal at its marker, and every write reads back.
+#[test]
+fn replicas_rebuilt_while_writes_go_on_keep_every_write() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-repair");
+    let cluster = small_osd_cluster(&dir.path, 1, "256MiB", None, "24MiB");
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
+    hot_round(&uri, 0);
+    let osd = cluster.busiest_leader();
+    let writer = HotWriter::start(&uri, 1);
+    let pgs: Vec<String> = cluster
+        .cli_json(&["pg", "ls"])
+        .as_array()
+        .expect("pg list")
+        .iter()
+        .map(|pg| pg["pg"].as_str().expect("a pg id").to_string())
+        .collect();
+    assert_eq!(pgs.len(), 8);
+    let mut args = vec!["pg", "repair"];
+    args.extend(pgs.iter().map(String::as_str));
+    let osd_arg = osd.to_string();
+    args.extend(["--osd", &osd_arg, "--json"]);
+    let output = cluster.cli(&args);
+    let last = writer.stop();
+    let repaired: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    assert!(output.status.success(), "{repaired}");
+    for pg in repaired.as_array().expect("a list") {
+        assert_eq!(pg["state"], "repaired", "{repaired}");
+        assert_eq!(pg["repaired"], json!([osd]), "{repaired}");
+    }
+    let log = cluster.log_text(&format!("osd.{}", cluster.osd_process(osd)));
+    assert_eq!(log.matches(" repaired pg=").count(), 8, "{log}");
+    assert!(log.contains("leadership handed over for a repair"), "{log}");
+    eprintln!("rounds 1 to {last} written while 8 replicas were rebuilt");
+    assert!(last > 1, "no writes went on during the repairs");
+    check_round(&uri, last);
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    let scrubbed = cluster.cli_json(&["pg", "scrub"]);
+    let scrubbed = scrubbed.as_array().expect("a list");
+    assert!(
+        scrubbed.iter().all(|pg| pg["state"] == "consistent"),
+        "{scrubbed:?}"
+    );
 }
 
 /// Rounds of writes through an exported image while processes die (`kill -9`) at random

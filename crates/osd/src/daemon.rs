@@ -193,7 +193,9 @@ pub enum OsdRequest {
     },
 }
 
-/// How long a repair may take before it is given up (the operator may ask again).
+/// How long a repair may go without a snapshot asked for or being installed (a leader that
+/// finds no replica to hand leadership to, say) before it is given up; once one is on its
+/// way, the repair lasts until it is installed.
 pub const REPAIR_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// A repair asked of this replica ([`OsdRequest::Repair`]).
@@ -697,8 +699,15 @@ impl Core {
                     // Removed from the PG meanwhile.
                     return Ok(());
                 }
-                let installed_from = snapshot
-                    .and_then(|(index, _)| Some((index, self.snapshot_installed(pg, index)?)));
+                if let Some((index, _)) = snapshot
+                    && let Some(leader) = self.snapshot_installed(pg, index)
+                {
+                    // Raft's answer (in `then_send`) does not end a transfer at this
+                    // replica's last entry (a repair's); this does, and goes first, so
+                    // that the leader takes it for the snapshot it sent.
+                    let installed = self.raft.snapshot_installed(leader, index);
+                    self.send(leader, pg, installed);
+                }
                 let durable = self.durable.entry(pg).or_default();
                 durable.in_flight.pop_front();
                 if let Some(last_index) = last_index {
@@ -716,12 +725,6 @@ impl Core {
                 self.raft.on_persisted(pg, number);
                 for (to, message) in then_send {
                     self.send(to, pg, message);
-                }
-                if let Some((index, leader)) = installed_from {
-                    // Raft's answer does not end a transfer at this replica's last entry
-                    // (a repair's): this does.
-                    let installed = self.raft.snapshot_installed(leader, index);
-                    self.send(leader, pg, installed);
                 }
             }
             Event::Failed(reason) => return Err(OsdError::Internal(reason)),
@@ -1858,21 +1861,23 @@ impl Core {
             let Some(repair) = self.repairs.get(&pg) else {
                 continue;
             };
-            if now.duration_since(repair.since) > REPAIR_TIMEOUT {
-                let late = format!(
-                    "pg {pg} on {} not repaired within {} s",
-                    self.id,
-                    REPAIR_TIMEOUT.as_secs()
-                );
-                self.end_repair(pg, Err(late));
-                continue;
-            }
             if !self.raft.hosts(pg) {
                 let gone = format!("{} no longer hosts pg {pg}", self.id);
                 self.end_repair(pg, Err(gone));
                 continue;
             }
+            // Raft takes no entries while it asks (it would go on asking after the repair
+            // were given up), so a repair whose snapshot is on its way lasts until it is in.
             if self.raft.requesting_snapshot(pg) || self.installing.contains_key(&pg) {
+                continue;
+            }
+            if now.duration_since(repair.since) > REPAIR_TIMEOUT {
+                let late = format!(
+                    "pg {pg} on {}: no snapshot of the leader's could be asked for within {} s",
+                    self.id,
+                    REPAIR_TIMEOUT.as_secs()
+                );
+                self.end_repair(pg, Err(late));
                 continue;
             }
             if self.raft.is_leader(pg) {
@@ -1881,6 +1886,13 @@ impl Core {
                     Some(heir) => tracing::info!(%pg, %heir, "leadership handed over for a repair"),
                     None => tracing::debug!(%pg, "no caught-up replica to hand leadership to yet"),
                 }
+                continue;
+            }
+            if let Some(leader) = self.raft.leader(pg)
+                && repair.avoid.contains(&leader)
+            {
+                // Its copy may be bad too: it hands leadership over in its own repair.
+                tracing::debug!(%pg, %leader, "repair waits for a leader whose copy is not in doubt");
                 continue;
             }
             match self.raft.request_snapshot(pg) {

@@ -652,11 +652,16 @@ impl MultiRaft {
     }
 
     /// If this replica leads `pg`, hands leadership to the voter that has the most of the
-    /// log, among those caught up and not in `avoid`; the heir, if any.
+    /// log, among those caught up and not in `avoid`; the heir, if any (the one a hand-off
+    /// under way goes to).
     pub fn hand_over(&mut self, pg: PgId, avoid: &[OsdId]) -> Option<OsdId> {
         let group = self.groups.get_mut(&pg)?;
         if group.node.raft.state != StateRole::Leader {
             return None;
+        }
+        if let Some(heir) = group.node.raft.lead_transferee {
+            // One under way is left to finish (raft gives it up after an election timeout).
+            return Some(osd_of(heir));
         }
         let avoid: BTreeSet<u64> = avoid.iter().map(|osd| raft_id(*osd)).collect();
         let me = group.node.raft.id;
@@ -839,6 +844,19 @@ impl MultiRaft {
                 // the process on a heartbeat that does.
                 let last = group.node.raft.raft_log.last_index();
                 message.commit = message.commit.min(last);
+            }
+            if message.get_msg_type() == MessageType::MsgAppendResponse && !message.reject {
+                // A follower that asked for a snapshot (`request_snapshot`) and now has
+                // entries up to the index it asked for has installed one: raft-rs forgets
+                // the request only on a snapshot status, and would send snapshot after
+                // snapshot meanwhile (one per answer that moves the follower on).
+                let progress = group.node.raft.mut_prs().get_mut(message.from);
+                if let Some(progress) = progress
+                    && progress.pending_request_snapshot != raft::INVALID_INDEX
+                    && message.index >= progress.pending_request_snapshot
+                {
+                    progress.pending_request_snapshot = raft::INVALID_INDEX;
+                }
             }
             if message.get_msg_type() == MessageType::MsgSnapStatus {
                 // A follower's word on a snapshot (raft-rs takes it as a local report, and
@@ -1274,6 +1292,17 @@ mod tests {
             }
         }
 
+        /// Three replicas with a leader that committed `count` entries more; the leader.
+        fn with_entries(count: u8) -> (Self, usize) {
+            let mut trio = Self::new();
+            let leader = trio.elect();
+            for n in 0..count {
+                trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+                trio.settle();
+            }
+            (trio, leader)
+        }
+
         /// Ticks until a replica leads and has committed an entry of its term.
         fn elect(&mut self) -> usize {
             for _ in 0..10 * ELECTION_TICKS {
@@ -1389,28 +1418,29 @@ mod tests {
 
     /// A follower that asks for a snapshot (a repair) takes no more entries until it has
     /// one as recent as its own last entry, which the leader sends although nothing of its
-    /// log is compacted; installed, the follower catches up from the log.
+    /// log is compacted; installed, the follower catches up from the log, and the leader
+    /// sends no other snapshot (raft-rs would, forgetting the request only on a status).
     #[test]
     fn a_follower_asking_for_a_snapshot_gets_one_as_recent_as_its_log() {
-        let mut trio = Trio::new();
-        let leader = trio.elect();
+        let (mut trio, leader) = Trio::with_entries(10);
         let asking = (leader + 1) % 3;
-        for n in 0..10u8 {
-            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
-            trio.settle();
-        }
         let last = trio.replicas[asking].last_index(PG).expect("hosted");
         assert!(!trio.replicas[asking].requesting_snapshot(PG));
         trio.replicas[asking]
             .request_snapshot(PG)
             .expect("a follower with a leader asks");
         assert!(trio.replicas[asking].requesting_snapshot(PG));
+        // The request is held up while the others commit more: the snapshot comes from
+        // further on than the follower's log.
+        for n in 0..5u8 {
+            trio.replicas[leader]
+                .propose(PG, vec![50 + n])
+                .expect("leader");
+            trio.settle_where(|from, _, _| from != asking);
+        }
         let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
         let mut snapshot = None;
-        for n in 0..4 * ELECTION_TICKS {
-            trio.replicas[leader]
-                .propose(PG, vec![100 + n as u8])
-                .expect("leader");
+        for _ in 0..4 * ELECTION_TICKS {
             trio.replicas[leader].tick();
             for (_, message) in trio.settle_where(|_, _, m| !is_snapshot(m)) {
                 if is_snapshot(&message) && snapshot.is_none() {
@@ -1424,10 +1454,7 @@ mod tests {
         let snapshot = snapshot.expect("the leader sent a snapshot");
         let (index, from) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
         assert_eq!(from, OsdId(leader as u32));
-        assert!(
-            index >= last,
-            "snapshot at {index}, the follower had {last}"
-        );
+        assert!(index > last, "snapshot at {index}, the follower had {last}");
         assert_eq!(
             trio.replicas[asking].last_index(PG),
             Some(last),
@@ -1436,18 +1463,15 @@ mod tests {
         assert!(trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
         trio.replicas[asking].step(PG, snapshot);
         assert!(trio.replicas[asking].has_pending_snapshot(PG));
-        trio.settle();
-        assert!(!trio.replicas[asking].requesting_snapshot(PG));
-        let installed = trio.replicas[asking].snapshot_installed(OsdId(leader as u32), index);
-        trio.replicas[leader].step(PG, installed);
         for n in 0..2 * HEARTBEAT_TICKS {
+            let sent = trio.settle();
+            assert!(!sent.iter().any(|(_, m)| is_snapshot(m)), "sent again");
             trio.replicas[leader]
                 .propose(PG, vec![200 + n as u8])
                 .expect("leader");
             trio.replicas[leader].tick();
-            let sent = trio.settle();
-            assert!(!sent.iter().any(|(_, m)| is_snapshot(m)), "sent again");
         }
+        trio.settle();
         assert!(!trio.replicas[asking].requesting_snapshot(PG));
         assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
         assert_eq!(
@@ -1456,6 +1480,50 @@ mod tests {
         );
         // A leader cannot ask.
         assert!(trio.replicas[leader].request_snapshot(PG).is_err());
+    }
+
+    /// When the snapshot is at the follower's last entry, raft-rs's answer to it tells the
+    /// leader nothing new; the follower's word that it installed it ends the transfer.
+    #[test]
+    fn a_snapshot_at_the_followers_last_entry_ends_with_its_word() {
+        let (mut trio, leader) = Trio::with_entries(10);
+        let asking = (leader + 1) % 3;
+        trio.replicas[asking].request_snapshot(PG).expect("asks");
+        let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
+        let mut snapshot = None;
+        for _ in 0..4 * ELECTION_TICKS {
+            trio.replicas[leader].tick();
+            snapshot = trio
+                .settle_where(|_, _, m| !is_snapshot(m))
+                .into_iter()
+                .map(|(_, m)| m)
+                .find(is_snapshot);
+            if snapshot.is_some() {
+                break;
+            }
+        }
+        let snapshot = snapshot.expect("a snapshot");
+        let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
+        assert_eq!(Some(index), trio.replicas[asking].last_index(PG));
+        trio.replicas[asking].step(PG, snapshot);
+        trio.settle();
+        let follower = OsdId(asking as u32);
+        assert!(trio.replicas[leader].sending_snapshot(PG, follower));
+        let installed = trio.replicas[asking].snapshot_installed(OsdId(leader as u32), index);
+        trio.replicas[leader].step(PG, installed);
+        assert!(!trio.replicas[leader].sending_snapshot(PG, follower));
+        for n in 0..2 * HEARTBEAT_TICKS {
+            trio.replicas[leader]
+                .propose(PG, vec![100 + n as u8])
+                .expect("leader");
+            trio.replicas[leader].tick();
+            let sent = trio.settle();
+            assert!(!sent.iter().any(|(_, m)| is_snapshot(m)), "sent again");
+        }
+        assert_eq!(
+            trio.replicas[asking].last_index(PG),
+            trio.replicas[leader].last_index(PG)
+        );
     }
 
     /// A leader hands leadership to a caught-up voter outside `avoid`, and to none when
