@@ -417,6 +417,20 @@ fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'
         moving.extend(report.moving.iter().copied());
     }
     let map = &status.map;
+    // The background scrubs' verdicts: `+inconsistent`, as Ceph shows it.
+    let members = map.pools.values().flat_map(|pool| {
+        pool.pgs.iter().enumerate().map(|(index, entry)| {
+            let pg = PgId {
+                pool: pool.id,
+                index: index as u32,
+            };
+            (pg, entry.members.clone())
+        })
+    });
+    let inconsistent: BTreeSet<PgId> = inconsistent_pgs(&status.reports, members)
+        .into_iter()
+        .map(|(pg, _)| pg)
+        .collect();
     let mut states = Vec::new();
     for pool in map.pools.values() {
         for (index, entry) in pool.pgs.iter().enumerate() {
@@ -441,6 +455,12 @@ fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'
                 "active+remapped"
             } else {
                 "active+clean"
+            };
+            let state = match (state, inconsistent.contains(&pg)) {
+                ("active+degraded", true) => "active+degraded+inconsistent",
+                ("active+remapped", true) => "active+remapped+inconsistent",
+                ("active+clean", true) => "active+clean+inconsistent",
+                (state, _) => state,
             };
             states.push((pg, entry.members.clone(), leader, state));
         }

@@ -378,9 +378,27 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     );
     let text = cluster.cli_ok(&["status"]);
     assert!(
-        text.contains("health: HEALTH_ERR") && text.contains(&named),
+        text.contains("health: HEALTH_ERR")
+            && text.contains(&named)
+            && text.contains("1 active+clean+inconsistent"),
         "{text}"
     );
+    let listed = cluster.cli_json(&["pg", "ls"]);
+    let states: Vec<(&str, &str)> = listed
+        .as_array()
+        .expect("pg list")
+        .iter()
+        .filter_map(|pg| Some((pg["pg"].as_str()?, pg["state"].as_str()?)))
+        .collect();
+    let damaged_pg = inconsistent[0]["pg"].as_str().expect("a pg id");
+    for (pg, state) in &states {
+        let expected = if *pg == damaged_pg {
+            "active+clean+inconsistent"
+        } else {
+            "active+clean"
+        };
+        assert_eq!(*state, expected, "{states:?}");
+    }
 
     // `basalt pg repair` rebuilds that replica from the leader and scrubs again; a PG
     // whose replicas agree needs nothing.
