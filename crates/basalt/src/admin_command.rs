@@ -1154,10 +1154,24 @@ pub fn run_pg_repair(
         .map(|pg| parse_pg(pg))
         .collect::<anyhow::Result<Vec<PgId>>>()?;
     let chosen = osd.as_deref().map(parse_osd_id).transpose()?;
+    // A few PGs at once: the copies and the scrubs that confirm them overlap (an OSD
+    // installs at most `--max-moves` snapshots at once, 4 by default, and refuses more
+    // for now).
+    const AT_ONCE: usize = 4;
+    let mon = std::sync::Arc::new(mon);
     block_on(async move {
-        let mut results = Vec::new();
-        for pg in wanted {
-            results.push((pg, repair_pg(&mon, pg, chosen).await?));
+        let mut results = Vec::with_capacity(wanted.len());
+        for group in wanted.chunks(AT_ONCE) {
+            let tasks: Vec<_> = group
+                .iter()
+                .map(|pg| {
+                    let (mon, pg) = (mon.clone(), *pg);
+                    tokio::spawn(async move { repair_pg(&mon, pg, chosen).await })
+                })
+                .collect();
+            for (pg, task) in group.iter().zip(tasks) {
+                results.push((*pg, task.await.context("a repair task failed")??));
+            }
         }
         let failed = results
             .iter()
