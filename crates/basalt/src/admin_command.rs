@@ -542,7 +542,8 @@ fn health(
         warnings.push(format!("{out} osds out"));
     }
     for state in ["inactive", "active+degraded", "unplaced"] {
-        let count = states.iter().filter(|s| s.3 == state).count();
+        // (`active+degraded+inconsistent` counts as degraded too.)
+        let count = states.iter().filter(|s| s.3.starts_with(state)).count();
         if count > 0 {
             warnings.push(format!("{count} pgs {state}"));
         }
@@ -1029,16 +1030,15 @@ async fn ask_osd(
 /// Repairs one PG: rebuilds its odd replicas from the leader, puts a scrub marker in its
 /// log, and waits for every member's digest of it.
 async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::Result<Repair> {
-    use basalt_osd::daemon::{OsdRequest, REPAIR_TIMEOUT};
+    use basalt_osd::daemon::{OsdRequest, REPAIR_ANSWER_WITHIN};
     let odd = match odd_replicas_of(mon, pg, chosen).await? {
         Ok(odd) if odd.is_empty() => return Ok(Repair::Consistent),
         Ok(odd) => odd,
         Err(why) => return Ok(Repair::Failed(why)),
     };
     let map = mon.map().await?;
-    // Once a snapshot is on its way, a repair lasts until it is in: as long as copying the
-    // PG takes.
-    let answer_within = REPAIR_TIMEOUT + std::time::Duration::from_secs(30 * 60);
+    // The OSD answers within REPAIR_ANSWER_WITHIN, repaired or not.
+    let answer_within = REPAIR_ANSWER_WITHIN + std::time::Duration::from_secs(30);
     let repairs: Vec<_> = odd
         .iter()
         .map(|osd| {
@@ -1166,11 +1166,16 @@ pub fn run_pg_repair(
                 .iter()
                 .map(|pg| {
                     let (mon, pg) = (mon.clone(), *pg);
-                    tokio::spawn(async move { repair_pg(&mon, pg, chosen).await })
+                    tokio::spawn(async move {
+                        // A monitor that fails to answer fails this PG's repair, not the others'.
+                        repair_pg(&mon, pg, chosen)
+                            .await
+                            .unwrap_or_else(|error| Repair::Failed(format!("{error:#}")))
+                    })
                 })
                 .collect();
             for (pg, task) in group.iter().zip(tasks) {
-                results.push((*pg, task.await.context("a repair task failed")??));
+                results.push((*pg, task.await.context("a repair task failed")?));
             }
         }
         let failed = results

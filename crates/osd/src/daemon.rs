@@ -198,14 +198,24 @@ pub enum OsdRequest {
 /// way, the repair lasts until it is installed.
 pub const REPAIR_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How long an [`OsdRequest::Repair`] waits for its answer: then it is told the repair is
+/// still under way (a partitioned replica, one whose log has no room for the copy); asked
+/// again, it waits again.
+pub const REPAIR_ANSWER_WITHIN: Duration = Duration::from_secs(600);
+
 /// A repair asked of this replica ([`OsdRequest::Repair`]).
 struct Repair {
     /// Replicas not to hand leadership to.
     avoid: Vec<OsdId>,
-    /// Who waits for the answer.
-    waiting: Vec<oneshot::Sender<Message>>,
+    /// Who waits for the answer, since when.
+    waiting: Vec<(oneshot::Sender<Message>, std::time::Instant)>,
     /// When it was asked.
     since: std::time::Instant,
+    /// The snapshot is installed (the state after it): the answer waits for a checkpoint
+    /// cut after it, so that replay no longer reads the data it replaced.
+    installed: Option<PgReplicaState>,
+    /// A checkpoint cut after the install is being written.
+    covered: bool,
 }
 
 /// One replica's state of a PG.
@@ -772,6 +782,7 @@ impl Core {
                         self.reclaim.replay_position = checkpoint.replay_position;
                         self.log.set_tail(checkpoint.tail.0);
                         self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+                        self.end_covered_repairs();
                     }
                     Err(error @ LogDeviceError::CheckpointTooLarge { .. }) => {
                         tracing::error!(%error, "checkpoints stop: the log is not reused any more");
@@ -1043,10 +1054,13 @@ impl Core {
         tracing::info!(%pg, index, "snapshot installed");
         if self.repairs.contains_key(&pg) {
             // The data it replaced may lie in a damaged batch: a checkpoint now keeps
-            // replay from reading it again, which would stop this OSD from starting.
+            // replay from reading it again, which would stop this OSD from starting. The
+            // repair is answered once it is written ([`Core::advance_repairs`]).
             self.reclaim.asked = true;
             let state = self.replica_state(pg);
-            self.end_repair(pg, Ok(state));
+            if let Some(repair) = self.repairs.get_mut(&pg) {
+                repair.installed = Some(state);
+            }
         }
         leader
     }
@@ -1673,6 +1687,9 @@ impl Core {
         }
         let checkpoint = self.cut_checkpoint();
         self.reclaim.asked = false;
+        for repair in self.repairs.values_mut() {
+            repair.covered |= repair.installed.is_some();
+        }
         let mark = CheckpointMark {
             sequence: checkpoint.sequence,
             replay_position: checkpoint.replay_position,
@@ -1844,9 +1861,11 @@ impl Core {
             avoid: Vec::new(),
             waiting: Vec::new(),
             since: std::time::Instant::now(),
+            installed: None,
+            covered: false,
         });
         repair.avoid = avoid;
-        repair.waiting.push(reply_to);
+        repair.waiting.push((reply_to, std::time::Instant::now()));
         tracing::info!(%pg, "repair asked: this replica's data is to be rebuilt from the leader's");
         self.advance_repairs();
     }
@@ -1858,9 +1877,30 @@ impl Core {
         let now = std::time::Instant::now();
         let pgs: Vec<PgId> = self.repairs.keys().copied().collect();
         for pg in pgs {
-            let Some(repair) = self.repairs.get(&pg) else {
+            let Some(repair) = self.repairs.get_mut(&pg) else {
                 continue;
             };
+            // Those waiting too long are told it goes on (asked again, they wait again).
+            let (late, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut repair.waiting)
+                .into_iter()
+                .partition(|(_, since)| now.duration_since(*since) > REPAIR_ANSWER_WITHIN);
+            repair.waiting = waiting;
+            for (reply_to, _) in late {
+                let under_way = format!(
+                    "pg {pg} on {}: the repair is still under way after {} s (a snapshot of the \
+                     leader's asked for or being installed); ask again to wait for it",
+                    self.id,
+                    REPAIR_ANSWER_WITHIN.as_secs()
+                );
+                let _ = reply_to.send(control_answer(Err(under_way)));
+            }
+            if repair.installed.is_some() {
+                // Checkpoints cannot be cut: nothing to wait for.
+                if self.reclaim.stopped || !self.reuse_allowed() {
+                    self.end_installed_repair(pg);
+                }
+                continue;
+            }
             if !self.raft.hosts(pg) {
                 let gone = format!("{} no longer hosts pg {pg}", self.id);
                 self.end_repair(pg, Err(gone));
@@ -1902,6 +1942,30 @@ impl Core {
         }
     }
 
+    /// Answers the repairs whose install a written checkpoint covers.
+    fn end_covered_repairs(&mut self) {
+        let covered: Vec<PgId> = self
+            .repairs
+            .iter()
+            .filter(|(_, repair)| repair.covered)
+            .map(|(pg, _)| *pg)
+            .collect();
+        for pg in covered {
+            self.end_installed_repair(pg);
+        }
+    }
+
+    /// Ends an installed repair with the state after its install.
+    fn end_installed_repair(&mut self, pg: PgId) {
+        let state = self
+            .repairs
+            .get(&pg)
+            .and_then(|repair| repair.installed.clone());
+        if let Some(state) = state {
+            self.end_repair(pg, Ok(state));
+        }
+    }
+
     /// Ends the repair of `pg`, answering whoever waits for it.
     fn end_repair(&mut self, pg: PgId, result: Result<PgReplicaState, String>) {
         let Some(repair) = self.repairs.remove(&pg) else {
@@ -1911,7 +1975,7 @@ impl Core {
             Ok(state) => tracing::info!(%pg, applied = state.applied, "repaired"),
             Err(error) => tracing::warn!(%pg, %error, "repair given up"),
         }
-        for waiting in repair.waiting {
+        for (waiting, _) in repair.waiting {
             let _ = waiting.send(control_answer(result.clone()));
         }
     }

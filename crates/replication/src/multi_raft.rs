@@ -850,8 +850,10 @@ impl MultiRaft {
                 // entries up to the index it asked for has installed one: raft-rs forgets
                 // the request only on a snapshot status, and would send snapshot after
                 // snapshot meanwhile (one per answer that moves the follower on).
+                let current = message.term == group.node.raft.term;
                 let progress = group.node.raft.mut_prs().get_mut(message.from);
-                if let Some(progress) = progress
+                if current
+                    && let Some(progress) = progress
                     && progress.pending_request_snapshot != raft::INVALID_INDEX
                     && message.index >= progress.pending_request_snapshot
                 {
