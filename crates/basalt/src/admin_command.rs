@@ -11,7 +11,7 @@ use anyhow::Context;
 use basalt_common::{ByteSize, OsdId, PgId};
 use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
-use basalt_mon::protocol::{ClusterStatus, inconsistent_pgs, odd_replicas};
+use basalt_mon::protocol::{ClusterStatus, inconsistent_pgs, member_scrubs, odd_replicas};
 use serde_json::json;
 
 use crate::daemon_command::{read_config, resolve_mons};
@@ -417,20 +417,6 @@ fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'
         moving.extend(report.moving.iter().copied());
     }
     let map = &status.map;
-    // The background scrubs' verdicts: `+inconsistent`, as Ceph shows it.
-    let members = map.pools.values().flat_map(|pool| {
-        pool.pgs.iter().enumerate().map(|(index, entry)| {
-            let pg = PgId {
-                pool: pool.id,
-                index: index as u32,
-            };
-            (pg, entry.members.clone())
-        })
-    });
-    let inconsistent: BTreeSet<PgId> = inconsistent_pgs(&status.reports, members)
-        .into_iter()
-        .map(|(pg, _)| pg)
-        .collect();
     let mut states = Vec::new();
     for pool in map.pools.values() {
         for (index, entry) in pool.pgs.iter().enumerate() {
@@ -456,14 +442,24 @@ fn pg_states(status: &ClusterStatus) -> Vec<(PgId, Vec<OsdId>, Option<OsdId>, &'
             } else {
                 "active+clean"
             };
-            let state = match (state, inconsistent.contains(&pg)) {
-                ("active+degraded", true) => "active+degraded+inconsistent",
-                ("active+remapped", true) => "active+remapped+inconsistent",
-                ("active+clean", true) => "active+clean+inconsistent",
-                (state, _) => state,
-            };
             states.push((pg, entry.members.clone(), leader, state));
         }
+    }
+    // The background scrubs' verdicts: `+inconsistent`, as Ceph shows it.
+    let members = states
+        .iter()
+        .map(|(pg, members, _, _)| (*pg, members.clone()));
+    let inconsistent: BTreeSet<PgId> = inconsistent_pgs(&status.reports, members)
+        .into_iter()
+        .map(|(pg, _)| pg)
+        .collect();
+    for (pg, _, _, state) in &mut states {
+        *state = match (*state, inconsistent.contains(pg)) {
+            ("active+degraded", true) => "active+degraded+inconsistent",
+            ("active+remapped", true) => "active+remapped+inconsistent",
+            ("active+clean", true) => "active+clean+inconsistent",
+            (state, _) => state,
+        };
     }
     states
 }
@@ -958,10 +954,10 @@ enum Repair {
 /// cannot go on).
 async fn odd_replicas_of(
     mon: &MonClient,
+    status: &ClusterStatus,
     pg: PgId,
     chosen: Option<OsdId>,
 ) -> anyhow::Result<Result<Vec<OsdId>, String>> {
-    let status = mon.status().await?;
     let Some(entry) = status.map.pg(pg) else {
         return Ok(Err(format!("pg {pg} does not exist")));
     };
@@ -1031,12 +1027,13 @@ async fn ask_osd(
 /// log, and waits for every member's digest of it.
 async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::Result<Repair> {
     use basalt_osd::daemon::{OsdRequest, REPAIR_ANSWER_WITHIN};
-    let odd = match odd_replicas_of(mon, pg, chosen).await? {
+    let status = mon.status().await?;
+    let odd = match odd_replicas_of(mon, &status, pg, chosen).await? {
         Ok(odd) if odd.is_empty() => return Ok(Repair::Consistent),
         Ok(odd) => odd,
         Err(why) => return Ok(Repair::Failed(why)),
     };
-    let map = mon.map().await?;
+    let map = status.map;
     // The OSD answers within REPAIR_ANSWER_WITHIN, repaired or not.
     let answer_within = REPAIR_ANSWER_WITHIN + std::time::Duration::from_secs(30);
     let repairs: Vec<_> = odd
@@ -1076,15 +1073,7 @@ async fn repair_pg(mon: &MonClient, pg: PgId, chosen: Option<OsdId>) -> anyhow::
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut asked_again = std::time::Instant::now();
     loop {
-        let status = mon.status().await?;
-        let scrubs: Vec<(OsdId, basalt_mon::protocol::PgScrub)> = members
-            .iter()
-            .filter_map(|osd| {
-                let (_, report) = status.reports.iter().find(|(id, _)| id == osd)?;
-                let scrub = report.scrubs.iter().find(|scrub| scrub.pg == pg)?;
-                Some((*osd, *scrub))
-            })
-            .collect();
+        let scrubs = member_scrubs(&mon.status().await?.reports, pg, &members);
         let same = scrubs.len() == members.len()
             && scrubs
                 .iter()

@@ -83,6 +83,23 @@ pub fn odd_replicas(digests: &[(OsdId, u32)]) -> Vec<OsdId> {
         .collect()
 }
 
+/// The latest background scrub of `pg` that each of `members` reported (members without
+/// a report, or without a scrub of it, are left out).
+pub fn member_scrubs(
+    reports: &[(OsdId, OsdReport)],
+    pg: PgId,
+    members: &[OsdId],
+) -> Vec<(OsdId, PgScrub)> {
+    members
+        .iter()
+        .filter_map(|osd| {
+            let (_, report) = reports.iter().find(|(id, _)| id == osd)?;
+            let scrub = report.scrubs.iter().find(|scrub| scrub.pg == pg)?;
+            Some((*osd, *scrub))
+        })
+        .collect()
+}
+
 /// The PGs whose replicas' latest background scrubs disagree, each with the replicas
 /// outside the majority. For each PG, the replicas compared are the members (of
 /// `members`) that reported the highest marker index that two or more of them reported:
@@ -94,14 +111,7 @@ pub fn inconsistent_pgs(
 ) -> Vec<(PgId, Vec<OsdId>)> {
     let mut found = Vec::new();
     for (pg, members) in members {
-        let scrubs: Vec<(OsdId, PgScrub)> = members
-            .iter()
-            .filter_map(|osd| {
-                let (_, report) = reports.iter().find(|(id, _)| id == osd)?;
-                let scrub = report.scrubs.iter().find(|scrub| scrub.pg == pg)?;
-                Some((*osd, *scrub))
-            })
-            .collect();
+        let scrubs = member_scrubs(reports, pg, &members);
         let shared = scrubs
             .iter()
             .map(|(_, scrub)| scrub.index)

@@ -816,17 +816,18 @@ impl Core {
             self.abort_install(pg, "a newer leader sent another", false);
         }
         // A replica that asked for a snapshot (a repair) fetches it however recent its log.
-        let behind = self
-            .raft
-            .committed(pg)
-            .is_some_and(|committed| committed < index)
-            || self.raft.requesting_snapshot(pg);
+        let requesting = self.raft.requesting_snapshot(pg);
+        let behind = requesting
+            || self
+                .raft
+                .committed(pg)
+                .is_some_and(|committed| committed < index);
         if !behind || message.term < self.raft.term(pg).unwrap_or(0) {
             // Raft answers a snapshot it does not need, or a stale one, by itself.
             self.raft.step(pg, message);
             return;
         }
-        if self.raft.requesting_snapshot(pg) && Some(index) < self.raft.last_index(pg) {
+        if requesting && Some(index) < self.raft.last_index(pg) {
             // Raft would install it and drop the entries after it, which this replica may
             // have acknowledged; the one asked for reaches at least its last entry.
             tracing::info!(%pg, %leader, index, "a snapshot older than the log refused while one is asked for");
@@ -1055,12 +1056,12 @@ impl Core {
         if self.repairs.contains_key(&pg) {
             // The data it replaced may lie in a damaged batch: a checkpoint now keeps
             // replay from reading it again, which would stop this OSD from starting. The
-            // repair is answered once it is written ([`Core::advance_repairs`]).
+            // repair is answered once it is written ([`Core::end_covered_repairs`]).
             self.reclaim.asked = true;
             let state = self.replica_state(pg);
-            if let Some(repair) = self.repairs.get_mut(&pg) {
-                repair.installed = Some(state);
-            }
+            self.repairs
+                .entry(pg)
+                .and_modify(|repair| repair.installed = Some(state));
         }
         leader
     }
@@ -1992,12 +1993,18 @@ impl Core {
                 self.id
             ));
         }
+        self.propose_marker(pg)?;
+        Ok(self.replica_state(pg))
+    }
+
+    /// Proposes a scrub marker in `pg`: not into the log of a full replica (it could not
+    /// persist it).
+    fn propose_marker(&mut self, pg: PgId) -> Result<(), String> {
         self.replicas_not_full(pg)
             .map_err(|status| format!("{status:?}"))?;
         self.raft
             .propose(pg, crate::scrub::MARKER.to_vec())
-            .map_err(|error| error.to_string())?;
-        Ok(self.replica_state(pg))
+            .map_err(|error| error.to_string())
     }
 
     /// Digests `pg` as it stands at the scrub marker at `index`, just applied, and keeps
@@ -2040,17 +2047,8 @@ impl Core {
             .collect();
         let now = std::time::Instant::now();
         for pg in self.scrub_schedule.due(leading, now) {
-            // Not into the log of a full replica (it could not persist it), and not lost:
-            // a marker not proposed is tried again.
-            let proposed = self
-                .replicas_not_full(pg)
-                .map_err(|status| format!("{status:?}"))
-                .and_then(|()| {
-                    self.raft
-                        .propose(pg, crate::scrub::MARKER.to_vec())
-                        .map_err(|error| error.to_string())
-                });
-            if let Err(error) = proposed {
+            // A marker not proposed (a replica full, say) is tried again.
+            if let Err(error) = self.propose_marker(pg) {
                 tracing::debug!(%pg, %error, "scrub marker not proposed");
                 self.scrub_schedule.retry(pg, now);
             }
