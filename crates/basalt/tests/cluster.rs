@@ -480,6 +480,83 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     );
 }
 
+/// Waits for the replicas to be equal, then checks that `pg scrub` finds every PG's
+/// replicas agreeing.
+fn assert_every_pg_consistent(cluster: &ClusterProcesses) {
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    let scrubbed = cluster.cli_json(&["pg", "scrub"]);
+    let scrubbed = scrubbed.as_array().expect("a list");
+    assert!(
+        scrubbed.iter().all(|pg| pg["state"] == "consistent"),
+        "{scrubbed:?}"
+    );
+}
+
+/// A block of a leader's copy that the device changed under it is never read back: the
+/// leader finds that it fails its checksum, hands the PG to another replica and has its
+/// copy rebuilt from it, while the client's read, told to retry, gets the data written
+/// from the new leader. With no other replica, the read fails instead (EIO).
+#[test]
+fn a_damaged_block_of_the_leader_is_never_read_back() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-damaged");
+    let cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "1", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    let leader = cluster.busiest_leader();
+    let process = cluster.osd_process(leader);
+    let name = format!("osd.{process}");
+    flip_a_byte_in_a_block_of(&dir.join(&name).join("osd.log"), 0x5a);
+    // qemu-io checks every byte against the pattern.
+    qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M"]);
+    let log = cluster.log_text(&name);
+    assert!(
+        log.contains("this replica's copy of the pg is damaged: it is rebuilt from another's"),
+        "{log}"
+    );
+    wait_for("the damaged copy rebuilt", Duration::from_secs(60), || {
+        cluster.log_text(&name).contains(" repaired pg=")
+    });
+    let log = cluster.log_text(&name);
+    assert!(log.contains("leadership handed over for a repair"), "{log}");
+    assert_every_pg_consistent(&cluster);
+    qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M"]);
+
+    // A pool of one replica: nothing to rebuild from, and the damage is not read back.
+    cluster.cli_ok(&["pool", "create", "one", "--pg-count", "1", "--size", "1"]);
+    cluster.cli_ok(&["image", "create", "one/vol", "--size", "4MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let second = dir.join("second-target");
+    std::fs::create_dir_all(&second).expect("a directory for a second target");
+    let (_single, single) = export_image(&second, &cluster, "one", "vol");
+    qemu_io_ok(&single, false, &["write -P 0x6b 0 64k"]);
+    let pgs = cluster.cli_json(&["pg", "ls"]);
+    let host = pgs
+        .as_array()
+        .expect("pg list")
+        .iter()
+        .find(|pg| pg["members"].as_array().is_some_and(|m| m.len() == 1))
+        .and_then(|pg| pg["leader"].as_u64())
+        .expect("the one replica leads") as u32;
+    let name = format!("osd.{}", cluster.osd_process(host));
+    flip_a_byte_in_a_block_of(&dir.join(&name).join("osd.log"), 0x6b);
+    let (read, output) = qemu_io(&single, true, &["read -P 0x6b 0 64k"]);
+    assert!(
+        !read,
+        "a damaged block of the only replica read back: {output}"
+    );
+    assert!(output.contains("Input/output error"), "{output}");
+    assert!(
+        cluster.log_text(&name).contains(
+            "this replica's copy of the pg is damaged, and no other replica holds the pg"
+        ),
+        "a damaged read not reported"
+    );
+}
+
 /// Flips a byte of the first block of `device` filled with `fill`.
 fn flip_a_byte_in_a_block_of(device: &std::path::Path, fill: u8) {
     use std::io::{Read, Seek, Write};
@@ -1123,13 +1200,7 @@ fn replicas_rebuilt_while_writes_go_on_keep_every_write() {
     eprintln!("rounds 1 to {last} written while 8 replicas were rebuilt");
     assert!(last > 1, "no writes went on during the repairs");
     check_round(&uri, last);
-    cluster.wait_replicas_equal(Duration::from_secs(60));
-    let scrubbed = cluster.cli_json(&["pg", "scrub"]);
-    let scrubbed = scrubbed.as_array().expect("a list");
-    assert!(
-        scrubbed.iter().all(|pg| pg["state"] == "consistent"),
-        "{scrubbed:?}"
-    );
+    assert_every_pg_consistent(&cluster);
 }
 
 /// Rounds of writes through an exported image while processes die (`kill -9`) at random

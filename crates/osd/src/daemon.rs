@@ -44,6 +44,7 @@ use basalt_replication::{
     beat_of, decode_message, encode_message, heartbeat,
 };
 use basalt_store::batch::{self, BLOCK_SIZE};
+use basalt_store::block_sums::{BlockSums, Mismatch};
 use basalt_store::checkpoint::Checkpoint;
 use basalt_store::extent_map::Piece;
 use basalt_store::log::Replayed;
@@ -218,6 +219,19 @@ struct Repair {
     covered: bool,
 }
 
+impl Repair {
+    /// A repair asked now, avoiding no replica yet, that nobody waits for yet.
+    fn new() -> Self {
+        Self {
+            avoid: Vec::new(),
+            waiting: Vec::new(),
+            since: std::time::Instant::now(),
+            installed: None,
+            covered: false,
+        }
+    }
+}
+
 /// One replica's state of a PG.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PgReplicaState {
@@ -296,6 +310,8 @@ struct Counters {
     beats_sent: AtomicU64,
     /// Raft messages sent whole.
     raft_messages_sent: AtomicU64,
+    /// Blocks read back from the log that failed their checksum.
+    checksum_errors: AtomicU64,
 }
 
 /// What the core hears.
@@ -364,6 +380,13 @@ enum Event {
     },
     /// A membership check of a PG is over.
     MembershipChecked { pg: PgId },
+    /// A read of `pg`'s data found a block that fails its checksum: this replica's copy is
+    /// damaged. `reply`, if any, is the client's read waiting for its answer.
+    Damaged {
+        pg: PgId,
+        mismatch: Mismatch,
+        reply: Option<oneshot::Sender<Message>>,
+    },
     /// A snapshot chunk is durable: its runs lie at these device offsets.
     SnapshotWritten {
         pg: PgId,
@@ -675,6 +698,11 @@ impl Core {
                     let _ = ack.send(false);
                 }
             }
+            Event::Damaged {
+                pg,
+                mismatch,
+                reply,
+            } => self.damaged(pg, mismatch, reply),
             Event::SnapshotWritten {
                 pg,
                 transfer,
@@ -1133,8 +1161,9 @@ impl Core {
                 .iter()
                 .flat_map(|(_, runs)| runs.iter().flat_map(|(_, _, pieces)| pieces)),
         );
-        let engine = self.engine.clone();
+        let (engine, sums) = (self.engine.clone(), self.log.block_sums());
         let counters = self.counters.clone();
+        let events = self.events.clone();
         tokio::spawn(async move {
             let _pin = pin;
             let mut chunk = Chunk {
@@ -1145,8 +1174,26 @@ impl Core {
             for (key, runs) in reads {
                 let mut data = Vec::with_capacity(runs.len());
                 for (offset, len, pieces) in runs {
-                    match read_pieces(&engine, offset, len, &pieces).await {
-                        Ok(bytes) => data.push((offset as u32, bytes)),
+                    match read_pieces(&engine, &sums, offset, len, &pieces).await {
+                        Ok(ReadBack {
+                            damaged: Some(mismatch),
+                            ..
+                        }) => {
+                            // Never sent: the follower would take the damage for the data.
+                            let _ = reply_to.send(reply(Status::Io {
+                                message: format!(
+                                    "pg {pg}: the leader's copy is damaged: {mismatch}"
+                                ),
+                            }));
+                            let reply = None;
+                            let _ = events.send(Event::Damaged {
+                                pg,
+                                mismatch,
+                                reply,
+                            });
+                            return;
+                        }
+                        Ok(ReadBack { data: bytes, .. }) => data.push((offset as u32, bytes)),
                         Err(error) => {
                             let _ = reply_to.send(reply(Status::Io {
                                 message: format!("reading the log device: {error}"),
@@ -1749,6 +1796,25 @@ impl Core {
         // The cleaner only goes through durable batches.
         debug_assert!(reclaim.cleaned_to.0 <= reclaim.durable_end.0);
         let tail = reclaim.cleaned_to;
+        // The checksums of the blocks the index and the retained entries refer to: after
+        // a restart, replay gives only those of the batches after this checkpoint.
+        let extents = states.iter().flat_map(|state| {
+            state
+                .objects
+                .iter()
+                .flat_map(|(_, extents)| extents.iter().map(|(_, len, device)| (*device, *len)))
+        });
+        let payloads = states.iter().flat_map(|state| {
+            state.entries.iter().filter_map(|entry| {
+                PayloadRef::decode(&entry.data).map(|reference| {
+                    (
+                        reference.device_offset_bytes,
+                        u64::from(reference.len_bytes),
+                    )
+                })
+            })
+        });
+        let block_sums = self.log.block_sums().runs(extents.chain(payloads));
         Checkpoint {
             sequence: reclaim.sequence + 1,
             replay_position: reclaim.durable_end.0,
@@ -1756,6 +1822,7 @@ impl Core {
             tail_position: tail.0,
             tail_lsn: tail.1,
             pgs: states,
+            block_sums,
         }
     }
 
@@ -1816,10 +1883,15 @@ impl Core {
             state.mapped_bytes = objects.mapped_bytes();
         }
         let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
-        let engine = self.engine.clone();
+        let (engine, sums) = (self.engine.clone(), self.log.block_sums());
+        let counters = self.counters.clone();
         tokio::spawn(async move {
-            let answer = match crate::scrub::digest(&engine, plan).await {
-                Ok(digest) => {
+            let answer = match crate::scrub::digest(&engine, &sums, plan).await {
+                Ok((digest, damaged)) => {
+                    if let Some(mismatch) = damaged {
+                        counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(%pg, %mismatch, "this replica's copy of the pg is damaged");
+                    }
                     state.digest = digest;
                     Ok(state)
                 }
@@ -1858,17 +1930,59 @@ impl Core {
             let _ = reply_to.send(control_answer(refused));
             return;
         }
-        let repair = self.repairs.entry(pg).or_insert_with(|| Repair {
-            avoid: Vec::new(),
-            waiting: Vec::new(),
-            since: std::time::Instant::now(),
-            installed: None,
-            covered: false,
-        });
+        let repair = self.repairs.entry(pg).or_insert_with(Repair::new);
         repair.avoid = avoid;
         repair.waiting.push((reply_to, std::time::Instant::now()));
         tracing::info!(%pg, "repair asked: this replica's data is to be rebuilt from the leader's");
         self.advance_repairs();
+    }
+
+    /// A read found this replica's copy of `pg` damaged (a block failing its checksum): it
+    /// is rebuilt from another replica's, as `basalt pg repair --osd` this OSD would do, and
+    /// a client's read waiting here is told to retry; by then another replica leads and
+    /// answers it. A PG that no other replica holds has no copy to rebuild from: the read
+    /// fails.
+    fn damaged(
+        &mut self,
+        pg: PgId,
+        mismatch: Mismatch,
+        reply_to: Option<oneshot::Sender<Message>>,
+    ) {
+        self.counters
+            .checksum_errors
+            .fetch_add(1, Ordering::Relaxed);
+        let me = self.id;
+        let others = self
+            .raft
+            .members(pg)
+            .is_some_and(|members| members.voters.iter().any(|voter| *voter != me));
+        let answer = if !others {
+            tracing::error!(%pg, %mismatch, "this replica's copy of the pg is damaged, and no other replica holds the pg");
+            Status::Io {
+                message: format!(
+                    "pg {pg}: {me}'s copy of the data is damaged ({mismatch}), and no other \
+                     replica holds the pg"
+                ),
+            }
+        } else {
+            if let std::collections::btree_map::Entry::Vacant(vacant) = self.repairs.entry(pg) {
+                tracing::error!(%pg, %mismatch, "this replica's copy of the pg is damaged: it is rebuilt from another's");
+                vacant.insert(Repair {
+                    avoid: vec![me],
+                    ..Repair::new()
+                });
+                self.advance_repairs();
+            }
+            Status::Busy {
+                message: format!(
+                    "pg {pg}: {me}'s copy of the data is damaged ({mismatch}); another replica \
+                     takes the pg over while this one is rebuilt"
+                ),
+            }
+        };
+        if let Some(reply_to) = reply_to {
+            let _ = reply_to.send(reply(answer));
+        }
     }
 
     /// Moves each repair on: a replica that leads hands leadership over, a follower asks
@@ -2020,9 +2134,15 @@ impl Core {
         }
         let plan = DigestPlan::new(self.objects.get(&pg), |pieces| self.pin_reads(pieces));
         let (engine, scrubs) = (self.engine.clone(), self.scrubs.clone());
+        let (sums, counters) = (self.log.block_sums(), self.counters.clone());
         tokio::spawn(async move {
-            match crate::scrub::digest(&engine, plan).await {
-                Ok(digest) => {
+            match crate::scrub::digest(&engine, &sums, plan).await {
+                Ok((digest, damaged)) => {
+                    if let Some(mismatch) = damaged {
+                        // Its digest differs from the others': the scrub names it.
+                        counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(%pg, index, %mismatch, "a scrub finds this replica's copy of the pg damaged");
+                    }
                     tracing::debug!(%pg, index, digest, "scrubbed");
                     let mut scrubs = scrubs.lock().unwrap_or_else(|p| p.into_inner());
                     let scrub = PgScrub { pg, index, digest };
@@ -2077,29 +2197,47 @@ impl Core {
             .map(|objects| objects.plan_read(read.object, read.offset_bytes, read.len_bytes))
             .unwrap_or_default();
         let pin = self.pin_reads(&pieces);
-        let engine = self.engine.clone();
+        let (engine, sums) = (self.engine.clone(), self.log.block_sums());
         let counters = self.counters.clone();
+        let events = self.events.clone();
         tokio::spawn(async move {
             let _pin = pin;
-            let answer =
-                match read_pieces(&engine, read.offset_bytes, read.len_bytes, &pieces).await {
-                    Ok(data) => {
-                        counters.reads.fetch_add(1, Ordering::Relaxed);
-                        counters
-                            .read_bytes
-                            .fetch_add(data.len() as u64, Ordering::Relaxed);
-                        counters
-                            .read_nanos
-                            .fetch_add(read.arrived.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                        Message::Reply {
-                            status: Status::Ok,
-                            data,
-                        }
+            let read_back =
+                read_pieces(&engine, &sums, read.offset_bytes, read.len_bytes, &pieces).await;
+            let answer = match read_back {
+                Ok(ReadBack {
+                    damaged: Some(mismatch),
+                    ..
+                }) => {
+                    // The core answers: this copy is not to be read until it is rebuilt.
+                    let reply = Some(read.reply);
+                    let _ = events.send(Event::Damaged {
+                        pg,
+                        mismatch,
+                        reply,
+                    });
+                    return;
+                }
+                Ok(ReadBack {
+                    data,
+                    damaged: None,
+                }) => {
+                    counters.reads.fetch_add(1, Ordering::Relaxed);
+                    counters
+                        .read_bytes
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                    counters
+                        .read_nanos
+                        .fetch_add(read.arrived.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    Message::Reply {
+                        status: Status::Ok,
+                        data,
                     }
-                    Err(error) => reply(Status::Io {
-                        message: format!("reading the log device: {error}"),
-                    }),
-                };
+                }
+                Err(error) => reply(Status::Io {
+                    message: format!("reading the log device: {error}"),
+                }),
+            };
             let _ = read.reply.send(answer);
         });
     }
@@ -2565,22 +2703,37 @@ impl Core {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .values()
-                .filter(|scrub| self.raft.hosts(scrub.pg))
+                // A digest of data a snapshot has replaced since (a repair's, say) no
+                // longer speaks for this replica, even if it finished after the install.
+                .filter(|scrub| {
+                    self.raft.hosts(scrub.pg)
+                        && (self.scrub_fuzzy_through.get(&scrub.pg))
+                            .is_none_or(|through| scrub.index > *through)
+                })
                 .copied()
                 .collect(),
         };
     }
 }
 
-/// Reads a planned range: mapped pieces from the device (aligned for O_DIRECT), holes as
-/// zeroes.
+/// What a read of the log gave back: the bytes, and the first block among those read that
+/// fails its checksum (the bytes are then not those written).
+pub(crate) struct ReadBack {
+    pub data: Vec<u8>,
+    pub damaged: Option<Mismatch>,
+}
+
+/// Reads a planned range: mapped pieces from the device (aligned for O_DIRECT, every block
+/// read checked against `sums`), holes as zeroes.
 pub(crate) async fn read_pieces(
     engine: &FileEngine,
+    sums: &BlockSums,
     offset_bytes: u64,
     len_bytes: u64,
     pieces: &[Piece],
-) -> std::io::Result<Vec<u8>> {
+) -> std::io::Result<ReadBack> {
     let mut data = vec![0u8; len_bytes as usize];
+    let mut damaged = None;
     let block = BLOCK_SIZE as u64;
     for piece in pieces {
         if let Piece::Mapped {
@@ -2594,12 +2747,15 @@ pub(crate) async fn read_pieces(
             let buffer = engine
                 .read(start, DmaBuf::zeroed((end - start) as usize))
                 .await?;
+            if damaged.is_none() {
+                damaged = sums.verify(start, &buffer).err();
+            }
             let skip = (device_offset_bytes - start) as usize;
             let into = (at - offset_bytes) as usize;
             data[into..into + len as usize].copy_from_slice(&buffer[skip..skip + len as usize]);
         }
     }
-    Ok(data)
+    Ok(ReadBack { data, damaged })
 }
 
 /// Fetches the objects of a snapshot of `pg` at `index` from `leader`, chunk by chunk: each
@@ -3222,6 +3378,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     counter,
                     "Raft messages sent whole (appends, votes, heartbeats confirming reads).",
                     load(&counters.raft_messages_sent),
+                ),
+                (
+                    "checksum_errors_total",
+                    counter,
+                    "Reads of the log device (client reads, snapshots sent, scrubs) that found a block whose bytes fail the checksum they were written with.",
+                    load(&counters.checksum_errors),
                 ),
                 (
                     "log_free_bytes",

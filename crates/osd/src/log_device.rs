@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use basalt_common::Lsn;
 use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
+use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{Checkpoint, CheckpointError};
 use basalt_store::log::{LogWriter, Replayed, Ring, replay_trimmed};
 use basalt_store::object_op::kind;
@@ -271,6 +272,7 @@ pub struct LogDevice {
     engine: Arc<FileEngine>,
     path: String,
     task: JoinHandle<()>,
+    sums: Arc<BlockSums>,
 }
 
 /// A device just opened: the log device and what its log held.
@@ -391,9 +393,21 @@ impl LogDevice {
             Some(c) => (c.replay_position, c.replay_lsn, c.tail_position),
             None => (0, superblock.first_lsn, 0),
         };
-        let replayed = read_log(path, ring, start, lsn, tail + ring.len_bytes, false)
-            .await
-            .map_err(io_error(path))?;
+        // What the checkpoint knows of the blocks its index refers to, then what the
+        // batches replayed wrote after it.
+        let sums = Arc::new(BlockSums::new(ring));
+        if let Some(checkpoint) = &checkpoint {
+            sums.load(&checkpoint.block_sums);
+        }
+        let replayed = read_log(
+            path,
+            ring,
+            (start, lsn),
+            tail + ring.len_bytes,
+            Some(sums.clone()),
+        )
+        .await
+        .map_err(io_error(path))?;
         if let Some(damage) = &replayed.damaged {
             return Err(LogDeviceError::Damaged {
                 path: path.display().to_string(),
@@ -427,6 +441,7 @@ impl LogDevice {
             counters.clone(),
             tail_moved.clone(),
             FLOOR_BYTES,
+            sums.clone(),
         ));
         let tail = Arc::new(Tail {
             state: Mutex::new(TailState {
@@ -447,6 +462,7 @@ impl LogDevice {
                 engine: Arc::new(open_engine(path)?),
                 path: path.display().to_string(),
                 task,
+                sums,
             },
             checkpoint,
             replayed,
@@ -607,7 +623,12 @@ impl LogDevice {
     ) -> impl std::future::Future<Output = std::io::Result<Replayed>> + use<> {
         let path = self.path.clone();
         let ring = self.ring;
-        async move { read_log(Path::new(&path), ring, position, lsn, limit, true).await }
+        async move { read_log(Path::new(&path), ring, (position, lsn), limit, None).await }
+    }
+
+    /// The checksum of every block of the log as written, which reads check.
+    pub fn block_sums(&self) -> Arc<BlockSums> {
+        self.sums.clone()
     }
 
     /// What has been written so far.
@@ -702,18 +723,22 @@ fn pread(file: &std::fs::File, offset: u64, len: usize) -> std::io::Result<Vec<u
 async fn read_log(
     path: &Path,
     ring: Ring,
-    start: u64,
-    lsn: Lsn,
+    (start, lsn): (u64, Lsn),
     limit: u64,
-    keep_payloads: bool,
+    replaying: Option<Arc<BlockSums>>,
 ) -> std::io::Result<Replayed> {
     let file = std::fs::File::open(path)?;
     tokio::task::spawn_blocking(move || {
         let read = |offset, len| pread(&file, offset, len);
-        replay_trimmed(read, ring, start, lsn, limit, |entry| {
-            let payload = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
-            if !keep_payloads && payload.contains(&entry.kind) {
-                entry.data = Vec::new();
+        replay_trimmed(read, ring, start, lsn, limit, |entry, offset| {
+            // Replay on start records the blocks' checksums and keeps only where the
+            // payloads lie; the cleaner keeps the payloads it may move.
+            if let Some(sums) = &replaying {
+                sums.record_padded(offset, &entry.data);
+                let payload = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
+                if payload.contains(&entry.kind) {
+                    entry.data = Vec::new();
+                }
             }
         })
     })
@@ -766,6 +791,7 @@ async fn write_loop(
     counters: Arc<Counters>,
     tail_moved: Arc<Notify>,
     floor_bytes: u64,
+    sums: Arc<BlockSums>,
 ) {
     let mut waiting: VecDeque<Append> = VecDeque::new();
     let mut failed: Option<String> = None;
@@ -858,6 +884,12 @@ async fn write_loop(
         };
         let device_bytes = placed.bytes.len() as u64;
         let end_position = placed.position + device_bytes;
+        // The data blocks (the header is never read as data). Set before the write: the
+        // blocks are free, and nothing refers to them before the write completes.
+        sums.record(
+            placed.offset_bytes + BLOCK_SIZE as u64,
+            &placed.bytes[BLOCK_SIZE..],
+        );
         counters
             .head_position
             .store(end_position, Ordering::Relaxed);

@@ -340,11 +340,11 @@ mod tests {
         };
         let from = 2 * MAX_BATCH_BYTES;
         let limit = step_limit(ring, from, false);
-        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_| {}).expect("read");
+        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_, _| {}).expect("read");
         assert!(found.batches.is_empty());
         assert!(stopped_at_lap_end(ring, from, limit));
         let limit = step_limit(ring, from, true);
-        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_| {}).expect("read");
+        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_, _| {}).expect("read");
         assert_eq!(found.batches.len(), 1);
         assert_eq!(found.batches[0].position, ring.len_bytes);
     }
@@ -396,7 +396,7 @@ mod tests {
             for &(from, lsn) in in_ring {
                 let step = |across| {
                     let limit = step_limit(ring, from, across).min(durable_end);
-                    (limit, replay_trimmed(read, ring, from, lsn, limit, |_| {}).expect("read"))
+                    (limit, replay_trimmed(read, ring, from, lsn, limit, |_, _| {}).expect("read"))
                 };
                 let (mut limit, mut found) = step(false);
                 if found.batches.is_empty() {

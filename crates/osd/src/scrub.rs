@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use basalt_common::{ObjectKey, PgId};
 use basalt_io::FileEngine;
+use basalt_store::block_sums::{BlockSums, Mismatch};
 use basalt_store::extent_map::Piece;
 use basalt_store::object_op::{PgObjects, kind};
 
@@ -56,9 +57,15 @@ impl DigestPlan {
 /// Reads a plan's objects back from the device and digests them: per object, CRC32C over
 /// where each mapped stretch starts and its bytes (replicas with the same bytes agree
 /// however their writes fell: a snapshot copies an object in long runs), then over each
-/// object's key and digest in key order.
-pub async fn digest(engine: &FileEngine, plan: DigestPlan) -> std::io::Result<u32> {
+/// object's key and digest in key order. Blocks that fail their checksum are digested as
+/// read (so the replica differs from the others) and the first is returned too.
+pub async fn digest(
+    engine: &FileEngine,
+    sums: &BlockSums,
+    plan: DigestPlan,
+) -> std::io::Result<(u32, Option<Mismatch>)> {
     let mut by_key = BTreeMap::new();
+    let mut damaged = None;
     for (key, pieces, pin) in plan.objects {
         let mut digest = 0u32;
         let mut mapped_to = None;
@@ -71,8 +78,10 @@ pub async fn digest(engine: &FileEngine, plan: DigestPlan) -> std::io::Result<u3
             else {
                 continue;
             };
-            let data =
-                crate::daemon::read_pieces(engine, offset_bytes, len_bytes, &[piece]).await?;
+            let read =
+                crate::daemon::read_pieces(engine, sums, offset_bytes, len_bytes, &[piece]).await?;
+            damaged = damaged.or(read.damaged);
+            let data = read.data;
             if mapped_to != Some(offset_bytes) {
                 digest = crc32c::crc32c_append(digest, &offset_bytes.to_le_bytes());
             }
@@ -88,7 +97,7 @@ pub async fn digest(engine: &FileEngine, plan: DigestPlan) -> std::io::Result<u3
         digest = crc32c::crc32c_append(digest, &key.number.to_le_bytes());
         digest = crc32c::crc32c_append(digest, &object_digest.to_le_bytes());
     }
-    Ok(digest)
+    Ok((digest, damaged))
 }
 
 /// When each PG led here gets its next marker.

@@ -10,6 +10,7 @@
 //!   reads them back, around the ring, and stops at the first torn, corrupt or stale batch.
 //! - [`checkpoint`]: the index and every PG's raft state, written so that restarts replay
 //!   only the recent log and the older log can be reused.
+//! - [`block_sums`]: the checksum of every block of the log as written, which reads check.
 //!
 //! This crate does no I/O and reads no clock: it encodes bytes and says where they go, and
 //! it decodes bytes the caller read. The OSD writes them with io_uring; the simulator with a
@@ -17,6 +18,7 @@
 //!
 
 pub mod batch;
+pub mod block_sums;
 pub mod checkpoint;
 pub mod extent_map;
 pub mod log;

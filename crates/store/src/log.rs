@@ -259,7 +259,7 @@ pub fn replay<E>(
         start_position,
         first_lsn,
         limit_position,
-        |_| {},
+        |_, _| {},
     )
 }
 
@@ -307,15 +307,16 @@ fn read_batch<E>(
     }))
 }
 
-/// [`replay`], with `trim` applied to each entry once its batch is verified: a caller that
-/// needs only where the data lies drops it there, so replay holds metadata, not the log.
+/// [`replay`], with `trim` applied to each entry, with the device offset of its data, once
+/// its batch is verified: a caller that needs only where the data lies drops it there, so
+/// replay holds metadata, not the log.
 pub fn replay_trimmed<E>(
     mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     start_position: u64,
     first_lsn: Lsn,
     limit_position: u64,
-    mut trim: impl FnMut(&mut Entry),
+    mut trim: impl FnMut(&mut Entry, u64),
 ) -> Result<Replayed, E> {
     let mut position = start_position;
     let mut lsn = first_lsn;
@@ -340,7 +341,9 @@ pub fn replay_trimmed<E>(
             }
         }
         let (size, mut entries, offsets) = found.expect("errors ended the loop");
-        entries.iter_mut().for_each(&mut trim);
+        for (entry, offset) in entries.iter_mut().zip(&offsets) {
+            trim(entry, *offset);
+        }
         batches.push(ReplayedBatch {
             lsn,
             position,

@@ -1,0 +1,244 @@
+//! The CRC32C of every 4 KiB block of the log region, as it was written: what a read
+//! checks its blocks against, so that a device that changed a block under us (a bad
+//! sector, a bit flipped at rest, a stray write) is caught before its bytes reach a client
+//! or another replica.
+//!
+//! A batch's entry checksums cover replay: each entry's data is checked when the log is
+//! read back on start. Reads of data whose batch lies before the replay point would go
+//! unchecked, and an entry's checksum spans its whole data, while a read wants a few blocks
+//! of it. So the OSD keeps one checksum per block of the ring: set when a batch is written
+//! or replayed, and kept for the blocks the object index refers to in checkpoints.
+//!
+//! The table is shared by the writer and the readers: each slot is an atomic, 0 while
+//! nothing is known of the block (a checkpoint of an older format, say), else the
+//! checksum with bit 32 set.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::batch::BLOCK_SIZE;
+use crate::log::Ring;
+
+const KNOWN: u64 = 1 << 32;
+
+/// A block whose bytes are not those written there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the block at device offset {device_offset_bytes} fails its checksum (CRC32C {found:#010x}, \
+     written as {expected:#010x})"
+)]
+pub struct Mismatch {
+    /// Where the block is.
+    pub device_offset_bytes: u64,
+    /// The checksum of what was written.
+    pub expected: u32,
+    /// The checksum of what was read.
+    pub found: u32,
+}
+
+/// Checksums of blocks in runs: a run is the device offset of its first block and the
+/// checksums of consecutive blocks from there. How checkpoints store them.
+pub type SumRun = (u64, Vec<u32>);
+
+/// The checksum of each block of a ring.
+#[derive(Debug)]
+pub struct BlockSums {
+    start_bytes: u64,
+    sums: Box<[AtomicU64]>,
+}
+
+impl BlockSums {
+    /// Nothing known of any block of `ring`.
+    pub fn new(ring: Ring) -> Self {
+        let blocks = ring.len_bytes / BLOCK_SIZE as u64;
+        Self {
+            start_bytes: ring.start_bytes,
+            sums: (0..blocks).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn slot(&self, device_offset_bytes: u64) -> Option<&AtomicU64> {
+        let block = device_offset_bytes.checked_sub(self.start_bytes)? / BLOCK_SIZE as u64;
+        self.sums.get(usize::try_from(block).ok()?)
+    }
+
+    /// Records the checksums of `blocks` (whole blocks) written at `device_offset_bytes`
+    /// (a block boundary). Blocks outside the ring are not recorded.
+    pub fn record(&self, device_offset_bytes: u64, blocks: &[u8]) {
+        debug_assert!(blocks.len().is_multiple_of(BLOCK_SIZE));
+        for (i, block) in blocks.chunks(BLOCK_SIZE).enumerate() {
+            let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
+            self.set(at, crc32c::crc32c(block));
+        }
+    }
+
+    /// Records `data` as written at `device_offset_bytes` (a block boundary), zero-padded
+    /// to a whole block as a batch pads an entry's data.
+    pub fn record_padded(&self, device_offset_bytes: u64, data: &[u8]) {
+        for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
+            let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
+            let mut sum = crc32c::crc32c(chunk);
+            if chunk.len() < BLOCK_SIZE {
+                sum = crc32c::crc32c_append(sum, &ZEROES[..BLOCK_SIZE - chunk.len()]);
+            }
+            self.set(at, sum);
+        }
+    }
+
+    /// Sets the checksum of the block at `device_offset_bytes`.
+    pub fn set(&self, device_offset_bytes: u64, sum: u32) {
+        if let Some(slot) = self.slot(device_offset_bytes) {
+            slot.store(KNOWN | u64::from(sum), Ordering::Release);
+        }
+    }
+
+    /// The checksum of the block at `device_offset_bytes`, if known.
+    pub fn get(&self, device_offset_bytes: u64) -> Option<u32> {
+        let value = self.slot(device_offset_bytes)?.load(Ordering::Acquire);
+        (value & KNOWN != 0).then_some(value as u32)
+    }
+
+    /// Checks `blocks` (whole blocks) read at `device_offset_bytes` against the checksums
+    /// written: the first block that differs, if any. Blocks of unknown checksum pass.
+    pub fn verify(&self, device_offset_bytes: u64, blocks: &[u8]) -> Result<(), Mismatch> {
+        for (i, block) in blocks.chunks(BLOCK_SIZE).enumerate() {
+            let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
+            if let Some(expected) = self.get(at) {
+                let found = crc32c::crc32c(block);
+                if found != expected {
+                    return Err(Mismatch {
+                        device_offset_bytes: at,
+                        expected,
+                        found,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The known checksums of every block that the device ranges `(offset, length)` touch,
+    /// as runs in device order, each block once.
+    pub fn runs(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<SumRun> {
+        let block = BLOCK_SIZE as u64;
+        let mut blocks: Vec<u64> = Vec::new();
+        for (offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let first = offset / block;
+            let end = (offset + len).div_ceil(block);
+            blocks.extend(first..end);
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        let mut runs: Vec<SumRun> = Vec::new();
+        let mut next = None;
+        for number in blocks {
+            let at = number * block;
+            let Some(sum) = self.get(at) else {
+                next = None;
+                continue;
+            };
+            match runs.last_mut() {
+                Some((_, sums)) if next == Some(at) => sums.push(sum),
+                _ => runs.push((at, vec![sum])),
+            }
+            next = Some(at + block);
+        }
+        runs
+    }
+
+    /// Sets the checksums that `runs` give.
+    pub fn load(&self, runs: &[SumRun]) {
+        for (start, sums) in runs {
+            for (i, sum) in sums.iter().enumerate() {
+                self.set(start + (i * BLOCK_SIZE) as u64, *sum);
+            }
+        }
+    }
+}
+
+static ZEROES: [u8; BLOCK_SIZE] = [0; BLOCK_SIZE];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: u64 = BLOCK_SIZE as u64;
+
+    fn ring() -> Ring {
+        Ring {
+            start_bytes: 3 * B,
+            len_bytes: 16 * B,
+        }
+    }
+
+    fn blocks(fills: &[u8]) -> Vec<u8> {
+        fills
+            .iter()
+            .flat_map(|fill| std::iter::repeat_n(*fill, BLOCK_SIZE))
+            .collect()
+    }
+
+    #[test]
+    fn a_block_changed_after_it_was_written_fails_and_the_others_pass() {
+        let sums = BlockSums::new(ring());
+        let written = blocks(&[1, 2, 3]);
+        sums.record(5 * B, &written);
+        assert_eq!(sums.verify(5 * B, &written), Ok(()));
+        let mut read = written.clone();
+        read[BLOCK_SIZE + 17] ^= 0x40;
+        let mismatch = sums.verify(5 * B, &read).expect_err("a changed block");
+        assert_eq!(mismatch.device_offset_bytes, 6 * B);
+        assert_eq!(
+            mismatch.expected,
+            crc32c::crc32c(&written[BLOCK_SIZE..2 * BLOCK_SIZE])
+        );
+        assert_ne!(mismatch.found, mismatch.expected);
+        // The blocks read on either side of it are fine on their own.
+        assert_eq!(sums.verify(5 * B, &read[..BLOCK_SIZE]), Ok(()));
+        assert_eq!(sums.verify(7 * B, &read[2 * BLOCK_SIZE..]), Ok(()));
+    }
+
+    #[test]
+    fn blocks_of_unknown_checksum_pass_and_outside_the_ring_nothing_is_kept() {
+        let sums = BlockSums::new(ring());
+        assert_eq!(sums.verify(4 * B, &blocks(&[9])), Ok(()));
+        sums.record(0, &blocks(&[1, 1, 1, 1]));
+        sums.record(19 * B, &blocks(&[1]));
+        assert_eq!(sums.get(0), None);
+        assert_eq!(sums.get(19 * B), None);
+        assert_eq!(sums.get(3 * B), Some(crc32c::crc32c(&blocks(&[1]))));
+    }
+
+    #[test]
+    fn padded_data_sums_as_the_block_a_batch_writes() {
+        let sums = BlockSums::new(ring());
+        let data = vec![7u8; BLOCK_SIZE + 100];
+        sums.record_padded(8 * B, &data);
+        let mut padded = data.clone();
+        padded.resize(2 * BLOCK_SIZE, 0);
+        assert_eq!(sums.verify(8 * B, &padded), Ok(()));
+        padded[BLOCK_SIZE + 200] = 1;
+        assert!(sums.verify(8 * B, &padded).is_err());
+    }
+
+    #[test]
+    fn runs_cover_the_blocks_ranges_touch_and_load_back() {
+        let sums = BlockSums::new(ring());
+        sums.record(3 * B, &blocks(&[1, 2, 3, 4, 5, 6, 7, 8]));
+        // Two ranges sharing block 4, one within block 9, and a block not known (12).
+        let runs = sums.runs([(4 * B + 10, B), (4 * B, 100), (9 * B + 5, 10), (12 * B, B)]);
+        let sum = |fill: u8| crc32c::crc32c(&blocks(&[fill]));
+        assert_eq!(
+            runs,
+            vec![(4 * B, vec![sum(2), sum(3)]), (9 * B, vec![sum(7)])]
+        );
+        let loaded = BlockSums::new(ring());
+        loaded.load(&runs);
+        for at in [4 * B, 5 * B, 9 * B] {
+            assert_eq!(loaded.get(at), sums.get(at));
+        }
+        assert_eq!(loaded.get(3 * B), None);
+    }
+}
