@@ -480,6 +480,57 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     );
 }
 
+/// A follower catching up is never sent a payload that is damaged on its leader: the
+/// leader, reading the entries back to send them, finds a block failing its checksum,
+/// holds them back and hands the PG to the other follower, which sends its own copy; the
+/// leader's copy is rebuilt. Every replica ends equal, with the data written.
+#[test]
+fn a_follower_catching_up_is_never_sent_a_damaged_payload() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-damaged-entries");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "1", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    let pg = cluster.cli_json(&["pg", "ls"])[0]["pg"]
+        .as_str()
+        .expect("a pg id")
+        .to_string();
+    // The leader as the replicas themselves know it (the newest term's).
+    let replicas = cluster.cli_json(&["pg", "query", &pg]);
+    let leader = replicas
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .max_by_key(|replica| replica["term"].as_u64())
+        .and_then(|replica| replica["leader"].as_u64())
+        .expect("a leader") as u32;
+    let leader_process = cluster.osd_process(leader);
+    let behind = (0..3).find(|n| *n != leader_process).expect("a follower");
+    cluster.kill_osd(behind);
+    qemu_io_ok(&uri, false, &["write -P 0x7c 2M 1M"]);
+    let name = format!("osd.{leader_process}");
+    flip_a_byte_in_a_block_of(&dir.join(&name).join("osd.log"), 0x7c);
+    cluster.start_osd(behind);
+    wait_for(
+        "the leader's damaged copy rebuilt",
+        Duration::from_secs(90),
+        || cluster.log_text(&name).contains(" repaired pg="),
+    );
+    let log = cluster.log_text(&name);
+    assert!(
+        log.contains("entries held back from a follower: a payload among them is damaged here")
+            && log
+                .contains("this replica's copy of the pg is damaged: it is rebuilt from another's"),
+        "{log}"
+    );
+    assert_every_pg_consistent(&cluster);
+    qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M", "read -P 0x7c 2M 1M"]);
+}
+
 /// Waits for the replicas to be equal, then checks that `pg scrub` finds every PG's
 /// replicas agreeing.
 fn assert_every_pg_consistent(cluster: &ClusterProcesses) {

@@ -40,8 +40,8 @@ use basalt_mon::MonClient;
 use basalt_mon::map::ClusterMap;
 use basalt_mon::protocol::{MonReply, MonRequest, OsdReport, PgScrub};
 use basalt_replication::{
-    Action, EntryType, MultiRaft, ProposeError, RaftMessage, ReadStart, Reconfiguring, Restored,
-    beat_of, decode_message, encode_message, heartbeat,
+    Action, EntryType, MultiRaft, PayloadUnavailable, ProposeError, RaftMessage, ReadStart,
+    Reconfiguring, Restored, beat_of, decode_message, encode_message, heartbeat,
 };
 use basalt_store::batch::{self, BLOCK_SIZE};
 use basalt_store::block_sums::{BlockSums, Mismatch};
@@ -310,7 +310,7 @@ struct Counters {
     beats_sent: AtomicU64,
     /// Raft messages sent whole.
     raft_messages_sent: AtomicU64,
-    /// Blocks read back from the log that failed their checksum.
+    /// Reads of the log that met a block failing its checksum.
     checksum_errors: AtomicU64,
 }
 
@@ -386,6 +386,12 @@ enum Event {
         pg: PgId,
         mismatch: Mismatch,
         reply: Option<oneshot::Sender<Message>>,
+    },
+    /// The payload of a raft entry of `object`, read back to be sent to a follower, lies
+    /// in a block that fails its checksum (raft holds the entry back meanwhile).
+    DamagedPayload {
+        object: ObjectKey,
+        mismatch: Mismatch,
     },
     /// A snapshot chunk is durable: its runs lie at these device offsets.
     SnapshotWritten {
@@ -703,6 +709,20 @@ impl Core {
                 mismatch,
                 reply,
             } => self.damaged(pg, mismatch, reply),
+            Event::DamagedPayload { object, mismatch } => {
+                let image = self.map.images.get(&object.image);
+                let pool = image.and_then(|image| self.map.pools.get(&image.pool));
+                match pool {
+                    Some(pool) => {
+                        let pg = pool.pg_of(object);
+                        tracing::warn!(%pg, "entries held back from a follower: a payload among them is damaged here");
+                        self.damaged(pg, mismatch, None);
+                    }
+                    None => {
+                        tracing::error!(image = object.image.0, %mismatch, "a damaged payload of an image no longer in the map");
+                    }
+                }
+            }
             Event::SnapshotWritten {
                 pg,
                 transfer,
@@ -3482,18 +3502,33 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     // reads the payload back.
     let payload_file = std::fs::File::open(&path).map_err(io_error(&path))?;
     let device_path = path.display().to_string();
+    let (sums, damaged) = (log.block_sums(), events.clone());
     raft.set_hydrate(Arc::new(move |data: &[u8]| {
         use std::os::unix::fs::FileExt;
-        let reference = PayloadRef::decode(data)?;
-        let mut payload = vec![0u8; reference.len_bytes as usize];
-        if let Err(error) = payload_file.read_exact_at(&mut payload, reference.device_offset_bytes)
-        {
+        let Some(reference) = PayloadRef::decode(data) else {
+            return Ok(None);
+        };
+        // The whole blocks, as written, each checked against its checksum.
+        let block = BLOCK_SIZE as u64;
+        let at = reference.device_offset_bytes;
+        let start = at / block * block;
+        let end = (at + u64::from(reference.len_bytes)).div_ceil(block) * block;
+        let mut blocks = vec![0u8; (end - start) as usize];
+        if let Err(error) = payload_file.read_exact_at(&mut blocks, start) {
             // Raft cannot be told that an entry is unreadable; stop rather than send a
             // wrong one (a restart replays).
             tracing::error!(device = %device_path, %error, "cannot read a payload back");
             std::process::exit(1);
         }
-        Some(reference.with_payload(payload).encode())
+        if let Err(mismatch) = sums.verify(start, &blocks) {
+            // Not sent: this replica hands the PG to one whose copy is whole.
+            let object = reference.object;
+            let _ = damaged.send(Event::DamagedPayload { object, mismatch });
+            return Err(PayloadUnavailable);
+        }
+        let skip = (at - start) as usize;
+        let payload = blocks[skip..skip + reference.len_bytes as usize].to_vec();
+        Ok(Some(reference.with_payload(payload).encode()))
     }));
     let mut core = Core {
         id,

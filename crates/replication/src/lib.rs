@@ -19,4 +19,4 @@ pub use multi_raft::{
 pub use raft::eraftpb::{
     ConfState, Entry as RaftEntry, EntryType, HardState, Message as RaftMessage,
 };
-pub use storage::{Hydrate, PgStorage};
+pub use storage::{Hydrate, PayloadUnavailable, PgStorage};

@@ -21,8 +21,15 @@ use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 
 /// Turns an entry's data back into what was proposed, if the data is a reference; `None`
-/// leaves it as it is. A failure to read the device is fatal (the OSD stops and replays).
-pub type Hydrate = Arc<dyn Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync>;
+/// leaves it as it is. A failure to read the device is fatal (the OSD stops and replays);
+/// a payload that cannot be given ([`PayloadUnavailable`]: its copy here is damaged) holds
+/// the entries from it on back from the follower, and raft offers them again later.
+pub type Hydrate = Arc<dyn Fn(&[u8]) -> Result<Option<Vec<u8>>, PayloadUnavailable> + Send + Sync>;
+
+/// A payload this replica cannot send (its copy is damaged): another replica, leading
+/// instead, sends its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadUnavailable;
 
 /// One PG replica's raft log.
 #[derive(Clone)]
@@ -232,9 +239,16 @@ impl Storage for PgStorage {
             // those must carry their payload.
             if context.can_async()
                 && let Some(hydrate) = &self.hydrate
-                && let Some(data) = hydrate(&entry.data)
             {
-                entry.data = data.into();
+                match hydrate(&entry.data) {
+                    Ok(Some(data)) => entry.data = data.into(),
+                    Ok(None) => {}
+                    // The entries before it go; raft asks for the rest again later.
+                    Err(PayloadUnavailable) if !entries.is_empty() => break,
+                    Err(PayloadUnavailable) => {
+                        return Err(raft::Error::Store(StorageError::LogTemporarilyUnavailable));
+                    }
+                }
             }
             size += u64::from(protobuf::Message::compute_size(&entry));
             if !entries.is_empty() && max_size.is_some_and(|max| size > max) {
@@ -310,11 +324,43 @@ mod tests {
         }
     }
 
+    /// An entry whose payload cannot be read back is not sent, nor those after it: raft
+    /// gets the ones before it, or word to try again later.
+    #[test]
+    fn entries_stop_before_a_payload_that_cannot_be_read_back() {
+        let hydrate: Hydrate = Arc::new(|data: &[u8]| match data {
+            b"ref:damaged" => Err(PayloadUnavailable),
+            _ => Ok(None),
+        });
+        let mut storage = PgStorage::new(ConfState::default(), Some(hydrate));
+        storage
+            .append(&[entry(1, 1, b"a"), entry(2, 1, b"b"), entry(3, 1, b"c")])
+            .expect("append");
+        storage.replace_data(2, 1, |_| Some(b"ref:damaged".to_vec()));
+        let sending = GetEntriesContext::empty(true);
+        let sent = storage.entries(1, 4, None, sending).expect("entries");
+        assert_eq!(sent.len(), 1);
+        assert_eq!(&sent[0].data[..], b"a");
+        assert!(matches!(
+            storage.entries(2, 4, None, GetEntriesContext::empty(true)),
+            Err(raft::Error::Store(StorageError::LogTemporarilyUnavailable))
+        ));
+        // Applying reads references only: all of them.
+        let applied = storage
+            .entries(1, 4, None, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(applied.len(), 3);
+    }
+
     #[test]
     fn appends_truncate_and_references_hydrate_only_for_sending() {
         let hydrate: Hydrate = Arc::new(|data: &[u8]| {
-            data.strip_prefix(b"ref:")
-                .map(|rest| [b"full:", rest].concat())
+            if data == b"ref:damaged" {
+                return Err(PayloadUnavailable);
+            }
+            Ok(data
+                .strip_prefix(b"ref:")
+                .map(|rest| [b"full:", rest].concat()))
         });
         let mut storage = PgStorage::new(ConfState::default(), Some(hydrate));
         storage
