@@ -11,7 +11,9 @@ use anyhow::Context;
 use basalt_common::{ByteSize, OsdId, PgId};
 use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
-use basalt_mon::protocol::{ClusterStatus, inconsistent_pgs, member_scrubs, odd_replicas};
+use basalt_mon::protocol::{
+    CHECKSUM_ERROR_WARN_SECONDS, ClusterStatus, inconsistent_pgs, member_scrubs, odd_replicas,
+};
 use serde_json::json;
 
 use crate::daemon_command::{read_config, resolve_mons};
@@ -571,6 +573,29 @@ fn health(
             "{} osds nearly full: {}",
             nearly_full.len(),
             nearly_full.join(", ")
+        ));
+    }
+    // Devices that gave back bytes other than those written, lately: the copies are
+    // rebuilt, but the device may be failing.
+    let damaged: Vec<String> = status
+        .reports
+        .iter()
+        .filter_map(|(id, report)| {
+            let age = report
+                .last_checksum_error_age_seconds
+                .filter(|age| *age < CHECKSUM_ERROR_WARN_SECONDS)?;
+            Some(format!(
+                "{id} ({} since it started, the last {age} s ago)",
+                report.checksum_errors
+            ))
+        })
+        .collect();
+    if !damaged.is_empty() {
+        warnings.push(format!(
+            "{} osds read blocks failing their checksum in the last hour: {} (the damaged \
+             copies are rebuilt from other replicas; check those devices)",
+            damaged.len(),
+            damaged.join(", ")
         ));
     }
     (warnings, !inconsistent.is_empty())

@@ -442,16 +442,27 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     assert!(text.contains("osd.99 holds no replica of pg"), "{text}");
     let pgs = scrub(&cluster, true);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    // Health names the device that gave back damaged bytes for an hour, and nothing else.
+    let checksums =
+        format!("1 osds read blocks failing their checksum in the last hour: osd.{victim} (");
     wait_for(
         "the background scrubs to find every pg consistent",
         Duration::from_secs(30),
-        || cluster.health().0 == "HEALTH_OK",
+        || {
+            let (status, checks) = cluster.health();
+            status == "HEALTH_WARN"
+                && checks.contains(&checksums)
+                && serde_json::from_str::<Vec<String>>(&checks).is_ok_and(|c| c.len() == 1)
+        },
     );
     qemu_io_ok(&uri, false, &["read -P 0x5a 0 1M", "read -P 0x33 4M 3M"]);
     // The repaired OSD restarts: replay no longer goes through the damaged batch.
     cluster.kill_osd(1);
     cluster.start_osd(1);
     cluster.wait_clean(Duration::from_secs(60));
+    wait_for("health to be ok", Duration::from_secs(30), || {
+        cluster.health().0 == "HEALTH_OK"
+    });
     let pgs = scrub(&cluster, true);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
 
@@ -573,6 +584,14 @@ fn a_damaged_block_of_the_leader_is_never_read_back() {
     });
     let log = cluster.log_text(&name);
     assert!(log.contains("leadership handed over for a repair"), "{log}");
+    let named =
+        format!("1 osds read blocks failing their checksum since they started: osd.{leader} (");
+    wait_for(
+        "health to name the damaged reads",
+        Duration::from_secs(20),
+        || cluster.health().1.contains(&named),
+    );
+    assert_eq!(cluster.health().0, "HEALTH_WARN");
     assert_every_pg_consistent(&cluster);
     qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M"]);
 

@@ -48,7 +48,17 @@ pub struct OsdReport {
     /// The latest background scrub of each PG replica it hosts.
     #[serde(default)]
     pub scrubs: Vec<PgScrub>,
+    /// Reads of its device since it started that met a block whose bytes fail the checksum
+    /// they were written with (client reads, snapshots and entries sent, scrubs).
+    #[serde(default)]
+    pub checksum_errors: u64,
+    /// Seconds since the last of them, if any.
+    #[serde(default)]
+    pub last_checksum_error_age_seconds: Option<u64>,
 }
+
+/// How long after an OSD last read a block failing its checksum health names it.
+pub const CHECKSUM_ERROR_WARN_SECONDS: u64 = 3600;
 
 /// A replica's digest of a PG's data as of a scrub marker in the PG's log: replicas that
 /// digested the same marker (the same `index`) hold the same data if their digests agree.

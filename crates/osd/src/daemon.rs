@@ -312,6 +312,28 @@ struct Counters {
     raft_messages_sent: AtomicU64,
     /// Reads of the log that met a block failing its checksum.
     checksum_errors: AtomicU64,
+    /// When the last of them was, in milliseconds since the Unix epoch (0: none yet).
+    last_checksum_error_ms: AtomicU64,
+}
+
+impl Counters {
+    /// Counts a read that met a block failing its checksum.
+    fn checksum_error(&self) {
+        self.checksum_errors.fetch_add(1, Ordering::Relaxed);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64);
+        self.last_checksum_error_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// Seconds since the last read that met a block failing its checksum, if any.
+    fn last_checksum_error_age_seconds(&self) -> Option<u64> {
+        let last = self.last_checksum_error_ms.load(Ordering::Relaxed);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64);
+        (last > 0).then(|| now.saturating_sub(last) / 1000)
+    }
 }
 
 /// What the core hears.
@@ -1909,7 +1931,7 @@ impl Core {
             let answer = match crate::scrub::digest(&engine, &sums, plan).await {
                 Ok((digest, damaged)) => {
                     if let Some(mismatch) = damaged {
-                        counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+                        counters.checksum_error();
                         tracing::error!(%pg, %mismatch, "this replica's copy of the pg is damaged");
                     }
                     state.digest = digest;
@@ -1968,9 +1990,7 @@ impl Core {
         mismatch: Mismatch,
         reply_to: Option<oneshot::Sender<Message>>,
     ) {
-        self.counters
-            .checksum_errors
-            .fetch_add(1, Ordering::Relaxed);
+        self.counters.checksum_error();
         let me = self.id;
         let others = self
             .raft
@@ -2160,7 +2180,7 @@ impl Core {
                 Ok((digest, damaged)) => {
                     if let Some(mismatch) = damaged {
                         // Its digest differs from the others': the scrub names it.
-                        counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+                        counters.checksum_error();
                         tracing::error!(%pg, index, %mismatch, "a scrub finds this replica's copy of the pg damaged");
                     }
                     tracing::debug!(%pg, index, digest, "scrubbed");
@@ -2732,6 +2752,8 @@ impl Core {
                 })
                 .copied()
                 .collect(),
+            checksum_errors: c.checksum_errors.load(Ordering::Relaxed),
+            last_checksum_error_age_seconds: c.last_checksum_error_age_seconds(),
         };
     }
 }
