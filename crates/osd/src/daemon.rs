@@ -923,8 +923,11 @@ impl Core {
         // transfer after another (each given up at its first chunk for want of room, say)
         // would keep both off for good, and the room never come. The leader is told, and
         // sends the snapshot again later.
+        // A repair goes ahead all the same: the cleaner may be waiting for it (data in
+        // use that fails its checksum cannot be moved), and it is one transfer.
         let full = self.installing.len() >= self.max_moves;
         let reclaim_waits = self.reuse_allowed()
+            && !self.repairs.contains_key(&pg)
             && (self.checkpoint_due()
                 || (self.log.free_bytes() < self.clean_low_mark() && self.reclaimable_bytes() > 0));
         if full || reclaim_waits {
@@ -992,7 +995,7 @@ impl Core {
         // The transfer holds checkpoints back, so it needs room for all it writes, and the
         // reserve must stay free for raft's persists meanwhile; short of it, the leader
         // sends the snapshot again later, and the cleaner frees what it can.
-        if !self.room_for_install(log_bytes) {
+        if !self.room_for_install(pg, log_bytes) {
             self.reclaim.press();
             self.abort_install(pg, "the log has no room for it now", true);
             let _ = ack.send(false);
@@ -1062,7 +1065,7 @@ impl Core {
         if !last {
             return;
         }
-        if !self.room_for_install(0) {
+        if !self.room_for_install(pg, 0) {
             self.abort_install(pg, "the log has no room to install it now", true);
             return;
         }
@@ -1079,23 +1082,35 @@ impl Core {
         }
     }
 
-    /// Whether a snapshot being installed may write `log_bytes` more: checkpoints wait for
-    /// it, so the reserve (and the headroom) must stay free for everything else.
-    fn room_for_install(&self, log_bytes: u64) -> bool {
+    /// Whether a snapshot of `pg` being installed may write `log_bytes` more: checkpoints
+    /// wait for it, so the reserve (and the headroom) must stay free for everything else.
+    fn room_for_install(&self, pg: PgId, log_bytes: u64) -> bool {
         let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
-        free >= self.log.reserve_bytes() + self.headroom() + log_bytes
+        free >= self.install_floor(pg) + log_bytes
+    }
+
+    /// What an install of `pg` leaves free. A repair's may take half the reserve: the
+    /// replica it rebuilds may hold data in use that the cleaner cannot move (it fails its
+    /// checksum), so that only the repair lets the cleaner free space again.
+    fn install_floor(&self, pg: PgId) -> u64 {
+        if self.repairs.contains_key(&pg) {
+            self.log.reserve_bytes() / 2
+        } else {
+            self.log.reserve_bytes() + self.headroom()
+        }
     }
 
     /// Gives up the snapshots being installed that have not reached raft yet, when the log
     /// runs short of room: they hold checkpoints back, and only checkpoints free space.
     fn abort_installs_short_of_room(&mut self) {
-        if self.installing.is_empty() || self.log.free_bytes() >= self.log.reserve_bytes() {
+        let free = self.log.free_bytes();
+        if self.installing.is_empty() || free >= self.log.reserve_bytes() {
             return;
         }
         let waiting: Vec<PgId> = self
             .installing
             .iter()
-            .filter(|(_, installing)| !installing.stepped)
+            .filter(|(pg, installing)| !installing.stepped && free < self.install_floor(**pg))
             .map(|(pg, _)| *pg)
             .collect();
         for pg in waiting {
@@ -1707,8 +1722,31 @@ impl Core {
             self.reclaim.clean_after = std::time::Instant::now() + pause;
             return;
         }
-        let (appends, moves) =
-            reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects);
+        let reclaim::Relocations {
+            appends,
+            moves,
+            damaged,
+        } = reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects);
+        let mut next = next;
+        if let Some((at, pgs)) = damaged {
+            // Nothing there can be moved: the cleaner stops before it, and the PGs whose
+            // payloads it holds have their copies here rebuilt, after which it is dead.
+            next = at;
+            let what = format!(
+                "the cleaner found data in use that fails its checksum (batch {} at ring \
+                 position {})",
+                at.1.0, at.0
+            );
+            for pg in pgs {
+                self.damaged(pg, what.clone(), None);
+            }
+            if appends.is_empty() {
+                self.reclaim.cleaned_to = next;
+                self.reclaim.cleaning = false;
+                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(5);
+                return;
+            }
+        }
         tracing::debug!(
             to = next.0,
             appends = appends.len(),
@@ -1987,7 +2025,7 @@ impl Core {
     fn damaged(
         &mut self,
         pg: PgId,
-        mismatch: Mismatch,
+        mismatch: impl std::fmt::Display,
         reply_to: Option<oneshot::Sender<Message>>,
     ) {
         self.counters.checksum_error();

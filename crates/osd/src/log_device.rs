@@ -29,7 +29,7 @@ use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{Checkpoint, CheckpointError};
-use basalt_store::log::{LogWriter, Replayed, Ring, replay_trimmed};
+use basalt_store::log::{LogWriter, Replayed, Ring, read_durable, replay_trimmed};
 use basalt_store::object_op::kind;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -730,17 +730,20 @@ async fn read_log(
     let file = std::fs::File::open(path)?;
     tokio::task::spawn_blocking(move || {
         let read = |offset, len| pread(&file, offset, len);
-        replay_trimmed(read, ring, start, lsn, limit, |entry, offset| {
+        match replaying {
             // Replay on start records the blocks' checksums and keeps only where the
-            // payloads lie; the cleaner keeps the payloads it may move.
-            if let Some(sums) = &replaying {
+            // payloads lie.
+            Some(sums) => replay_trimmed(read, ring, start, lsn, limit, |entry, offset| {
                 sums.record_padded(offset, &entry.data);
                 let payload = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
                 if payload.contains(&entry.kind) {
                     entry.data = Vec::new();
                 }
-            }
-        })
+            }),
+            // The cleaner reads durable batches and keeps the payloads it may move; it
+            // takes a damaged batch too and decides what its damage means.
+            None => read_durable(read, ring, (start, lsn), limit, |_, _| {}),
+        }
     })
     .await
     .map_err(|error| std::io::Error::other(format!("replay task failed: {error}")))?

@@ -389,7 +389,7 @@ mod tests {
             for (entry, raft_entry) in log.iter().zip(&entries) {
                 prop_assert_eq!(&from_log_entry(entry).expect("decodes"), raft_entry);
             }
-            let batch = ReplayedBatch { lsn: Lsn(1), position: 0, offset_bytes: 4096, entries: log.into_iter().map(|e| (e, 8192)).collect() };
+            let batch = ReplayedBatch { lsn: Lsn(1), position: 0, offset_bytes: 4096, entries: log.into_iter().map(|e| (e, 8192)).collect(), damaged_entries: Vec::new() };
             let restored = restore(None, &[batch]).expect("restores");
             let group = &restored.groups[&PG];
             prop_assert_eq!(&group.hard_state, &hard_state);
@@ -446,6 +446,7 @@ mod tests {
                     (e, first_offset + n as u64 * 4096)
                 })
                 .collect(),
+            damaged_entries: Vec::new(),
         };
         // Not installed (a crash before the marker): the PG is as it was.
         let unfinished = restore(
@@ -538,6 +539,7 @@ mod tests {
             position: 0,
             offset_bytes: 0,
             entries: vec![(log[0].clone(), 4096)],
+            damaged_entries: Vec::new(),
         };
         let restored = restore(None, &[batch]).expect("restores");
         assert_eq!(restored.groups[&PG].entries, vec![raft_entry.clone()]);
@@ -549,6 +551,7 @@ mod tests {
             position: 0,
             offset_bytes: 0,
             entries: vec![(trimmed, 4096)],
+            damaged_entries: Vec::new(),
         };
         let restored = restore(None, &[batch]).expect("restores");
         let reference = PayloadRef::decode(&restored.groups[&PG].entries[0].data);

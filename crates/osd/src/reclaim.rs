@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use basalt_common::PgId;
+use basalt_common::{Lsn, PgId};
 use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry};
 use basalt_store::batch::BLOCK_SIZE;
 use basalt_store::batch::{self, Entry};
@@ -204,59 +204,109 @@ pub struct Move {
     pub raft_entry: Option<(u64, u64)>,
 }
 
-/// The relocations for a run of batches from the ring's tail: appends (each fits one
-/// batch) and, in the same order, the moves their entries carry.
+/// What the cleaner does with the batches it read from the ring's tail.
+#[derive(Debug, Default)]
+pub struct Relocations {
+    /// Appends (each fits one batch) of the payloads still in use.
+    pub appends: Vec<Vec<Entry>>,
+    /// In the same order, the moves their entries carry.
+    pub moves: Vec<Move>,
+    /// The first batch (ring position, LSN) holding a payload still in use whose data
+    /// fails its checksum, with the PGs of those payloads: the cleaner stops before it
+    /// (nothing there can be moved) until those PGs' copies are rebuilt elsewhere.
+    pub damaged: Option<((u64, Lsn), Vec<PgId>)>,
+}
+
+/// Plans the relocations for a run of batches from the ring's tail, up to the first batch
+/// with damage still in use.
 pub fn plan_relocations(
     batches: Vec<ReplayedBatch>,
     raft: &MultiRaft,
     objects: &HashMap<PgId, PgObjects>,
-) -> (Vec<Vec<Entry>>, Vec<Move>) {
+) -> Relocations {
     let mut relocations = Vec::new();
     let mut moves = Vec::new();
     for batch in batches {
-        for (entry, data_offset) in batch.entries {
-            // A snapshot's object data is mapped like a write's once installed (the cleaner
-            // does not run while one is being installed).
-            if ![kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE].contains(&entry.kind) {
-                // Anything else lives in memory and goes into checkpoints.
-                continue;
-            }
-            let pg = entry.pg;
-            let from = PayloadRef::from_meta(&entry.meta, data_offset);
-            let raft_entry = (entry.index != 0)
-                .then(|| raft.storage(pg))
-                .flatten()
-                .and_then(|storage| {
-                    let first = storage.compacted().0 + 1;
-                    let at = entry.index.checked_sub(first)?;
-                    let kept = storage.retained().get(at as usize)?;
-                    let reference = PayloadRef::decode(&kept.data)?;
-                    (kept.term == entry.term && reference.device_offset_bytes == data_offset)
-                        .then_some((entry.index, entry.term))
-                });
-            let indexed = objects
-                .get(&pg)
-                .is_some_and(|objects| objects.live_bytes(&from) > 0);
-            if !indexed && raft_entry.is_none() {
-                continue;
-            }
-            let (term, index) = raft_entry.map_or((0, 0), |(index, term)| (term, index));
+        let (position, lsn) = (batch.position, batch.lsn);
+        let live: Vec<(Entry, Move, bool)> = batch
+            .entries
+            .into_iter()
+            .enumerate()
+            .filter_map(|(at, (entry, data_offset))| {
+                let damaged = batch.damaged_entries.contains(&at);
+                live_payload(&entry, data_offset, raft, objects)
+                    .map(|moved| (entry, moved, damaged))
+            })
+            .collect();
+        let damaged_pgs: Vec<PgId> = live
+            .iter()
+            .filter(|(_, _, damaged)| *damaged)
+            .map(|(entry, _, _)| entry.pg)
+            .collect();
+        if !damaged_pgs.is_empty() {
+            return Relocations {
+                appends: batch::split(relocations),
+                moves,
+                damaged: Some(((position, lsn), damaged_pgs)),
+            };
+        }
+        for (entry, moved, _) in live {
+            let (term, index) = moved
+                .raft_entry
+                .map_or((0, 0), |(index, term)| (term, index));
             relocations.push(Entry {
                 kind: RELOCATE,
-                pg,
+                pg: entry.pg,
                 term,
                 index,
                 meta: entry.meta,
                 data: entry.data,
             });
-            moves.push(Move {
-                pg,
-                from,
-                raft_entry,
-            });
+            moves.push(moved);
         }
     }
-    (batch::split(relocations), moves)
+    Relocations {
+        appends: batch::split(relocations),
+        moves,
+        damaged: None,
+    }
+}
+
+/// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the
+/// object index, or a raft entry kept for followers.
+fn live_payload(
+    entry: &Entry,
+    data_offset: u64,
+    raft: &MultiRaft,
+    objects: &HashMap<PgId, PgObjects>,
+) -> Option<Move> {
+    // A snapshot's object data is mapped like a write's once installed (the cleaner does
+    // not run while one is being installed).
+    if ![kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE].contains(&entry.kind) {
+        // Anything else lives in memory and goes into checkpoints.
+        return None;
+    }
+    let pg = entry.pg;
+    let from = PayloadRef::from_meta(&entry.meta, data_offset);
+    let raft_entry = (entry.index != 0)
+        .then(|| raft.storage(pg))
+        .flatten()
+        .and_then(|storage| {
+            let first = storage.compacted().0 + 1;
+            let at = entry.index.checked_sub(first)?;
+            let kept = storage.retained().get(at as usize)?;
+            let reference = PayloadRef::decode(&kept.data)?;
+            (kept.term == entry.term && reference.device_offset_bytes == data_offset)
+                .then_some((entry.index, entry.term))
+        });
+    let indexed = objects
+        .get(&pg)
+        .is_some_and(|objects| objects.live_bytes(&from) > 0);
+    (indexed || raft_entry.is_some()).then_some(Move {
+        pg,
+        from,
+        raft_entry,
+    })
 }
 
 /// Applies a durable move: the index and the raft entry follow the payload to `to` where

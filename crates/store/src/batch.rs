@@ -323,13 +323,28 @@ pub fn decode_header(block: &[u8], expected: Lsn) -> Result<Header, BatchError> 
 
 /// Checks the data of a batch whose header decoded, and returns its entries.
 pub fn decode_entries(header: &Header, batch: &[u8]) -> Result<Vec<Entry>, BatchError> {
+    let (entries, damaged) = decode_entries_with_damage(header, batch)?;
+    match damaged.first() {
+        Some(&entry) => Err(BatchError::DataChecksum { entry }),
+        None => Ok(entries),
+    }
+}
+
+/// The entries of a batch whose header decoded, each with the data read, and the positions
+/// of those whose data fails its checksum: for a batch known to have been written whole
+/// (durable), where a failing checksum is damage, not a torn write.
+pub fn decode_entries_with_damage(
+    header: &Header,
+    batch: &[u8],
+) -> Result<(Vec<Entry>, Vec<usize>), BatchError> {
     if batch.len() < header.batch_size() {
         return Err(BatchError::Truncated {
             needed: header.batch_size(),
             available: batch.len(),
         });
     }
-    header
+    let mut damaged = Vec::new();
+    let entries = header
         .descriptors
         .iter()
         .enumerate()
@@ -337,18 +352,19 @@ pub fn decode_entries(header: &Header, batch: &[u8]) -> Result<Vec<Entry>, Batch
             let start = BLOCK_SIZE * (1 + d.first_block as usize);
             let data = &batch[start..start + d.data_len as usize];
             if crc32c::crc32c(data) != d.data_crc {
-                return Err(BatchError::DataChecksum { entry });
+                damaged.push(entry);
             }
-            Ok(Entry {
+            Entry {
                 kind: d.kind,
                 pg: d.pg,
                 term: d.term,
                 index: d.index,
                 meta: d.meta,
                 data: data.to_vec(),
-            })
+            }
         })
-        .collect()
+        .collect();
+    Ok((entries, damaged))
 }
 
 /// Decodes a whole batch that should be the one at `expected`.

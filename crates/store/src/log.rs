@@ -208,6 +208,9 @@ pub struct ReplayedBatch {
     pub offset_bytes: u64,
     /// Its entries, with where each entry's data lies on the device.
     pub entries: Vec<(Entry, u64)>,
+    /// The positions (in `entries`) of those whose data fails its checksum: only from
+    /// [`read_durable`], which takes such batches; replay stops at them.
+    pub damaged_entries: Vec<usize>,
 }
 
 /// What replay found.
@@ -263,17 +266,18 @@ pub fn replay<E>(
     )
 }
 
-/// A batch read back: its size, its entries, and where each entry's data lies.
-type FoundBatch = (u64, Vec<Entry>, Vec<u64>);
+/// A batch read back: its size, its entries, where each entry's data lies, and which
+/// entries' data fails its checksum (always none unless read as durable).
+type FoundBatch = (u64, Vec<Entry>, Vec<u64>, Vec<usize>);
 
 /// The batch at `position` if it is intact, has LSN `lsn` and fits in its lap and below
 /// `limit`.
 fn read_batch<E>(
     read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
-    position: u64,
-    lsn: Lsn,
+    (position, lsn): (u64, Lsn),
     limit: u64,
+    durable: bool,
 ) -> Result<Result<FoundBatch, BatchError>, E> {
     let available =
         (limit.saturating_sub(position)).min(ring.len_bytes - position % ring.len_bytes) as usize;
@@ -301,9 +305,14 @@ fn read_batch<E>(
     } else {
         block
     };
-    Ok(batch::decode_entries(&header, &whole).map(|entries| {
+    let decoded = if durable {
+        batch::decode_entries_with_damage(&header, &whole)
+    } else {
+        batch::decode_entries(&header, &whole).map(|entries| (entries, Vec::new()))
+    };
+    Ok(decoded.map(|(entries, damaged)| {
         let offsets = header.data_offsets().map(|at| offset + at as u64).collect();
-        (size as u64, entries, offsets)
+        (size as u64, entries, offsets, damaged)
     }))
 }
 
@@ -311,12 +320,40 @@ fn read_batch<E>(
 /// its batch is verified: a caller that needs only where the data lies drops it there, so
 /// replay holds metadata, not the log.
 pub fn replay_trimmed<E>(
-    mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     start_position: u64,
     first_lsn: Lsn,
     limit_position: u64,
+    trim: impl FnMut(&mut Entry, u64),
+) -> Result<Replayed, E> {
+    let from = (start_position, first_lsn);
+    read_log(read, ring, from, limit_position, trim, false)
+}
+
+/// [`replay_trimmed`] over batches known to be durable (before the writer's durable end,
+/// as the cleaner reads them): a batch whose header is intact but some of whose entries'
+/// data fails its checksum was damaged after it was written, not torn. It is taken, with
+/// those entries named in [`ReplayedBatch::damaged_entries`], so that the caller can tell
+/// whether the damage is still of use to anyone.
+pub fn read_durable<E>(
+    read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    (start_position, first_lsn): (u64, Lsn),
+    limit_position: u64,
+    trim: impl FnMut(&mut Entry, u64),
+) -> Result<Replayed, E> {
+    let from = (start_position, first_lsn);
+    read_log(read, ring, from, limit_position, trim, true)
+}
+
+fn read_log<E>(
+    mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    (start_position, first_lsn): (u64, Lsn),
+    limit_position: u64,
     mut trim: impl FnMut(&mut Entry, u64),
+    durable: bool,
 ) -> Result<Replayed, E> {
     let mut position = start_position;
     let mut lsn = first_lsn;
@@ -325,14 +362,14 @@ pub fn replay_trimmed<E>(
         if position >= limit_position {
             break None;
         }
-        let mut found = read_batch(&mut read, ring, position, lsn, limit_position)?;
+        let mut found = read_batch(&mut read, ring, (position, lsn), limit_position, durable)?;
         if let Err(error) = &found {
             // The writer skips to the next lap when a batch does not fit in this one.
             let next_lap = ring.next_lap(position);
             if position.is_multiple_of(ring.len_bytes) || next_lap >= limit_position {
                 break Some(error.clone());
             }
-            match read_batch(&mut read, ring, next_lap, lsn, limit_position)? {
+            match read_batch(&mut read, ring, (next_lap, lsn), limit_position, durable)? {
                 Ok(batch) => {
                     position = next_lap;
                     found = Ok(batch);
@@ -340,7 +377,7 @@ pub fn replay_trimmed<E>(
                 Err(_) => break Some(error.clone()),
             }
         }
-        let (size, mut entries, offsets) = found.expect("errors ended the loop");
+        let (size, mut entries, offsets, damaged_entries) = found.expect("errors ended the loop");
         for (entry, offset) in entries.iter_mut().zip(&offsets) {
             trim(entry, *offset);
         }
@@ -349,6 +386,7 @@ pub fn replay_trimmed<E>(
             position,
             offset_bytes: ring.device_offset(position),
             entries: entries.into_iter().zip(offsets).collect(),
+            damaged_entries,
         });
         position += size;
         lsn = lsn.next();
@@ -387,7 +425,7 @@ fn damage_at<E>(
     lsn: Lsn,
     limit: u64,
 ) -> Option<Damage> {
-    let error = match read_batch(read, ring, position, lsn, limit) {
+    let error = match read_batch(read, ring, (position, lsn), limit, false) {
         Ok(Err(error)) => error,
         // Intact after all (a read that raced nothing here), or unreadable: no verdict.
         Ok(Ok(_)) | Err(_) => return None,
@@ -422,7 +460,11 @@ fn damage_at<E>(
         }
     };
     let next_position = candidates.into_iter().find(|&at| {
-        at < limit && matches!(read_batch(read, ring, at, lsn.next(), limit), Ok(Ok(_)))
+        at < limit
+            && matches!(
+                read_batch(read, ring, (at, lsn.next()), limit, false),
+                Ok(Ok(_))
+            )
     })?;
     Some(Damage {
         lsn,
@@ -595,6 +637,15 @@ mod tests {
     fn five_batches(
         flip: impl FnOnce(&[PlacedBatch]) -> Option<u64>,
     ) -> (Replayed, Vec<PlacedBatch>) {
+        let (disk, placed) = five_batches_on_disk(flip);
+        (disk.replay(0, Lsn::FIRST), placed)
+    }
+
+    /// Five batches of one 4 KiB entry each (entry n holds byte n - 1), one byte flipped
+    /// where `flip` says.
+    fn five_batches_on_disk(
+        flip: impl FnOnce(&[PlacedBatch]) -> Option<u64>,
+    ) -> (Disk, Vec<PlacedBatch>) {
         let mut disk = Disk::new(1 << 20);
         let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
         let placed: Vec<PlacedBatch> = (0..5u8)
@@ -609,7 +660,42 @@ mod tests {
         if let Some(at) = flip(&placed) {
             disk.bytes[at as usize] ^= 0xff;
         }
-        (disk.replay(0, Lsn::FIRST), placed)
+        (disk, placed)
+    }
+
+    /// Read as durable batches (as the cleaner reads), a batch whose data changed after it
+    /// was written is taken, its damaged entry named, and reading goes on past it; a batch
+    /// whose header changed still ends the reading.
+    #[test]
+    fn durable_batches_are_read_past_damaged_data() {
+        let durable = |disk: &Disk| {
+            let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+                Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
+            };
+            let limit = disk.bytes.len() as u64;
+            read_durable(read, disk.ring(), (0, Lsn::FIRST), limit, |_, _| {}).expect("read")
+        };
+        let (disk, placed) =
+            five_batches_on_disk(|placed| Some(placed[2].data_offsets_bytes[0] + 100));
+        let read = durable(&disk);
+        let damaged: Vec<Vec<usize>> = read
+            .batches
+            .iter()
+            .map(|batch| batch.damaged_entries.clone())
+            .collect();
+        assert_eq!(damaged, [vec![], vec![], vec![0], vec![], vec![]]);
+        assert_eq!(read.batches[2].entries[0].0.data[100], 2 ^ 0xff);
+        assert_eq!(
+            read.batches[2].entries[0].1,
+            placed[2].data_offsets_bytes[0]
+        );
+        assert_eq!(read.damaged, None);
+        // Replay of the same disk stops at it.
+        assert_eq!(disk.replay(0, Lsn::FIRST).batches.len(), 2);
+        let (disk, _) = five_batches_on_disk(|placed| Some(placed[2].offset_bytes + 40));
+        let read = durable(&disk);
+        assert_eq!(read.batches.len(), 2);
+        assert_eq!(read.damaged.map(|damage| damage.lsn), Some(Lsn(3)));
     }
 
     #[test]
