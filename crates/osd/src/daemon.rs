@@ -403,11 +403,13 @@ enum Event {
     /// A membership check of a PG is over.
     MembershipChecked { pg: PgId },
     /// A read of `pg`'s data found a block that fails its checksum: this replica's copy is
-    /// damaged. `reply`, if any, is the client's read waiting for its answer.
+    /// damaged. `reply`, if any, is the client's read waiting for its answer, of `read`
+    /// (object, offset, length).
     Damaged {
         pg: PgId,
         mismatch: Mismatch,
         reply: Option<oneshot::Sender<Message>>,
+        read: Option<(ObjectKey, u64, u64)>,
     },
     /// The payload of a raft entry of `object`, read back to be sent to a follower, lies
     /// in a block that fails its checksum (raft holds the entry back meanwhile).
@@ -730,7 +732,21 @@ impl Core {
                 pg,
                 mismatch,
                 reply,
-            } => self.damaged(pg, mismatch, reply),
+                read,
+            } => {
+                // A read planned before a repair's install may find the copy it replaced:
+                // only a block the index still reads is damage of this copy.
+                let current = read.is_none_or(|(object, offset, len)| {
+                    self.reads_block(pg, object, (offset, len), mismatch.device_offset_bytes)
+                });
+                if current {
+                    self.damaged(pg, mismatch, reply);
+                } else if let Some(reply_to) = reply {
+                    let _ = reply_to.send(crate::daemon::reply(Status::Busy {
+                        message: format!("pg {pg}: the read met data replaced since; retry"),
+                    }));
+                }
+            }
             Event::DamagedPayload { object, mismatch } => {
                 let image = self.map.images.get(&object.image);
                 let pool = image.and_then(|image| self.map.pools.get(&image.pool));
@@ -1242,11 +1258,11 @@ impl Core {
                                     "pg {pg}: the leader's copy is damaged: {mismatch}"
                                 ),
                             }));
-                            let reply = None;
                             let _ = events.send(Event::Damaged {
                                 pg,
                                 mismatch,
-                                reply,
+                                reply: None,
+                                read: None,
                             });
                             return;
                         }
@@ -2017,6 +2033,35 @@ impl Core {
         self.advance_repairs();
     }
 
+    /// Whether reading `range` (offset, length) of `object` in `pg` now would read the
+    /// block at `device_offset`.
+    fn reads_block(
+        &self,
+        pg: PgId,
+        object: ObjectKey,
+        (offset, len): (u64, u64),
+        device_offset: u64,
+    ) -> bool {
+        let block = BLOCK_SIZE as u64;
+        let Some(objects) = self.objects.get(&pg) else {
+            return false;
+        };
+        objects
+            .plan_read(object, offset, len)
+            .iter()
+            .any(|piece| match *piece {
+                Piece::Mapped {
+                    len_bytes,
+                    device_offset_bytes,
+                    ..
+                } => {
+                    let first = device_offset_bytes / block * block;
+                    (first..device_offset_bytes + len_bytes).contains(&device_offset)
+                }
+                Piece::Hole { .. } => false,
+            })
+    }
+
     /// A read found this replica's copy of `pg` damaged (a block failing its checksum): it
     /// is rebuilt from another replica's, as `basalt pg repair --osd` this OSD would do, and
     /// a client's read waiting here is told to retry; by then another replica leads and
@@ -2028,12 +2073,16 @@ impl Core {
         mismatch: impl std::fmt::Display,
         reply_to: Option<oneshot::Sender<Message>>,
     ) {
-        self.counters.checksum_error();
         let me = self.id;
         let others = self
             .raft
             .members(pg)
             .is_some_and(|members| members.voters.iter().any(|voter| *voter != me));
+        // Counted once per client read, and once per repair for the others (raft offers
+        // held-back entries again at every heartbeat, and the cleaner looks again).
+        if reply_to.is_some() || (others && !self.repairs.contains_key(&pg)) {
+            self.counters.checksum_error();
+        }
         let answer = if !others {
             tracing::error!(%pg, %mismatch, "this replica's copy of the pg is damaged, and no other replica holds the pg");
             Status::Io {
@@ -2288,11 +2337,11 @@ impl Core {
                     ..
                 }) => {
                     // The core answers: this copy is not to be read until it is rebuilt.
-                    let reply = Some(read.reply);
                     let _ = events.send(Event::Damaged {
                         pg,
                         mismatch,
-                        reply,
+                        reply: Some(read.reply),
+                        read: Some((read.object, read.offset_bytes, read.len_bytes)),
                     });
                     return;
                 }

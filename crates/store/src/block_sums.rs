@@ -120,30 +120,31 @@ impl BlockSums {
     /// as runs in device order, each block once.
     pub fn runs(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<SumRun> {
         let block = BLOCK_SIZE as u64;
-        let mut blocks: Vec<u64> = Vec::new();
-        for (offset, len) in ranges {
-            if len == 0 {
-                continue;
-            }
-            let first = offset / block;
-            let end = (offset + len).div_ceil(block);
-            blocks.extend(first..end);
-        }
-        blocks.sort_unstable();
-        blocks.dedup();
+        // The block spans in device order (one per range, not per block: a checkpoint of
+        // a large device lists many blocks).
+        let mut spans: Vec<(u64, u64)> = ranges
+            .into_iter()
+            .filter(|(_, len)| *len > 0)
+            .map(|(offset, len)| (offset / block, (offset + len).div_ceil(block)))
+            .collect();
+        spans.sort_unstable();
         let mut runs: Vec<SumRun> = Vec::new();
         let mut next = None;
-        for number in blocks {
-            let at = number * block;
-            let Some(sum) = self.get(at) else {
-                next = None;
-                continue;
-            };
-            match runs.last_mut() {
-                Some((_, sums)) if next == Some(at) => sums.push(sum),
-                _ => runs.push((at, vec![sum])),
+        let mut covered_to = 0;
+        for (first, end) in spans {
+            for number in first.max(covered_to)..end {
+                let at = number * block;
+                let Some(sum) = self.get(at) else {
+                    next = None;
+                    continue;
+                };
+                match runs.last_mut() {
+                    Some((_, sums)) if next == Some(at) => sums.push(sum),
+                    _ => runs.push((at, vec![sum])),
+                }
+                next = Some(at + block);
             }
-            next = Some(at + block);
+            covered_to = covered_to.max(end);
         }
         runs
     }

@@ -376,6 +376,20 @@ fn read_log<E>(
                 }
                 Err(_) => break Some(error.clone()),
             }
+        } else if found.as_ref().is_ok_and(|batch| !batch.3.is_empty()) {
+            // Not damage but a torn write left behind, if the batch of this LSN that was
+            // written after the crash lies intact at the start of the next lap (the writer
+            // goes on at the torn batch's place, and skips there when the new one does not
+            // fit in the lap).
+            let next_lap = ring.next_lap(position);
+            if !position.is_multiple_of(ring.len_bytes)
+                && next_lap < limit_position
+                && let Ok(batch) =
+                    read_batch(&mut read, ring, (next_lap, lsn), limit_position, false)?
+            {
+                position = next_lap;
+                found = Ok(batch);
+            }
         }
         let (size, mut entries, offsets, damaged_entries) = found.expect("errors ended the loop");
         for (entry, offset) in entries.iter_mut().zip(&offsets) {
@@ -696,6 +710,44 @@ mod tests {
         let read = durable(&disk);
         assert_eq!(read.batches.len(), 2);
         assert_eq!(read.damaged.map(|damage| damage.lsn), Some(Lsn(3)));
+    }
+
+    /// A batch torn by a crash, left behind when the batch written after the restart with
+    /// its LSN did not fit in the rest of the lap, is not taken for damage: reading goes
+    /// on at the next lap, where that batch is.
+    #[test]
+    fn a_torn_batch_left_behind_is_not_taken_for_damage() {
+        const K: u64 = 1024;
+        let mut disk = Disk::new(64 << 10);
+        let ring = disk.ring();
+        // Batch 1 at 40 KiB, then batch 2, torn: its header written, its data not.
+        let mut writer = LogWriter::new(ring, 40 * K, Lsn::FIRST, 40 * K);
+        disk.write(&writer.append(&[entry(1, 1, 4096)]).expect("room"));
+        let torn = writer.append(&[entry(2, 2, 4096)]).expect("room");
+        disk.write(&PlacedBatch {
+            bytes: torn.bytes[..BLOCK_SIZE].to_vec(),
+            ..torn.clone()
+        });
+        // After the restart, batch 2 again, too large for the rest of the lap.
+        let mut writer = LogWriter::new(ring, torn.position, Lsn(2), 40 * K);
+        let again = writer.append(&[entry(2, 9, 8 * 4096)]).expect("room");
+        assert_eq!(again.position, ring.len_bytes, "placed at the next lap");
+        disk.write(&again);
+        let end = again.position + again.bytes.len() as u64;
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
+        };
+        let read = read_durable(read, ring, (40 * K, Lsn::FIRST), end, |_, _| {}).expect("read");
+        let found: Vec<(Lsn, u64, Vec<usize>)> = read
+            .batches
+            .iter()
+            .map(|batch| (batch.lsn, batch.position, batch.damaged_entries.clone()))
+            .collect();
+        assert_eq!(
+            found,
+            [(Lsn(1), 40 * K, vec![]), (Lsn(2), ring.len_bytes, vec![])]
+        );
+        assert_eq!(read.next_lsn, Lsn(3));
     }
 
     #[test]
