@@ -1022,11 +1022,18 @@ impl HotWriter {
 
 /// Reads the cold part and the hot part of the image back as `round` left them.
 fn check_round(uri: &str, round: u32) {
-    let mut commands = vec!["read -P 90 0 8M".to_string()];
-    commands.extend((0..16u32).map(|mib| {
-        let pattern = (round * 16 + mib) % 251 + 1;
-        format!("read -P {pattern} {}M 1M", 8 + mib)
-    }));
+    qemu_io_ok(uri, true, &["read -P 90 0 8M"]);
+    check_hot_round(uri, round);
+}
+
+/// Checks that the hot part of the image holds round `round`.
+fn check_hot_round(uri: &str, round: u32) {
+    let commands: Vec<String> = (0..16u32)
+        .map(|mib| {
+            let pattern = (round * 16 + mib) % 251 + 1;
+            format!("read -P {pattern} {}M 1M", 8 + mib)
+        })
+        .collect();
     let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
     qemu_io_ok(uri, true, &commands);
 }
@@ -1098,9 +1105,9 @@ fn the_log_is_reused_over_many_laps_and_survives_crashes() {
 }
 
 /// The cleaner meets data in use that fails its checksum (cold data, on a replica that no
-/// client reads): it cannot move it, so that replica's copy of the PG is rebuilt from
-/// another, after which the damaged batch holds nothing in use and the cleaner goes past
-/// it. The ring goes on being reused, and every byte reads back as written.
+/// client reads): it moves it all the same, marked damaged at the new place, and that
+/// replica's copy of the PG is rebuilt from another. The ring goes on being reused, and
+/// every byte reads back as written.
 #[test]
 fn the_cleaner_has_damaged_data_in_use_rebuilt_and_goes_on() {
     require("qemu-io");
@@ -1116,7 +1123,7 @@ fn the_cleaner_has_damaged_data_in_use_rebuilt_and_goes_on() {
     }
     let log = cluster.log_text("osd.1");
     assert!(
-        log.contains("the cleaner found data in use that fails its checksum"),
+        log.contains("the cleaner moved data in use that fails its checksum, marked damaged"),
         "{log}"
     );
     wait_for("the damaged copy rebuilt", Duration::from_secs(60), || {
@@ -1128,6 +1135,57 @@ fn the_cleaner_has_damaged_data_in_use_rebuilt_and_goes_on() {
     check_round(&uri, 13);
     qemu_io_ok(&uri, true, &["read -P 90 0 8M"]);
     assert_every_pg_consistent(&cluster);
+}
+
+/// A pool of one replica has no copy to rebuild damaged data from: the cleaner moves it
+/// marked damaged and goes on (before, it stopped there and the log filled up), the
+/// damaged block reads as EIO wherever it has moved, through a restart, and every other
+/// block reads back as written.
+#[test]
+fn damaged_data_of_a_single_replica_moves_on_and_reads_as_eio() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-single-damaged");
+    let small = || (None, vec!["--device-size".to_string(), "96MiB".to_string()]);
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![small()],
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "1"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "24MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
+    flip_a_byte_in_a_block_of(&dir.join("osd.0").join("osd.log"), 90);
+    // 160 MiB through a 96 MiB device: the cleaner moves the cold 8 MiB, twice over.
+    for round in 0..10 {
+        hot_round(&uri, round);
+    }
+    check_hot_round(&uri, 9);
+    let log = cluster.log_text("osd.0");
+    assert!(
+        log.contains("the cleaner moved data in use that fails its checksum, marked damaged"),
+        "{log}"
+    );
+    // Exactly one MiB of the cold data holds the damaged block.
+    let failing = |uri: &str| {
+        (0..8)
+            .filter(|mib| {
+                let (read, output) = qemu_io(uri, true, &[&format!("read -P 90 {mib}M 1M")]);
+                assert!(read || output.contains("Input/output error"), "{output}");
+                !read
+            })
+            .count()
+    };
+    assert_eq!(failing(&uri), 1);
+    // After a restart (from a checkpoint that lists the block as damaged), the same.
+    drop(target);
+    cluster.kill_osd(0);
+    cluster.start_osd(0);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    assert_eq!(failing(&uri), 1);
+    check_hot_round(&uri, 9);
 }
 
 /// An OSD that was down while its PGs' leaders compacted their logs past it catches up by

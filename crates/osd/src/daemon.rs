@@ -840,7 +840,12 @@ impl Core {
             Event::Cleaned { result, limit } => self.cleaned(result, limit),
             Event::Relocated { moves, next } => {
                 let mut bytes = 0;
+                let sums = self.log.block_sums();
                 for (moved, to) in &moves {
+                    // Before anything reads the new place.
+                    for block in &moved.damaged_blocks {
+                        sums.poison(to + block * BLOCK_SIZE as u64);
+                    }
                     bytes += reclaim::apply_move(moved, *to, &mut self.raft, &mut self.objects);
                 }
                 self.counters
@@ -939,8 +944,8 @@ impl Core {
         // transfer after another (each given up at its first chunk for want of room, say)
         // would keep both off for good, and the room never come. The leader is told, and
         // sends the snapshot again later.
-        // A repair goes ahead all the same: the cleaner may be waiting for it (data in
-        // use that fails its checksum cannot be moved), and it is one transfer.
+        // A repair goes ahead all the same: reads of the damaged copy fail until it is
+        // in, and it is one transfer.
         let full = self.installing.len() >= self.max_moves;
         let reclaim_waits = self.reuse_allowed()
             && !self.repairs.contains_key(&pg)
@@ -1105,9 +1110,9 @@ impl Core {
         free >= self.install_floor(pg) + log_bytes
     }
 
-    /// What an install of `pg` leaves free. A repair's may take half the reserve: the
-    /// replica it rebuilds may hold data in use that the cleaner cannot move (it fails its
-    /// checksum), so that only the repair lets the cleaner free space again.
+    /// What an install of `pg` leaves free. A repair's may take half the reserve: it
+    /// rebuilds a copy found damaged, typically when the log is short of room (the cleaner
+    /// meets damage when it needs space), and until then reads of the PG here fail.
     fn install_floor(&self, pg: PgId) -> u64 {
         if self.repairs.contains_key(&pg) {
             self.log.reserve_bytes() / 2
@@ -1738,30 +1743,16 @@ impl Core {
             self.reclaim.clean_after = std::time::Instant::now() + pause;
             return;
         }
+        let sums = self.log.block_sums();
         let reclaim::Relocations {
             appends,
             moves,
             damaged,
-        } = reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects);
-        let mut next = next;
-        if let Some((at, pgs)) = damaged {
-            // Nothing there can be moved: the cleaner stops before it, and the PGs whose
-            // payloads it holds have their copies here rebuilt, after which it is dead.
-            next = at;
-            let what = format!(
-                "the cleaner found data in use that fails its checksum (batch {} at ring \
-                 position {})",
-                at.1.0, at.0
-            );
-            for pg in pgs {
-                self.damaged(pg, what.clone(), None);
-            }
-            if appends.is_empty() {
-                self.reclaim.cleaned_to = next;
-                self.reclaim.cleaning = false;
-                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(5);
-                return;
-            }
+        } = reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects, &sums);
+        for pg in damaged {
+            // Moved all the same, marked damaged at the new place; the copy is rebuilt.
+            let what = "the cleaner moved data in use that fails its checksum, marked damaged";
+            self.damaged(pg, what, None);
         }
         tracing::debug!(
             to = next.0,
@@ -1910,7 +1901,7 @@ impl Core {
                 })
             })
         });
-        let block_sums = self.log.block_sums().runs(extents.chain(payloads));
+        let (block_sums, poisoned_blocks) = self.log.block_sums().runs(extents.chain(payloads));
         Checkpoint {
             sequence: reclaim.sequence + 1,
             replay_position: reclaim.durable_end.0,
@@ -1919,6 +1910,7 @@ impl Core {
             tail_lsn: tail.1,
             pgs: states,
             block_sums,
+            poisoned_blocks,
         }
     }
 

@@ -397,7 +397,7 @@ impl LogDevice {
         // batches replayed wrote after it.
         let sums = Arc::new(BlockSums::new(ring));
         if let Some(checkpoint) = &checkpoint {
-            sums.load(&checkpoint.block_sums);
+            sums.load(&checkpoint.block_sums, &checkpoint.poisoned_blocks);
         }
         let replayed = read_log(
             path,

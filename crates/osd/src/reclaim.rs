@@ -17,10 +17,11 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use basalt_common::{Lsn, PgId};
+use basalt_common::PgId;
 use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry};
 use basalt_store::batch::BLOCK_SIZE;
 use basalt_store::batch::{self, Entry};
+use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
 use basalt_store::log::{ReplayedBatch, Ring};
 use basalt_store::object_op::{PayloadRef, PgObjects, kind};
@@ -202,6 +203,9 @@ pub struct Move {
     pub from: PayloadRef,
     /// The raft entry whose data refers to it.
     pub raft_entry: Option<(u64, u64)>,
+    /// Its blocks (counted from its first) whose data failed its checksum where it was:
+    /// poisoned at the new place, so that reads of them still fail there.
+    pub damaged_blocks: Vec<u64>,
 }
 
 /// What the cleaner does with the batches it read from the ring's tail.
@@ -211,46 +215,36 @@ pub struct Relocations {
     pub appends: Vec<Vec<Entry>>,
     /// In the same order, the moves their entries carry.
     pub moves: Vec<Move>,
-    /// The first batch (ring position, LSN) holding a payload still in use whose data
-    /// fails its checksum, with the PGs of those payloads: the cleaner stops before it
-    /// (nothing there can be moved) until those PGs' copies are rebuilt elsewhere.
-    pub damaged: Option<((u64, Lsn), Vec<PgId>)>,
+    /// The PGs of payloads still in use that failed their checksum: moved all the same,
+    /// marked damaged, and these PGs' copies here are to be rebuilt.
+    pub damaged: Vec<PgId>,
 }
 
-/// Plans the relocations for a run of batches from the ring's tail, up to the first batch
-/// with damage still in use.
+/// Plans the relocations for a run of batches from the ring's tail. A payload still in use
+/// whose data fails its checksum is moved too, with the blocks that fail (by `sums`; all
+/// of them where its checksums are not known) marked to be poisoned at the new place: the
+/// cleaner never stops for damage, and the damage is never taken for data.
 pub fn plan_relocations(
     batches: Vec<ReplayedBatch>,
     raft: &MultiRaft,
     objects: &HashMap<PgId, PgObjects>,
+    sums: &BlockSums,
 ) -> Relocations {
     let mut relocations = Vec::new();
     let mut moves = Vec::new();
+    let mut damaged = Vec::new();
     for batch in batches {
-        let (position, lsn) = (batch.position, batch.lsn);
-        let live: Vec<(Entry, Move, bool)> = batch
-            .entries
-            .into_iter()
-            .enumerate()
-            .filter_map(|(at, (entry, data_offset))| {
-                let damaged = batch.damaged_entries.contains(&at);
-                live_payload(&entry, data_offset, raft, objects)
-                    .map(|moved| (entry, moved, damaged))
-            })
-            .collect();
-        let damaged_pgs: Vec<PgId> = live
-            .iter()
-            .filter(|(_, _, damaged)| *damaged)
-            .map(|(entry, _, _)| entry.pg)
-            .collect();
-        if !damaged_pgs.is_empty() {
-            return Relocations {
-                appends: batch::split(relocations),
-                moves,
-                damaged: Some(((position, lsn), damaged_pgs)),
+        for (at, (entry, data_offset)) in batch.entries.into_iter().enumerate() {
+            let Some(mut moved) = live_payload(&entry, data_offset, raft, objects) else {
+                continue;
             };
-        }
-        for (entry, moved, _) in live {
+            // Blocks failing their checksums, or poisoned by an earlier move (the entry's
+            // own checksum, over the bytes moved, passes then): poisoned again.
+            let entry_damaged = batch.damaged_entries.contains(&at);
+            moved.damaged_blocks = damaged_blocks(sums, data_offset, &entry.data, entry_damaged);
+            if !moved.damaged_blocks.is_empty() && !damaged.contains(&entry.pg) {
+                damaged.push(entry.pg);
+            }
             let (term, index) = moved
                 .raft_entry
                 .map_or((0, 0), |(index, term)| (term, index));
@@ -268,7 +262,33 @@ pub fn plan_relocations(
     Relocations {
         appends: batch::split(relocations),
         moves,
-        damaged: None,
+        damaged,
+    }
+}
+
+/// The blocks of `data` (an entry's, read at `data_offset`) that fail their checksums (or
+/// are poisoned); if the entry's own checksum failed (`entry_damaged`) but no block does
+/// (their checksums not known), all of them.
+fn damaged_blocks(
+    sums: &BlockSums,
+    data_offset: u64,
+    data: &[u8],
+    entry_damaged: bool,
+) -> Vec<u64> {
+    let block = BLOCK_SIZE as u64;
+    let blocks = (data.len() as u64).div_ceil(block);
+    let failing: Vec<u64> = (0..blocks)
+        .filter(|i| {
+            let start = (*i * block) as usize;
+            let mut bytes = data[start..data.len().min(start + BLOCK_SIZE)].to_vec();
+            bytes.resize(BLOCK_SIZE, 0);
+            sums.verify(data_offset + i * block, &bytes).is_err()
+        })
+        .collect();
+    if failing.is_empty() && entry_damaged {
+        (0..blocks).collect()
+    } else {
+        failing
     }
 }
 
@@ -306,6 +326,7 @@ fn live_payload(
         pg,
         from,
         raft_entry,
+        damaged_blocks: Vec::new(),
     })
 }
 

@@ -300,6 +300,7 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
         tail_lsn: basalt_common::Lsn(1),
         pgs: Vec::new(),
         block_sums: Vec::new(),
+        poisoned_blocks: Vec::new(),
     };
     device
         .write_checkpoint(1, &checkpoint)
@@ -450,7 +451,7 @@ async fn block_checksums_are_known_again_after_a_restart() {
         replay_position: first.end_position,
         replay_lsn: first.lsn.next(),
         tail_lsn: Lsn(1),
-        block_sums: sums.runs([(a, 4096)]),
+        block_sums: sums.runs([(a, 4096)]).0,
         ..Checkpoint::default()
     };
     device

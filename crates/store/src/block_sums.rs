@@ -11,7 +11,9 @@
 //!
 //! The table is shared by the writer and the readers: each slot is an atomic, 0 while
 //! nothing is known of the block (a checkpoint of an older format, say), else the
-//! checksum with bit 32 set.
+//! checksum with bit 32 set. Bit 33 marks a block *poisoned*: it holds data that failed
+//! its checksum where it was before the cleaner moved it here, and fails every read until
+//! it is written again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -19,13 +21,11 @@ use crate::batch::BLOCK_SIZE;
 use crate::log::Ring;
 
 const KNOWN: u64 = 1 << 32;
+const POISONED: u64 = 1 << 33;
 
 /// A block whose bytes are not those written there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "the block at device offset {device_offset_bytes} fails its checksum (CRC32C {found:#010x}, \
-     written as {expected:#010x})"
-)]
+#[error("the block at device offset {device_offset_bytes} {}", describe(self))]
 pub struct Mismatch {
     /// Where the block is.
     pub device_offset_bytes: u64,
@@ -33,6 +33,19 @@ pub struct Mismatch {
     pub expected: u32,
     /// The checksum of what was read.
     pub found: u32,
+    /// The block holds data that was damaged before the cleaner moved it there.
+    pub poisoned: bool,
+}
+
+fn describe(mismatch: &Mismatch) -> String {
+    if mismatch.poisoned {
+        "holds data that failed its checksum before the cleaner moved it there".to_string()
+    } else {
+        format!(
+            "fails its checksum (CRC32C {:#010x}, written as {:#010x})",
+            mismatch.found, mismatch.expected
+        )
+    }
 }
 
 /// Checksums of blocks in runs: a run is the device offset of its first block and the
@@ -91,10 +104,24 @@ impl BlockSums {
         }
     }
 
-    /// The checksum of the block at `device_offset_bytes`, if known.
+    /// The checksum of the block at `device_offset_bytes`, if known (and not poisoned).
     pub fn get(&self, device_offset_bytes: u64) -> Option<u32> {
         let value = self.slot(device_offset_bytes)?.load(Ordering::Acquire);
-        (value & KNOWN != 0).then_some(value as u32)
+        (value & (KNOWN | POISONED) == KNOWN).then_some(value as u32)
+    }
+
+    /// Marks the block at `device_offset_bytes` poisoned: every read of it fails until it
+    /// is written again.
+    pub fn poison(&self, device_offset_bytes: u64) {
+        if let Some(slot) = self.slot(device_offset_bytes) {
+            slot.fetch_or(KNOWN | POISONED, Ordering::AcqRel);
+        }
+    }
+
+    /// Whether the block at `device_offset_bytes` is poisoned.
+    pub fn is_poisoned(&self, device_offset_bytes: u64) -> bool {
+        self.slot(device_offset_bytes)
+            .is_some_and(|slot| slot.load(Ordering::Acquire) & POISONED != 0)
     }
 
     /// Checks `blocks` (whole blocks) read at `device_offset_bytes` against the checksums
@@ -102,24 +129,36 @@ impl BlockSums {
     pub fn verify(&self, device_offset_bytes: u64, blocks: &[u8]) -> Result<(), Mismatch> {
         for (i, block) in blocks.chunks(BLOCK_SIZE).enumerate() {
             let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
-            if let Some(expected) = self.get(at) {
-                let found = crc32c::crc32c(block);
-                if found != expected {
-                    return Err(Mismatch {
-                        device_offset_bytes: at,
-                        expected,
-                        found,
-                    });
-                }
+            let Some(slot) = self.slot(at) else {
+                continue;
+            };
+            let value = slot.load(Ordering::Acquire);
+            if value & KNOWN == 0 {
+                continue;
+            }
+            let (expected, poisoned) = (value as u32, value & POISONED != 0);
+            let found = crc32c::crc32c(block);
+            if poisoned || found != expected {
+                return Err(Mismatch {
+                    device_offset_bytes: at,
+                    expected,
+                    found,
+                    poisoned,
+                });
             }
         }
         Ok(())
     }
 
     /// The known checksums of every block that the device ranges `(offset, length)` touch,
-    /// as runs in device order, each block once.
-    pub fn runs(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<SumRun> {
+    /// as runs in device order, each block once, and the runs (first block's offset,
+    /// count) of those poisoned.
+    pub fn runs(
+        &self,
+        ranges: impl IntoIterator<Item = (u64, u64)>,
+    ) -> (Vec<SumRun>, Vec<(u64, u32)>) {
         let block = BLOCK_SIZE as u64;
+        let mut poisoned: Vec<(u64, u32)> = Vec::new();
         // The block spans in device order (one per range, not per block: a checkpoint of
         // a large device lists many blocks).
         let mut spans: Vec<(u64, u64)> = ranges
@@ -134,6 +173,14 @@ impl BlockSums {
         for (first, end) in spans {
             for number in first.max(covered_to)..end {
                 let at = number * block;
+                if self.is_poisoned(at) {
+                    match poisoned.last_mut() {
+                        Some((start, count)) if *start + u64::from(*count) * block == at => {
+                            *count += 1;
+                        }
+                        _ => poisoned.push((at, 1)),
+                    }
+                }
                 let Some(sum) = self.get(at) else {
                     next = None;
                     continue;
@@ -146,14 +193,19 @@ impl BlockSums {
             }
             covered_to = covered_to.max(end);
         }
-        runs
+        (runs, poisoned)
     }
 
-    /// Sets the checksums that `runs` give.
-    pub fn load(&self, runs: &[SumRun]) {
+    /// Sets the checksums that `runs` give, and poisons the blocks of `poisoned`.
+    pub fn load(&self, runs: &[SumRun], poisoned: &[(u64, u32)]) {
         for (start, sums) in runs {
             for (i, sum) in sums.iter().enumerate() {
                 self.set(start + (i * BLOCK_SIZE) as u64, *sum);
+            }
+        }
+        for (start, count) in poisoned {
+            for i in 0..u64::from(*count) {
+                self.poison(start + i * BLOCK_SIZE as u64);
             }
         }
     }
@@ -229,17 +281,45 @@ mod tests {
         let sums = BlockSums::new(ring());
         sums.record(3 * B, &blocks(&[1, 2, 3, 4, 5, 6, 7, 8]));
         // Two ranges sharing block 4, one within block 9, and a block not known (12).
-        let runs = sums.runs([(4 * B + 10, B), (4 * B, 100), (9 * B + 5, 10), (12 * B, B)]);
+        let (runs, poisoned) =
+            sums.runs([(4 * B + 10, B), (4 * B, 100), (9 * B + 5, 10), (12 * B, B)]);
         let sum = |fill: u8| crc32c::crc32c(&blocks(&[fill]));
         assert_eq!(
             runs,
             vec![(4 * B, vec![sum(2), sum(3)]), (9 * B, vec![sum(7)])]
         );
+        assert_eq!(poisoned, vec![]);
         let loaded = BlockSums::new(ring());
-        loaded.load(&runs);
+        loaded.load(&runs, &poisoned);
         for at in [4 * B, 5 * B, 9 * B] {
             assert_eq!(loaded.get(at), sums.get(at));
         }
         assert_eq!(loaded.get(3 * B), None);
+    }
+
+    /// A poisoned block fails every read, even of the bytes its checksum was computed from,
+    /// is listed apart in runs, loads back poisoned, and is cleared by a write.
+    #[test]
+    fn a_poisoned_block_fails_until_written_again() {
+        let sums = BlockSums::new(ring());
+        let written = blocks(&[1, 2]);
+        sums.record(5 * B, &written);
+        sums.poison(6 * B);
+        let mismatch = sums.verify(5 * B, &written).expect_err("poisoned");
+        assert!(mismatch.poisoned && mismatch.device_offset_bytes == 6 * B);
+        assert!(mismatch.to_string().contains("before the cleaner moved it"));
+        assert_eq!(sums.get(6 * B), None);
+        let (runs, poisoned) = sums.runs([(5 * B, 2 * B)]);
+        assert_eq!(
+            runs,
+            vec![(5 * B, vec![crc32c::crc32c(&written[..BLOCK_SIZE])])]
+        );
+        assert_eq!(poisoned, vec![(6 * B, 1)]);
+        let loaded = BlockSums::new(ring());
+        loaded.load(&runs, &poisoned);
+        assert!(loaded.verify(5 * B, &written).is_err());
+        assert!(loaded.verify(5 * B, &written[..BLOCK_SIZE]).is_ok());
+        sums.record(6 * B, &written[BLOCK_SIZE..]);
+        assert_eq!(sums.verify(5 * B, &written), Ok(()));
     }
 }

@@ -19,7 +19,9 @@
 //! The body holds, per PG: hard state, applied index, compaction point, configurations, the raft
 //! entries retained after the compaction point, and the object index; then (since format 3)
 //! the checksums of the log blocks the object indexes refer to, in runs (device offset,
-//! count, a CRC32C per block). All little-endian. Format 2 (no checksums) is still read.
+//! count, a CRC32C per block); then (since format 4) the runs of those blocks that are
+//! poisoned (device offset, count). All little-endian. Formats 2 (no checksums) and 3 (no
+//! poisoned blocks) are still read.
 
 use basalt_common::{ImageId, Lsn, ObjectKey, PgId, PoolId};
 
@@ -29,7 +31,7 @@ use crate::block_sums::SumRun;
 /// Marks a checkpoint.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"BSLTCKPT");
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u16 = 3;
+pub const FORMAT_VERSION: u16 = 4;
 /// The oldest format this code reads: one without block checksums.
 pub const OLDEST_FORMAT_VERSION: u16 = 2;
 
@@ -94,6 +96,9 @@ pub struct Checkpoint {
     /// The checksums of the log blocks the object indexes refer to (see
     /// [`crate::block_sums`]), in runs.
     pub block_sums: Vec<SumRun>,
+    /// The runs (device offset of the first block, count) of the blocks among those that
+    /// are poisoned (see [`crate::block_sums`]).
+    pub poisoned_blocks: Vec<(u64, u32)>,
 }
 
 /// Why bytes are not a usable checkpoint.
@@ -245,6 +250,11 @@ impl Checkpoint {
                 body.u32(*sum);
             }
         }
+        body.len(self.poisoned_blocks.len());
+        for (start, count) in &self.poisoned_blocks {
+            body.u64(*start);
+            body.u32(*count);
+        }
         let body = body.0;
         let mut bytes = vec![0u8; BLOCK_SIZE];
         bytes[0..8].copy_from_slice(&MAGIC.to_le_bytes());
@@ -353,6 +363,12 @@ impl Checkpoint {
                 block_sums.push((start, sums));
             }
         }
+        let mut poisoned_blocks = Vec::new();
+        if version >= 4 {
+            for _ in 0..r.count(12)? {
+                poisoned_blocks.push((r.u64()?, r.u32()?));
+            }
+        }
         if r.at != body.len() {
             return Err(CheckpointError::Malformed {
                 reason: format!("{} bytes left after the last pg", body.len() - r.at),
@@ -366,6 +382,7 @@ impl Checkpoint {
             tail_lsn: Lsn(u64_at(48)),
             pgs,
             block_sums,
+            poisoned_blocks,
         })
     }
 }
@@ -465,8 +482,9 @@ mod tests {
                 (any::<u64>(), proptest::collection::vec(any::<u32>(), 0..5)),
                 0..4,
             ),
+            proptest::collection::vec(any::<(u64, u32)>(), 0..3),
         )
-            .prop_map(|(v, pgs, block_sums)| Checkpoint {
+            .prop_map(|(v, pgs, block_sums, poisoned_blocks)| Checkpoint {
                 sequence: v[0],
                 replay_position: v[1],
                 replay_lsn: Lsn(v[2]),
@@ -474,6 +492,7 @@ mod tests {
                 tail_lsn: Lsn(v[4]),
                 pgs,
                 block_sums,
+                poisoned_blocks,
             })
     }
 
@@ -539,10 +558,11 @@ mod tests {
         ));
     }
 
-    /// A checkpoint written before block checksums (format 2: the body ends after the last
-    /// PG) still reads, with no checksums; one of a later format than this code is refused.
+    /// Checkpoints written before block checksums (format 2: the body ends after the last
+    /// PG) and before poisoned blocks (format 3: after the checksums' runs) still read; one
+    /// of a later format than this code is refused.
     #[test]
-    fn a_checkpoint_of_the_format_before_block_checksums_reads() {
+    fn checkpoints_of_the_formats_before_this_one_read() {
         let checkpoint = Checkpoint {
             sequence: 7,
             replay_position: 8192,
@@ -557,32 +577,39 @@ mod tests {
                 )],
                 ..PgCheckpoint::default()
             }],
+            block_sums: vec![(1 << 20, vec![0xabcd])],
             ..Checkpoint::default()
         };
         let bytes = checkpoint.encode();
         let body_len = u64::from_le_bytes(bytes[56..64].try_into().expect("8")) as usize;
-        // Without the count of runs (0) that ends format 3's body.
-        let body = bytes[BLOCK_SIZE..BLOCK_SIZE + body_len - 4].to_vec();
-        let rewrite = |version: u16| {
+        let rewrite = |version: u16, cut: usize| {
+            let body = &bytes[BLOCK_SIZE..BLOCK_SIZE + body_len - cut];
             let mut old = bytes[..BLOCK_SIZE].to_vec();
             old[8..10].copy_from_slice(&version.to_le_bytes());
             old[56..64].copy_from_slice(&(body.len() as u64).to_le_bytes());
-            old[64..68].copy_from_slice(&crc32c::crc32c(&body).to_le_bytes());
+            old[64..68].copy_from_slice(&crc32c::crc32c(body).to_le_bytes());
             let crc = crc32c::crc32c(&old[..68]);
             old[68..72].copy_from_slice(&crc.to_le_bytes());
-            old.extend_from_slice(&body);
+            old.extend_from_slice(body);
             old.resize(old.len().div_ceil(BLOCK_SIZE) * BLOCK_SIZE, 0);
             old
         };
-        assert_eq!(Checkpoint::decode(&rewrite(2)), Ok(checkpoint.clone()));
-        // Format 3 needs the count of runs.
+        // Format 3: without the count of poisoned runs (0) that ends format 4's body.
+        assert_eq!(Checkpoint::decode(&rewrite(3, 4)), Ok(checkpoint.clone()));
+        // Format 2: without the checksums' run either (count, offset, count, one sum).
+        let format_2 = Checkpoint {
+            block_sums: Vec::new(),
+            ..checkpoint.clone()
+        };
+        assert_eq!(Checkpoint::decode(&rewrite(2, 4 + 20)), Ok(format_2));
+        // Format 4 needs the count of poisoned runs.
         assert!(matches!(
-            Checkpoint::decode(&rewrite(3)),
+            Checkpoint::decode(&rewrite(4, 4)),
             Err(CheckpointError::Malformed { .. })
         ));
         assert_eq!(
-            Checkpoint::decode(&rewrite(4)),
-            Err(CheckpointError::Version { version: 4 })
+            Checkpoint::decode(&rewrite(5, 0)),
+            Err(CheckpointError::Version { version: 5 })
         );
     }
 }
