@@ -394,10 +394,13 @@ impl LogDevice {
             None => (0, superblock.first_lsn, 0),
         };
         // What the checkpoint knows of the blocks its index refers to, then what the
-        // batches replayed wrote after it.
+        // batches replayed wrote after it, then the checkpoint's poisoned blocks: a copy
+        // the cleaner moved and poisoned may lie after the replay start (relocations do
+        // not move it), and replay would take its bytes for data. No batch written after
+        // the checkpoint lies where its index refers: those places are not free yet.
         let sums = Arc::new(BlockSums::new(ring));
         if let Some(checkpoint) = &checkpoint {
-            sums.load(&checkpoint.block_sums, &checkpoint.poisoned_blocks);
+            sums.load(&checkpoint.block_sums, &[]);
         }
         let replayed = read_log(
             path,
@@ -416,6 +419,9 @@ impl LogDevice {
                 error: damage.error.to_string(),
                 next_position: damage.next_position,
             });
+        }
+        if let Some(checkpoint) = &checkpoint {
+            sums.load(&[], &checkpoint.poisoned_blocks);
         }
         let writer = LogWriter::new(ring, replayed.next_position, replayed.next_lsn, tail);
         let (queue, appends) = mpsc::unbounded_channel();

@@ -242,7 +242,26 @@ pub fn plan_relocations(
             // own checksum, over the bytes moved, passes then): poisoned again.
             let entry_damaged = batch.damaged_entries.contains(&at);
             moved.damaged_blocks = damaged_blocks(sums, data_offset, &entry.data, entry_damaged);
-            if !moved.damaged_blocks.is_empty() && !damaged.contains(&entry.pg) {
+            // The copy is rebuilt only if something still reads a damaged block (a payload
+            // overwritten in part may hold damage nothing reads).
+            let block = BLOCK_SIZE as u64;
+            let read = moved.raft_entry.is_some()
+                || moved.damaged_blocks.iter().any(|i| {
+                    let start = i * block;
+                    let len = u64::from(moved.from.len_bytes)
+                        .saturating_sub(start)
+                        .min(block);
+                    let piece = PayloadRef {
+                        offset_bytes: moved.from.offset_bytes + start as u32,
+                        len_bytes: len as u32,
+                        device_offset_bytes: data_offset + start,
+                        ..moved.from
+                    };
+                    objects
+                        .get(&entry.pg)
+                        .is_some_and(|objects| objects.live_bytes(&piece) > 0)
+                });
+            if !moved.damaged_blocks.is_empty() && read && !damaged.contains(&entry.pg) {
                 damaged.push(entry.pg);
             }
             let (term, index) = moved
@@ -267,8 +286,8 @@ pub fn plan_relocations(
 }
 
 /// The blocks of `data` (an entry's, read at `data_offset`) that fail their checksums (or
-/// are poisoned); if the entry's own checksum failed (`entry_damaged`) but no block does
-/// (their checksums not known), all of them.
+/// are poisoned); if the entry's own checksum failed (`entry_damaged`), those whose
+/// checksums are not known too (the damage may be in any of them).
 fn damaged_blocks(
     sums: &BlockSums,
     data_offset: u64,
@@ -277,19 +296,16 @@ fn damaged_blocks(
 ) -> Vec<u64> {
     let block = BLOCK_SIZE as u64;
     let blocks = (data.len() as u64).div_ceil(block);
-    let failing: Vec<u64> = (0..blocks)
+    (0..blocks)
         .filter(|i| {
+            let at = data_offset + i * block;
             let start = (*i * block) as usize;
             let mut bytes = data[start..data.len().min(start + BLOCK_SIZE)].to_vec();
             bytes.resize(BLOCK_SIZE, 0);
-            sums.verify(data_offset + i * block, &bytes).is_err()
+            let unknown = sums.get(at).is_none() && !sums.is_poisoned(at);
+            sums.verify(at, &bytes).is_err() || (entry_damaged && unknown)
         })
-        .collect();
-    if failing.is_empty() && entry_damaged {
-        (0..blocks).collect()
-    } else {
-        failing
-    }
+        .collect()
 }
 
 /// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the
