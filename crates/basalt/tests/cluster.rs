@@ -506,19 +506,7 @@ fn a_follower_catching_up_is_never_sent_a_damaged_payload() {
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
     cluster.wait_replicas_equal(Duration::from_secs(60));
-    let pg = cluster.cli_json(&["pg", "ls"])[0]["pg"]
-        .as_str()
-        .expect("a pg id")
-        .to_string();
-    // The leader as the replicas themselves know it (the newest term's).
-    let replicas = cluster.cli_json(&["pg", "query", &pg]);
-    let leader = replicas
-        .as_array()
-        .expect("replicas")
-        .iter()
-        .max_by_key(|replica| replica["term"].as_u64())
-        .and_then(|replica| replica["leader"].as_u64())
-        .expect("a leader") as u32;
+    let leader = only_pg_leader(&cluster);
     let leader_process = cluster.osd_process(leader);
     let behind = (0..3).find(|n| *n != leader_process).expect("a follower");
     cluster.kill_osd(behind);
@@ -540,6 +528,21 @@ fn a_follower_catching_up_is_never_sent_a_damaged_payload() {
     );
     assert_every_pg_consistent(&cluster);
     qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M", "read -P 0x7c 2M 1M"]);
+}
+
+/// The leader of the cluster's one PG as its replicas know it (the newest term's): the
+/// monitor's view lags behind a change of leader.
+fn only_pg_leader(cluster: &ClusterProcesses) -> u32 {
+    let pgs = cluster.cli_json(&["pg", "ls"]);
+    let pg = pgs[0]["pg"].as_str().expect("a pg id");
+    let replicas = cluster.cli_json(&["pg", "query", pg]);
+    replicas
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .max_by_key(|replica| replica["term"].as_u64())
+        .and_then(|replica| replica["leader"].as_u64())
+        .expect("a leader") as u32
 }
 
 /// Waits for the replicas to be equal, then checks that `pg scrub` finds every PG's
@@ -568,7 +571,7 @@ fn a_damaged_block_of_the_leader_is_never_read_back() {
     cluster.wait_clean(Duration::from_secs(60));
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
-    let leader = cluster.busiest_leader();
+    let leader = only_pg_leader(&cluster);
     let process = cluster.osd_process(leader);
     let name = format!("osd.{process}");
     flip_a_byte_in_a_block_of(&dir.join(&name).join("osd.log"), 0x5a);
@@ -979,14 +982,20 @@ fn small_osd_cluster(
 /// Writes round `round` over the hot part of the image: each MiB gets its own pattern, so a
 /// read that found an older copy anywhere would see another pattern.
 fn hot_round(uri: &str, round: u32) {
-    let commands: Vec<String> = (0..16u32)
-        .map(|mib| {
-            let pattern = (round * 16 + mib) % 251 + 1;
-            format!("write -P {pattern} {}M 1M", 8 + mib)
-        })
-        .collect();
+    let commands = hot_commands("write", round);
     let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
     qemu_io_ok(uri, false, &commands);
+}
+
+/// qemu-io's `op` (write or read) of each MiB of the hot part with round `round`'s
+/// pattern.
+fn hot_commands(op: &str, round: u32) -> Vec<String> {
+    (0..16u32)
+        .map(|mib| {
+            let pattern = (round * 16 + mib) % 251 + 1;
+            format!("{op} -P {pattern} {}M 1M", 8 + mib)
+        })
+        .collect()
 }
 
 /// Rounds of [`hot_round`] one after another on a thread of their own, until stopped.
@@ -1028,12 +1037,7 @@ fn check_round(uri: &str, round: u32) {
 
 /// Checks that the hot part of the image holds round `round`.
 fn check_hot_round(uri: &str, round: u32) {
-    let commands: Vec<String> = (0..16u32)
-        .map(|mib| {
-            let pattern = (round * 16 + mib) % 251 + 1;
-            format!("read -P {pattern} {}M 1M", 8 + mib)
-        })
-        .collect();
+    let commands = hot_commands("read", round);
     let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
     qemu_io_ok(uri, true, &commands);
 }
@@ -1157,7 +1161,7 @@ fn damaged_data_of_a_single_replica_moves_on_and_reads_as_eio() {
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
     flip_a_byte_in_a_block_of(&dir.join("osd.0").join("osd.log"), 90);
-    // 160 MiB through a 96 MiB device: the cleaner moves the cold 8 MiB, twice over.
+    // 160 MiB through a 96 MiB device: the cleaner moves the cold 8 MiB.
     for round in 0..10 {
         hot_round(&uri, round);
     }
@@ -1178,7 +1182,8 @@ fn damaged_data_of_a_single_replica_moves_on_and_reads_as_eio() {
             .count()
     };
     assert_eq!(failing(&uri), 1);
-    // After a restart (from a checkpoint that lists the block as damaged), the same.
+    // After a restart, the same (the damage is known again, from the checkpoint's poisoned
+    // blocks or, before the next checkpoint, from the old copy's checksum).
     drop(target);
     cluster.kill_osd(0);
     cluster.start_osd(0);

@@ -320,20 +320,31 @@ impl Counters {
     /// Counts a read that met a block failing its checksum.
     fn checksum_error(&self) {
         self.checksum_errors.fetch_add(1, Ordering::Relaxed);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| since.as_millis() as u64);
-        self.last_checksum_error_ms.store(now, Ordering::Relaxed);
+        self.last_checksum_error_ms
+            .store(unix_millis(), Ordering::Relaxed);
     }
 
     /// Seconds since the last read that met a block failing its checksum, if any.
     fn last_checksum_error_age_seconds(&self) -> Option<u64> {
         let last = self.last_checksum_error_ms.load(Ordering::Relaxed);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| since.as_millis() as u64);
-        (last > 0).then(|| now.saturating_sub(last) / 1000)
+        (last > 0).then(|| unix_millis().saturating_sub(last) / 1000)
     }
+
+    /// Counts and logs damage a digest of `pg` read (the digest differs from the other
+    /// replicas' then: the scrub names this one).
+    fn digest_damaged(&self, pg: PgId, mismatch: Option<Mismatch>) {
+        if let Some(mismatch) = mismatch {
+            self.checksum_error();
+            tracing::error!(%pg, %mismatch, "a digest finds this replica's copy of the pg damaged");
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_millis() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
 }
 
 /// What the core hears.
@@ -403,13 +414,11 @@ enum Event {
     /// A membership check of a PG is over.
     MembershipChecked { pg: PgId },
     /// A read of `pg`'s data found a block that fails its checksum: this replica's copy is
-    /// damaged. `reply`, if any, is the client's read waiting for its answer, of `read`
-    /// (object, offset, length).
+    /// damaged. `read`, if any, is the client's read, waiting for its answer.
     Damaged {
         pg: PgId,
         mismatch: Mismatch,
-        reply: Option<oneshot::Sender<Message>>,
-        read: Option<(ObjectKey, u64, u64)>,
+        read: Option<ReadRequest>,
     },
     /// The payload of a raft entry of `object`, read back to be sent to a follower, lies
     /// in a block that fails its checksum (raft holds the entry back meanwhile).
@@ -728,21 +737,20 @@ impl Core {
                     let _ = ack.send(false);
                 }
             }
-            Event::Damaged {
-                pg,
-                mismatch,
-                reply,
-                read,
-            } => {
+            Event::Damaged { pg, mismatch, read } => {
                 // A read planned before a repair's install may find the copy it replaced:
                 // only a block the index still reads is damage of this copy.
-                let current = read.is_none_or(|(object, offset, len)| {
-                    self.reads_block(pg, object, (offset, len), mismatch.device_offset_bytes)
+                let current = read.as_ref().is_none_or(|read| {
+                    let range = (read.offset_bytes, read.len_bytes);
+                    self.objects.get(&pg).is_some_and(|objects| {
+                        objects.reads_block(read.object, range, mismatch.device_offset_bytes)
+                    })
                 });
+                let reply_to = read.map(|read| read.reply);
                 if current {
-                    self.damaged(pg, mismatch, reply);
-                } else if let Some(reply_to) = reply {
-                    let _ = reply_to.send(crate::daemon::reply(Status::Busy {
+                    self.damaged(pg, mismatch, reply_to);
+                } else if let Some(reply_to) = reply_to {
+                    let _ = reply_to.send(reply(Status::Busy {
                         message: format!("pg {pg}: the read met data replaced since; retry"),
                     }));
                 }
@@ -1263,12 +1271,8 @@ impl Core {
                                     "pg {pg}: the leader's copy is damaged: {mismatch}"
                                 ),
                             }));
-                            let _ = events.send(Event::Damaged {
-                                pg,
-                                mismatch,
-                                reply: None,
-                                read: None,
-                            });
+                            let read = None;
+                            let _ = events.send(Event::Damaged { pg, mismatch, read });
                             return;
                         }
                         Ok(ReadBack { data: bytes, .. }) => data.push((offset as u32, bytes)),
@@ -1976,10 +1980,7 @@ impl Core {
         tokio::spawn(async move {
             let answer = match crate::scrub::digest(&engine, &sums, plan).await {
                 Ok((digest, damaged)) => {
-                    if let Some(mismatch) = damaged {
-                        counters.checksum_error();
-                        tracing::error!(%pg, %mismatch, "this replica's copy of the pg is damaged");
-                    }
+                    counters.digest_damaged(pg, damaged);
                     state.digest = digest;
                     Ok(state)
                 }
@@ -2023,35 +2024,6 @@ impl Core {
         repair.waiting.push((reply_to, std::time::Instant::now()));
         tracing::info!(%pg, "repair asked: this replica's data is to be rebuilt from the leader's");
         self.advance_repairs();
-    }
-
-    /// Whether reading `range` (offset, length) of `object` in `pg` now would read the
-    /// block at `device_offset`.
-    fn reads_block(
-        &self,
-        pg: PgId,
-        object: ObjectKey,
-        (offset, len): (u64, u64),
-        device_offset: u64,
-    ) -> bool {
-        let block = BLOCK_SIZE as u64;
-        let Some(objects) = self.objects.get(&pg) else {
-            return false;
-        };
-        objects
-            .plan_read(object, offset, len)
-            .iter()
-            .any(|piece| match *piece {
-                Piece::Mapped {
-                    len_bytes,
-                    device_offset_bytes,
-                    ..
-                } => {
-                    let first = device_offset_bytes / block * block;
-                    (first..device_offset_bytes + len_bytes).contains(&device_offset)
-                }
-                Piece::Hole { .. } => false,
-            })
     }
 
     /// A read found this replica's copy of `pg` damaged (a block failing its checksum): it
@@ -2257,11 +2229,7 @@ impl Core {
         tokio::spawn(async move {
             match crate::scrub::digest(&engine, &sums, plan).await {
                 Ok((digest, damaged)) => {
-                    if let Some(mismatch) = damaged {
-                        // Its digest differs from the others': the scrub names it.
-                        counters.checksum_error();
-                        tracing::error!(%pg, index, %mismatch, "a scrub finds this replica's copy of the pg damaged");
-                    }
+                    counters.digest_damaged(pg, damaged);
                     tracing::debug!(%pg, index, digest, "scrubbed");
                     let mut scrubs = scrubs.lock().unwrap_or_else(|p| p.into_inner());
                     let scrub = PgScrub { pg, index, digest };
@@ -2329,12 +2297,8 @@ impl Core {
                     ..
                 }) => {
                     // The core answers: this copy is not to be read until it is rebuilt.
-                    let _ = events.send(Event::Damaged {
-                        pg,
-                        mismatch,
-                        reply: Some(read.reply),
-                        read: Some((read.object, read.offset_bytes, read.len_bytes)),
-                    });
+                    let read = Some(read);
+                    let _ = events.send(Event::Damaged { pg, mismatch, read });
                     return;
                 }
                 Ok(ReadBack {
@@ -3609,26 +3573,23 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         let Some(reference) = PayloadRef::decode(data) else {
             return Ok(None);
         };
-        // The whole blocks, as written, each checked against its checksum.
-        let block = BLOCK_SIZE as u64;
+        // A payload starts on a block (an entry's data does), and is checked as the batch
+        // padded it.
         let at = reference.device_offset_bytes;
-        let start = at / block * block;
-        let end = (at + u64::from(reference.len_bytes)).div_ceil(block) * block;
-        let mut blocks = vec![0u8; (end - start) as usize];
-        if let Err(error) = payload_file.read_exact_at(&mut blocks, start) {
+        debug_assert!(at.is_multiple_of(BLOCK_SIZE as u64), "a payload at {at}");
+        let mut payload = vec![0u8; reference.len_bytes as usize];
+        if let Err(error) = payload_file.read_exact_at(&mut payload, at) {
             // Raft cannot be told that an entry is unreadable; stop rather than send a
             // wrong one (a restart replays).
             tracing::error!(device = %device_path, %error, "cannot read a payload back");
             std::process::exit(1);
         }
-        if let Err(mismatch) = sums.verify(start, &blocks) {
+        if let Err(mismatch) = sums.verify(at, &payload) {
             // Not sent: this replica hands the PG to one whose copy is whole.
             let object = reference.object;
             let _ = damaged.send(Event::DamagedPayload { object, mismatch });
             return Err(PayloadUnavailable);
         }
-        let skip = (at - start) as usize;
-        let payload = blocks[skip..skip + reference.len_bytes as usize].to_vec();
         Ok(Some(reference.with_payload(payload).encode()))
     }));
     let mut core = Core {

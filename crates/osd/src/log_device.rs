@@ -740,7 +740,7 @@ async fn read_log(
             // Replay on start records the blocks' checksums and keeps only where the
             // payloads lie.
             Some(sums) => replay_trimmed(read, ring, start, lsn, limit, |entry, offset| {
-                sums.record_padded(offset, &entry.data);
+                sums.record(offset, &entry.data);
                 let payload = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
                 if payload.contains(&entry.kind) {
                     entry.data = Vec::new();

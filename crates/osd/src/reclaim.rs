@@ -244,24 +244,16 @@ pub fn plan_relocations(
             moved.damaged_blocks = damaged_blocks(sums, data_offset, &entry.data, entry_damaged);
             // The copy is rebuilt only if something still reads a damaged block (a payload
             // overwritten in part may hold damage nothing reads).
-            let block = BLOCK_SIZE as u64;
-            let read = moved.raft_entry.is_some()
-                || moved.damaged_blocks.iter().any(|i| {
-                    let start = i * block;
-                    let len = u64::from(moved.from.len_bytes)
-                        .saturating_sub(start)
-                        .min(block);
-                    let piece = PayloadRef {
-                        offset_bytes: moved.from.offset_bytes + start as u32,
-                        len_bytes: len as u32,
-                        device_offset_bytes: data_offset + start,
-                        ..moved.from
-                    };
-                    objects
-                        .get(&entry.pg)
-                        .is_some_and(|objects| objects.live_bytes(&piece) > 0)
-                });
-            if !moved.damaged_blocks.is_empty() && read && !damaged.contains(&entry.pg) {
+            let from = moved.from;
+            let range = (u64::from(from.offset_bytes), u64::from(from.len_bytes));
+            let indexed = moved.damaged_blocks.iter().any(|i| {
+                let at = data_offset + i * BLOCK_SIZE as u64;
+                objects
+                    .get(&entry.pg)
+                    .is_some_and(|objects| objects.reads_block(from.object, range, at))
+            });
+            let read = indexed || (moved.raft_entry.is_some() && !moved.damaged_blocks.is_empty());
+            if read && !damaged.contains(&entry.pg) {
                 damaged.push(entry.pg);
             }
             let (term, index) = moved
@@ -294,17 +286,14 @@ fn damaged_blocks(
     data: &[u8],
     entry_damaged: bool,
 ) -> Vec<u64> {
-    let block = BLOCK_SIZE as u64;
-    let blocks = (data.len() as u64).div_ceil(block);
-    (0..blocks)
-        .filter(|i| {
-            let at = data_offset + i * block;
-            let start = (*i * block) as usize;
-            let mut bytes = data[start..data.len().min(start + BLOCK_SIZE)].to_vec();
-            bytes.resize(BLOCK_SIZE, 0);
+    (0u64..)
+        .zip(data.chunks(BLOCK_SIZE))
+        .filter(|(i, chunk)| {
+            let at = data_offset + i * BLOCK_SIZE as u64;
             let unknown = sums.get(at).is_none() && !sums.is_poisoned(at);
-            sums.verify(at, &bytes).is_err() || (entry_damaged && unknown)
+            sums.verify(at, chunk).is_err() || (entry_damaged && unknown)
         })
+        .map(|(i, _)| i)
         .collect()
 }
 

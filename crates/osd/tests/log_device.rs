@@ -1,9 +1,9 @@
 //! The log device on a real file: group commit, replay after reopening, and refusals.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use basalt_common::{Lsn, PgId, PoolId};
-use basalt_osd::log_device::{LogDevice, LogDeviceError};
+use basalt_osd::log_device::{LogDevice, LogDeviceError, Opened};
 use basalt_store::batch::{ENTRY_COUNT_MAX, Entry};
 
 fn device_file(name: &str, len: u64) -> PathBuf {
@@ -16,8 +16,30 @@ fn device_file(name: &str, len: u64) -> PathBuf {
     path
 }
 
+/// A device file of `len` bytes, formatted (its uuid all `uuid` bytes) and opened.
+async fn formatted_device(name: &str, len: u64, uuid: u8) -> (PathBuf, LogDevice) {
+    let path = device_file(name, len);
+    LogDevice::format(&path, [uuid; 16]).await.expect("format");
+    let device = LogDevice::open(&path).await.expect("open").device;
+    (path, device)
+}
+
+/// Writes `checkpoint` to area 0 of `device`, closes it and opens it again.
+async fn checkpoint_and_reopen(
+    device: LogDevice,
+    path: &Path,
+    checkpoint: &basalt_store::checkpoint::Checkpoint,
+) -> Result<Opened, LogDeviceError> {
+    device
+        .write_checkpoint(0, checkpoint)
+        .await
+        .expect("checkpoint");
+    drop(device);
+    LogDevice::open(path).await
+}
+
 /// Every entry replay found, in order.
-fn replayed_entries(opened: &basalt_osd::log_device::Opened) -> Vec<&Entry> {
+fn replayed_entries(opened: &Opened) -> Vec<&Entry> {
     opened
         .replayed
         .batches
@@ -114,9 +136,7 @@ async fn queued_appends_share_batches_and_replay_in_order() {
 #[tokio::test(flavor = "current_thread")]
 async fn data_offsets_point_at_the_data() {
     use std::os::unix::fs::FileExt;
-    let path = device_file("offsets", 32 << 20);
-    LogDevice::format(&path, [2; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("offsets", 32 << 20, 2).await;
     let appended = device
         .submit(vec![entry(3, 1, 0xab), entry(4, 1, 0xcd)])
         .await
@@ -202,9 +222,7 @@ async fn refusals_are_clear() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_read_in_flight_keeps_its_place_from_reuse() {
     use std::os::unix::fs::FileExt;
-    let path = device_file("pin", 32 << 20);
-    LogDevice::format(&path, [5; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("pin", 32 << 20, 5).await;
     let ring = device.ring();
     let first = device.submit(vec![entry(0, 1, 7)]).await.expect("room");
     let place = first.data_offsets_bytes[0];
@@ -272,9 +290,7 @@ async fn a_read_in_flight_keeps_its_place_from_reuse() {
 #[tokio::test(flavor = "current_thread")]
 async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
     use basalt_store::checkpoint::Checkpoint;
-    let path = device_file("ring", 32 << 20);
-    LogDevice::format(&path, [4; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("ring", 32 << 20, 4).await;
     let ring = device.ring().len_bytes;
     // Write three laps' worth, freeing all but the last few MiB behind the head.
     let mut index = 0u64;
@@ -347,21 +363,14 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
 async fn a_checkpoint_of_another_format_is_refused() {
     use basalt_store::checkpoint::{Checkpoint, FORMAT_VERSION, MAGIC};
     use std::os::unix::fs::FileExt;
-    let path = device_file("format", 32 << 20);
-    LogDevice::format(&path, [5; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("format", 32 << 20, 5).await;
     let checkpoint = Checkpoint {
         sequence: 1,
         replay_lsn: Lsn(1),
         tail_lsn: Lsn(1),
         ..Checkpoint::default()
     };
-    device
-        .write_checkpoint(0, &checkpoint)
-        .await
-        .expect("checkpoint");
-    drop(device);
-    LogDevice::open(&path)
+    checkpoint_and_reopen(device, &path, &checkpoint)
         .await
         .expect("a checkpoint of this format opens");
 
@@ -400,9 +409,7 @@ async fn a_checkpoint_of_another_format_is_refused() {
 /// passes over to the batches after it: an OSD sends one to move where its cleaner may go.
 #[tokio::test(flavor = "current_thread")]
 async fn an_empty_append_is_a_batch_that_replay_passes_over() {
-    let path = device_file("empty", 64 << 20);
-    LogDevice::format(&path, [1; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("empty", 64 << 20, 1).await;
     device.submit(vec![entry(0, 1, 1)]).await.expect("durable");
     let head = device.head_position();
     let empty = device.submit(Vec::new()).await.expect("an empty append");
@@ -427,9 +434,7 @@ async fn an_empty_append_is_a_batch_that_replay_passes_over() {
 #[tokio::test(flavor = "current_thread")]
 async fn block_checksums_are_known_again_after_a_restart() {
     use basalt_store::checkpoint::Checkpoint;
-    let path = device_file("sums", 32 << 20);
-    LogDevice::format(&path, [6; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("sums", 32 << 20, 6).await;
     let sum_of = |byte: u8| crc32c::crc32c(&[byte; 4096]);
     let mut two = entry(1, 2, 0x22);
     two.data.extend_from_slice(&[0x22; 100]);
@@ -475,9 +480,7 @@ async fn block_checksums_are_known_again_after_a_restart() {
 #[tokio::test(flavor = "current_thread")]
 async fn poisoned_blocks_stay_poisoned_through_replay() {
     use basalt_store::checkpoint::Checkpoint;
-    let path = device_file("poison", 32 << 20);
-    LogDevice::format(&path, [7; 16]).await.expect("format");
-    let device = LogDevice::open(&path).await.expect("open").device;
+    let (path, device) = formatted_device("poison", 32 << 20, 7).await;
     let first = device.submit(vec![entry(1, 1, 0x11)]).await.expect("room");
     let moved = device.submit(vec![entry(1, 2, 0x22)]).await.expect("room");
     let at = moved.data_offsets_bytes[0];
@@ -496,12 +499,9 @@ async fn poisoned_blocks_stay_poisoned_through_replay() {
         poisoned_blocks,
         ..Checkpoint::default()
     };
-    device
-        .write_checkpoint(0, &checkpoint)
+    let reopened = checkpoint_and_reopen(device, &path, &checkpoint)
         .await
-        .expect("checkpoint");
-    drop(device);
-    let reopened = LogDevice::open(&path).await.expect("reopen");
+        .expect("reopen");
     assert_eq!(
         reopened.replayed.batches.len(),
         1,

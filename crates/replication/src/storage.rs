@@ -355,9 +355,6 @@ mod tests {
     #[test]
     fn appends_truncate_and_references_hydrate_only_for_sending() {
         let hydrate: Hydrate = Arc::new(|data: &[u8]| {
-            if data == b"ref:damaged" {
-                return Err(PayloadUnavailable);
-            }
             Ok(data
                 .strip_prefix(b"ref:")
                 .map(|rest| [b"full:", rest].concat()))

@@ -74,26 +74,21 @@ impl BlockSums {
         self.sums.get(usize::try_from(block).ok()?)
     }
 
-    /// Records the checksums of `blocks` (whole blocks) written at `device_offset_bytes`
-    /// (a block boundary). Blocks outside the ring are not recorded.
-    pub fn record(&self, device_offset_bytes: u64, blocks: &[u8]) {
-        debug_assert!(blocks.len().is_multiple_of(BLOCK_SIZE));
-        for (i, block) in blocks.chunks(BLOCK_SIZE).enumerate() {
-            let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
-            self.set(at, crc32c::crc32c(block));
-        }
+    /// The slot's value for the block at `device_offset_bytes` (0 outside the ring).
+    fn value(&self, device_offset_bytes: u64) -> u64 {
+        self.slot(device_offset_bytes)
+            .map_or(0, |slot| slot.load(Ordering::Acquire))
     }
 
-    /// Records `data` as written at `device_offset_bytes` (a block boundary), zero-padded
-    /// to a whole block as a batch pads an entry's data.
-    pub fn record_padded(&self, device_offset_bytes: u64, data: &[u8]) {
+    /// Records `data` as written at `device_offset_bytes` (a block boundary): whole blocks,
+    /// or an entry's data, which a batch zero-pads to a whole block. Blocks outside the
+    /// ring are not recorded.
+    pub fn record(&self, device_offset_bytes: u64, data: &[u8]) {
         for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
-            let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
-            let mut sum = crc32c::crc32c(chunk);
-            if chunk.len() < BLOCK_SIZE {
-                sum = crc32c::crc32c_append(sum, &ZEROES[..BLOCK_SIZE - chunk.len()]);
-            }
-            self.set(at, sum);
+            self.set(
+                device_offset_bytes + (i * BLOCK_SIZE) as u64,
+                block_sum(chunk),
+            );
         }
     }
 
@@ -106,7 +101,7 @@ impl BlockSums {
 
     /// The checksum of the block at `device_offset_bytes`, if known (and not poisoned).
     pub fn get(&self, device_offset_bytes: u64) -> Option<u32> {
-        let value = self.slot(device_offset_bytes)?.load(Ordering::Acquire);
+        let value = self.value(device_offset_bytes);
         (value & (KNOWN | POISONED) == KNOWN).then_some(value as u32)
     }
 
@@ -120,24 +115,21 @@ impl BlockSums {
 
     /// Whether the block at `device_offset_bytes` is poisoned.
     pub fn is_poisoned(&self, device_offset_bytes: u64) -> bool {
-        self.slot(device_offset_bytes)
-            .is_some_and(|slot| slot.load(Ordering::Acquire) & POISONED != 0)
+        self.value(device_offset_bytes) & POISONED != 0
     }
 
-    /// Checks `blocks` (whole blocks) read at `device_offset_bytes` against the checksums
+    /// Checks `data` read at `device_offset_bytes` (a block boundary; whole blocks, or an
+    /// entry's data, taken as zero-padded like [`BlockSums::record`]) against the checksums
     /// written: the first block that differs, if any. Blocks of unknown checksum pass.
-    pub fn verify(&self, device_offset_bytes: u64, blocks: &[u8]) -> Result<(), Mismatch> {
-        for (i, block) in blocks.chunks(BLOCK_SIZE).enumerate() {
+    pub fn verify(&self, device_offset_bytes: u64, data: &[u8]) -> Result<(), Mismatch> {
+        for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
             let at = device_offset_bytes + (i * BLOCK_SIZE) as u64;
-            let Some(slot) = self.slot(at) else {
-                continue;
-            };
-            let value = slot.load(Ordering::Acquire);
+            let value = self.value(at);
             if value & KNOWN == 0 {
                 continue;
             }
             let (expected, poisoned) = (value as u32, value & POISONED != 0);
-            let found = crc32c::crc32c(block);
+            let found = block_sum(chunk);
             if poisoned || found != expected {
                 return Err(Mismatch {
                     device_offset_bytes: at,
@@ -211,7 +203,15 @@ impl BlockSums {
     }
 }
 
-static ZEROES: [u8; BLOCK_SIZE] = [0; BLOCK_SIZE];
+/// The checksum of a block holding `chunk` (at most a block), zero-padded.
+fn block_sum(chunk: &[u8]) -> u32 {
+    static ZEROES: [u8; BLOCK_SIZE] = [0; BLOCK_SIZE];
+    let sum = crc32c::crc32c(chunk);
+    match BLOCK_SIZE.checked_sub(chunk.len()) {
+        Some(0) | None => sum,
+        Some(padding) => crc32c::crc32c_append(sum, &ZEROES[..padding]),
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -268,10 +268,15 @@ mod tests {
     fn padded_data_sums_as_the_block_a_batch_writes() {
         let sums = BlockSums::new(ring());
         let data = vec![7u8; BLOCK_SIZE + 100];
-        sums.record_padded(8 * B, &data);
+        sums.record(8 * B, &data);
         let mut padded = data.clone();
         padded.resize(2 * BLOCK_SIZE, 0);
         assert_eq!(sums.verify(8 * B, &padded), Ok(()));
+        assert_eq!(
+            sums.verify(8 * B, &data),
+            Ok(()),
+            "the data alone, as padded"
+        );
         padded[BLOCK_SIZE + 200] = 1;
         assert!(sums.verify(8 * B, &padded).is_err());
     }

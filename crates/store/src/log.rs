@@ -363,32 +363,25 @@ fn read_log<E>(
             break None;
         }
         let mut found = read_batch(&mut read, ring, (position, lsn), limit_position, durable)?;
-        if let Err(error) = &found {
-            // The writer skips to the next lap when a batch does not fit in this one.
+        // The writer skips to the next lap when a batch does not fit in this one. So a
+        // batch that fails its checks here may lie there; and one taken as damaged (read as
+        // durable) may be a torn write left behind, if the batch of its LSN written after
+        // the crash lies there (the writer goes on at the torn batch's place).
+        let intact = found.as_ref().is_ok_and(|batch| batch.3.is_empty());
+        if !intact {
             let next_lap = ring.next_lap(position);
-            if position.is_multiple_of(ring.len_bytes) || next_lap >= limit_position {
-                break Some(error.clone());
-            }
-            match read_batch(&mut read, ring, (next_lap, lsn), limit_position, durable)? {
-                Ok(batch) => {
+            let skipped = if position.is_multiple_of(ring.len_bytes) || next_lap >= limit_position {
+                None
+            } else {
+                read_batch(&mut read, ring, (next_lap, lsn), limit_position, durable)?.ok()
+            };
+            match (skipped, &found) {
+                (Some(batch), _) => {
                     position = next_lap;
                     found = Ok(batch);
                 }
-                Err(_) => break Some(error.clone()),
-            }
-        } else if found.as_ref().is_ok_and(|batch| !batch.3.is_empty()) {
-            // Not damage but a torn write left behind, if the batch of this LSN that was
-            // written after the crash lies intact at the start of the next lap (the writer
-            // goes on at the torn batch's place, and skips there when the new one does not
-            // fit in the lap).
-            let next_lap = ring.next_lap(position);
-            if !position.is_multiple_of(ring.len_bytes)
-                && next_lap < limit_position
-                && let Ok(batch) =
-                    read_batch(&mut read, ring, (next_lap, lsn), limit_position, false)?
-            {
-                position = next_lap;
-                found = Ok(batch);
+                (None, Err(error)) => break Some(error.clone()),
+                (None, Ok(_)) => {}
             }
         }
         let (size, mut entries, offsets, damaged_entries) = found.expect("errors ended the loop");

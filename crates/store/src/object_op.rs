@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use basalt_common::{ImageId, ObjectKey};
 
-use crate::batch::META_SIZE;
+use crate::batch::{BLOCK_SIZE, META_SIZE};
 use crate::extent_map::{ExtentMap, Piece};
 
 /// Entry kinds in the log; values are part of the on-disk format.
@@ -310,6 +310,32 @@ impl PgObjects {
                 len_bytes,
             }],
         }
+    }
+
+    /// Whether reading `len_bytes` of `object` from `offset_bytes` reads the log block that
+    /// holds `device_offset_bytes`.
+    pub fn reads_block(
+        &self,
+        object: ObjectKey,
+        (offset_bytes, len_bytes): (u64, u64),
+        device_offset_bytes: u64,
+    ) -> bool {
+        let block = BLOCK_SIZE as u64;
+        let wanted = device_offset_bytes / block;
+        self.plan_read(object, offset_bytes, len_bytes)
+            .iter()
+            .any(|piece| match *piece {
+                Piece::Mapped {
+                    len_bytes,
+                    device_offset_bytes,
+                    ..
+                } => {
+                    let first = device_offset_bytes / block;
+                    let end = (device_offset_bytes + len_bytes).div_ceil(block);
+                    (first..end).contains(&wanted)
+                }
+                Piece::Hole { .. } => false,
+            })
     }
 
     /// Applies a durable write known by reference.
@@ -612,5 +638,31 @@ mod tests {
             }]
         );
         assert_eq!(objects.object_count(), 0);
+    }
+
+    /// A range reads the blocks its mapped pieces lie in, and no other: not those of the
+    /// bytes overwritten since, nor any of a hole.
+    #[test]
+    fn a_range_reads_the_blocks_of_its_pieces() {
+        let mut objects = PgObjects::new();
+        let write = |offset: u32, len: u32, device: u64| PayloadRef {
+            object: key(1),
+            offset_bytes: offset,
+            len_bytes: len,
+            device_offset_bytes: device,
+        };
+        // 8 KiB at device 1 MiB, then its second half overwritten from device 2 MiB.
+        objects.apply_ref(&write(0, 8192, 1 << 20));
+        objects.apply_ref(&write(4096, 4096, 2 << 20));
+        let reads = |range, device| objects.reads_block(key(1), range, device);
+        assert!(reads((0, 8192), (1 << 20) + 100));
+        assert!(!reads((0, 8192), (1 << 20) + 4096), "overwritten");
+        assert!(reads((0, 8192), 2 << 20));
+        assert!(!reads((0, 4096), 2 << 20), "outside the range");
+        assert!(!reads((8192, 4096), 1 << 20), "a hole");
+        assert!(
+            !objects.reads_block(key(2), (0, 8192), 1 << 20),
+            "another object"
+        );
     }
 }
