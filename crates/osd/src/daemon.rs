@@ -672,14 +672,7 @@ impl Core {
                 // Kept in `restored` until the group exists: a PG that cannot be hosted
                 // keeps log reuse stopped, so that its data is never freed.
                 let restored = self.restored.get(&pg).cloned().unwrap_or_default();
-                let durable = Durable {
-                    hard_state: restored.hard_state.clone(),
-                    last_index: restored
-                        .entries
-                        .last()
-                        .map_or(restored.compacted.0, |entry| entry.index),
-                    ..Durable::default()
-                };
+                let durable = Durable::restored(&restored);
                 let applied = restored.applied;
                 if let Err(error) = self.raft.create_group(pg, entry.initial(), restored) {
                     tracing::error!(%pg, %error, "cannot host pg");

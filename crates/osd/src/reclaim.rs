@@ -18,7 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use basalt_common::PgId;
-use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry};
+use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry, Restored};
 use basalt_store::batch::BLOCK_SIZE;
 use basalt_store::batch::{self, Entry};
 use basalt_store::block_sums::BlockSums;
@@ -71,6 +71,18 @@ pub struct Durable {
 }
 
 impl Durable {
+    /// What a PG's state read back at a start holds durable.
+    pub fn restored(restored: &Restored) -> Self {
+        Self {
+            hard_state: restored.hard_state.clone(),
+            last_index: restored
+                .entries
+                .last()
+                .map_or(restored.compacted.0, |entry| entry.index),
+            in_flight: VecDeque::new(),
+        }
+    }
+
     /// The last index up to which the log in memory is durable: entries from the first
     /// index of a persist in flight on replaced what was durable there.
     pub fn bound(&self) -> u64 {

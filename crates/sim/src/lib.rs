@@ -19,6 +19,16 @@
 //!   read's index; a simulated clock (a step is a tenth of a tick) measures the leases.
 //!   Every read must see every write acknowledged before it started: a stale read fails
 //!   the run.
+//! - **Checkpoints and snapshots**: now and then an OSD cuts a checkpoint as the OSD does
+//!   ([`reclaim::compaction_point`] and [`reclaim::pg_checkpoint`], with a short retention):
+//!   raft logs are compacted, and once the checkpoint is durable (a crash before loses it)
+//!   the records before it are dropped. A restart replays the last durable checkpoint and
+//!   the records after it with the OSD's own [`pg_log::restore`]. A follower sent a snapshot
+//!   fetches the PG's state from its leader (a copy as of the leader's applied index, at or
+//!   after the snapshot's, as the OSD's fuzzy copy), steps the message into raft, and
+//!   installs the copy when the persist that records it is durable; raft then applies the
+//!   entries after the snapshot again, and each must equal what the copy holds at its index.
+//!   A leader whose follower stops fetching counts the snapshot failed after a silence.
 //! - **Membership**: every OSD hosts every PG, which starts on the first few; now and then a
 //!   PG's target members change (as the monitors' map would when OSDs go out or come in)
 //!   and its leader moves the voters there ([`MultiRaft::reconfigure`]).
@@ -31,16 +41,22 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use basalt_common::{OsdId, PgId, PoolId};
+use basalt_common::{Lsn, OsdId, PgId, PoolId};
+use basalt_osd::reclaim::{self, Durable, Retention};
+use basalt_osd::{pg_log, snapshot};
 use basalt_replication::multi_raft::ELECTION_TICKS;
-use basalt_replication::{
-    Action, HardState, MultiRaft, RaftEntry, RaftMessage, ReadStart, Restored,
-};
+use basalt_replication::{Action, HardState, MultiRaft, RaftEntry, RaftMessage, ReadStart};
+use basalt_store::batch::{Entry, META_SIZE};
+use basalt_store::checkpoint::Checkpoint;
+use basalt_store::log::ReplayedBatch;
 
 /// Simulation steps per raft tick.
 const STEPS_PER_TICK: u64 = 10;
 /// A simulation step on the clock that measures leases (a tick is 100 ms, as in the OSD).
 const STEP: Duration = Duration::from_millis(10);
+/// Ticks after which a leader counts a snapshot failed if its follower has not fetched any
+/// of it (the OSD's 30 s).
+const SNAPSHOT_SILENCE_TICKS: u64 = 300;
 
 /// What one run does.
 #[derive(Debug, Clone)]
@@ -75,6 +91,13 @@ pub struct SimConfig {
     pub write: f64,
     /// Chance per step of a client read.
     pub read: f64,
+    /// Chance per step, per OSD, of cutting a checkpoint.
+    pub checkpoint: f64,
+    /// Entries a checkpoint keeps behind the applied index (the OSD's retention).
+    pub retained_entries: usize,
+    /// Entries a leader keeps for a follower it knows to be behind (one further behind
+    /// gets a snapshot).
+    pub behind_entries: u64,
 }
 
 impl SimConfig {
@@ -96,6 +119,9 @@ impl SimConfig {
             pause: 0.0003,
             write: 0.1,
             read: 0.5,
+            checkpoint: 0.002,
+            retained_entries: 8,
+            behind_entries: 16,
         }
     }
 }
@@ -121,6 +147,12 @@ pub struct Outcome {
     pub reads: u64,
     /// Of them, reads served under a lease (no quorum asked).
     pub lease_reads: u64,
+    /// Checkpoints made durable.
+    pub checkpoints: u64,
+    /// Restarts from a checkpoint.
+    pub checkpoint_restarts: u64,
+    /// Snapshots installed.
+    pub snapshots: u64,
 }
 
 struct Rng(u64);
@@ -151,14 +183,99 @@ struct Record {
     hard_state: Option<HardState>,
     number: u64,
     then_send: Vec<(OsdId, RaftMessage)>,
+    /// The snapshot this persist installs.
+    snapshot: Option<Installed>,
+}
+
+impl Record {
+    /// The record as the OSD writes it to its log.
+    fn log_entries(&self) -> Vec<Entry> {
+        let mut log = Vec::new();
+        if let Some(installed) = &self.snapshot {
+            // The OSD writes the transfer's start with its first chunk; the sim's copy is
+            // whole at once.
+            log.push(Entry {
+                kind: snapshot::SNAPSHOT_BEGIN,
+                pg: self.pg,
+                term: 0,
+                index: 0,
+                meta: [0; META_SIZE],
+                data: Vec::new(),
+            });
+            log.push(snapshot::installed_entry(
+                self.pg,
+                installed.index,
+                installed.term,
+                installed.conf.clone(),
+            ));
+        }
+        log.extend(pg_log::to_log_entries(
+            self.pg,
+            &self.entries,
+            self.hard_state.as_ref(),
+        ));
+        log
+    }
+}
+
+/// A PG's state in the simulation: the writes applied, by raft index.
+type State = Vec<(u64, Vec<u8>)>;
+
+/// A snapshot installed by a persist.
+#[derive(Clone)]
+struct Installed {
+    index: u64,
+    term: u64,
+    /// The configuration as of it, encoded.
+    conf: Vec<u8>,
+    /// The leader's state, copied when fetched.
+    state: State,
+    leader: OsdId,
+}
+
+/// A snapshot a follower was sent and installs.
+struct Installing {
+    message: RaftMessage,
+    leader: OsdId,
+    index: u64,
+    /// The step at which the follower fetches the state.
+    fetch_at: u64,
+    /// The leader's state, once fetched (until its persist is handed out).
+    fetched: Option<State>,
+    /// Raft has the message (the state was fetched).
+    stepped: bool,
+}
+
+/// A checkpoint: the OSD's, and each PG's state as of it.
+#[derive(Clone)]
+struct SimCheckpoint {
+    checkpoint: Checkpoint,
+    states: BTreeMap<PgId, State>,
+}
+
+/// A checkpoint being written.
+struct Cutting {
+    durable_at: u64,
+    /// The durable records it covers (the first ones).
+    covers: usize,
+    checkpoint: SimCheckpoint,
 }
 
 struct SimOsd {
     id: OsdId,
     raft: Option<MultiRaft>,
+    /// The records written after the checkpoint, in order.
     durable: Vec<Record>,
+    /// The last durable checkpoint.
+    checkpoint: Option<SimCheckpoint>,
+    cutting: Option<Cutting>,
+    /// What of each PG's raft log is durable, as the OSD tracks it for checkpoints.
+    durable_state: BTreeMap<PgId, Durable>,
+    installing: BTreeMap<PgId, Installing>,
+    /// Snapshots this OSD sent, and the step it last heard from their followers.
+    snapshots_sent: BTreeMap<(PgId, OsdId), u64>,
     in_flight: VecDeque<(u64, Record)>,
-    applied: BTreeMap<PgId, Vec<(u64, Vec<u8>)>>,
+    applied: BTreeMap<PgId, State>,
     /// The index of the last entry applied (data or not), per PG.
     applied_index: BTreeMap<PgId, u64>,
     restart_at: Option<u64>,
@@ -196,8 +313,9 @@ struct Cluster {
     confirming: BTreeMap<u64, Read>,
     /// Reads waiting for their OSD to apply up to their index.
     waiting: Vec<(u64, Read)>,
-    /// The first stale read seen.
-    stale: Option<String>,
+    /// The first broken invariant seen while running (a stale read, an entry applied
+    /// again that differs from a snapshot's copy).
+    failure: Option<String>,
     /// The clock at step 0.
     epoch: Instant,
     outcome: Outcome,
@@ -241,7 +359,7 @@ impl Cluster {
             next_read: 0,
             confirming: BTreeMap::new(),
             waiting: Vec::new(),
-            stale: None,
+            failure: None,
             epoch: Instant::now(),
             outcome: Outcome::default(),
             config,
@@ -255,6 +373,11 @@ impl Cluster {
                 id: OsdId(n),
                 raft: None,
                 durable: Vec::new(),
+                checkpoint: None,
+                cutting: None,
+                durable_state: BTreeMap::new(),
+                installing: BTreeMap::new(),
+                snapshots_sent: BTreeMap::new(),
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
                 applied_index: BTreeMap::new(),
@@ -275,28 +398,61 @@ impl Cluster {
             .collect()
     }
 
-    /// (Re)starts an OSD from its durable records, as the OSD replays its log.
+    /// Notes the first broken invariant.
+    fn fail(&mut self, failure: String) {
+        self.failure.get_or_insert(failure);
+    }
+
+    /// (Re)starts an OSD from its last checkpoint and the records after it, as the OSD
+    /// replays its log.
     fn start(&mut self, index: usize) {
         let members = self.initial();
         let seed = self.rng.next();
         let osd = &mut self.osds[index];
+        let batches: Vec<ReplayedBatch> = osd
+            .durable
+            .iter()
+            .enumerate()
+            .map(|(n, record)| ReplayedBatch {
+                lsn: Lsn(n as u64 + 1),
+                position: 0,
+                offset_bytes: 0,
+                entries: record.log_entries().into_iter().map(|e| (e, 0)).collect(),
+                damaged_entries: Vec::new(),
+            })
+            .collect();
+        let checkpoint = osd.checkpoint.as_ref();
+        let mut restored = pg_log::restore(checkpoint.map(|c| &c.checkpoint), &batches)
+            .expect("the records the simulation wrote replay");
+        if checkpoint.is_some() {
+            self.outcome.checkpoint_restarts += 1;
+        }
+        // Each PG's state: the checkpoint's, or the last snapshot installed after it.
+        let mut states = checkpoint.map(|c| c.states.clone()).unwrap_or_default();
+        for record in &osd.durable {
+            if let Some(installed) = &record.snapshot {
+                states.insert(record.pg, installed.state.clone());
+            }
+        }
         let mut raft = MultiRaft::new(osd.id, seed);
         // As the OSDs run it.
         raft.set_lazy_commit(true);
         raft.set_lease(Some(
             STEP * STEPS_PER_TICK as u32 * ELECTION_TICKS as u32 / 2,
         ));
+        osd.applied.clear();
+        osd.applied_index.clear();
+        osd.durable_state.clear();
         for &pg in &self.pgs {
-            let mut restored = Restored::default();
-            for record in osd.durable.iter().filter(|record| record.pg == pg) {
-                restored.add(&record.entries, record.hard_state.as_ref());
-            }
-            raft.create_group(pg, &members, restored)
+            let group = restored.groups.remove(&pg).unwrap_or_default();
+            osd.durable_state.insert(pg, Durable::restored(&group));
+            osd.applied_index.insert(pg, group.applied);
+            osd.applied
+                .insert(pg, states.remove(&pg).unwrap_or_default());
+            raft.create_group(pg, &members, group)
                 .expect("a restored group starts");
         }
         osd.raft = Some(raft);
-        osd.applied.clear();
-        osd.applied_index.clear();
         osd.restart_at = None;
     }
 
@@ -306,6 +462,9 @@ impl Cluster {
         osd.raft = None;
         osd.paused_until = None;
         osd.in_flight.clear();
+        osd.cutting = None;
+        osd.installing.clear();
+        osd.snapshots_sent.clear();
         osd.restart_at = Some(restart);
         self.pending.retain(|_, (_, via)| *via != osd.id);
         let id = osd.id;
@@ -462,10 +621,8 @@ impl Cluster {
                 .acknowledged
                 .get(&read.pg)
                 .map_or(&[][..], |ids| &ids[..read.acknowledged]);
-            if let Some(missed) = acknowledged.iter().find(|id| !seen.contains(id))
-                && self.stale.is_none()
-            {
-                self.stale = Some(format!(
+            if let Some(missed) = acknowledged.iter().find(|id| !seen.contains(id)) {
+                self.fail(format!(
                     "pg {}: a read started at step {} and served by {} at index {at} misses \
                      write {missed}, acknowledged before it started",
                     read.pg, read.started, read.via
@@ -485,10 +642,214 @@ impl Cluster {
             if !self.can_talk(from, to) {
                 continue;
             }
-            if let Some(raft) = self.osds[to.0 as usize].running() {
-                raft.step(pg, message);
+            if self.osds[to.0 as usize].running().is_some() {
+                self.raft_message(to.0 as usize, pg, message);
             }
         }
+    }
+
+    /// A raft message reaches an up OSD. A snapshot that it needs is not stepped at once:
+    /// the PG's state is fetched first, as the OSD does.
+    fn raft_message(&mut self, index: usize, pg: PgId, message: RaftMessage) {
+        let fetch_at = self.now + 1 + self.rng.below(4 * self.config.delay_max);
+        let osd = &mut self.osds[index];
+        let raft = osd.raft.as_mut().expect("the osd is up");
+        let Some((snapshot_index, leader)) = MultiRaft::snapshot_of(&message) else {
+            raft.step(pg, message);
+            return;
+        };
+        if let Some(installing) = osd.installing.get(&pg) {
+            if installing.stepped || message.term <= installing.message.term {
+                // The leader waits for the one under way.
+                return;
+            }
+            // A newer leader's snapshot replaces an older one's.
+            osd.installing.remove(&pg);
+        }
+        let behind = raft
+            .committed(pg)
+            .is_some_and(|committed| committed < snapshot_index);
+        if !behind || message.term < raft.term(pg).unwrap_or(0) {
+            // Raft answers a snapshot it does not need, or a stale one, by itself.
+            raft.step(pg, message);
+            return;
+        }
+        osd.installing.insert(
+            pg,
+            Installing {
+                message,
+                leader,
+                index: snapshot_index,
+                fetch_at,
+                fetched: None,
+                stepped: false,
+            },
+        );
+    }
+
+    /// Followers fetch the state of the snapshots they were sent from the leader that sent
+    /// them (a copy as of its applied index), and hand raft the message. A fetch fails if
+    /// the leader is down, paused, cut off or not applied up to the snapshot yet, or the
+    /// network loses it: the leader is told, and sends another later.
+    fn fetch_snapshots(&mut self) {
+        for index in 0..self.osds.len() {
+            if self.osds[index].running().is_none() {
+                continue;
+            }
+            let due: Vec<PgId> = self.osds[index]
+                .installing
+                .iter()
+                .filter(|(_, installing)| !installing.stepped && installing.fetch_at <= self.now)
+                .map(|(pg, _)| *pg)
+                .collect();
+            let me = self.osds[index].id;
+            for pg in due {
+                let (leader, snapshot_index) = {
+                    let installing = &self.osds[index].installing[&pg];
+                    (installing.leader, installing.index)
+                };
+                let lost = self.faults && self.rng.chance(self.config.loss);
+                let copy = if lost || !self.can_talk(me, leader) {
+                    None
+                } else {
+                    let now = self.now;
+                    let source = &mut self.osds[leader.0 as usize];
+                    let applied = source.applied_index.get(&pg).copied().unwrap_or(0);
+                    let hosts = source.running().is_some_and(|raft| raft.hosts(pg));
+                    if hosts {
+                        for ((sent, _), heard) in &mut source.snapshots_sent {
+                            if *sent == pg {
+                                *heard = now;
+                            }
+                        }
+                    }
+                    (hosts && applied >= snapshot_index)
+                        .then(|| source.applied.get(&pg).cloned().unwrap_or_default())
+                };
+                // The OSD's copy is fuzzy: each object as of some index at or after the
+                // snapshot's. So is this one: every entry up to the snapshot, and about
+                // half of those after it (up to the leader's applied index).
+                let copy = copy.map(|state| {
+                    state
+                        .into_iter()
+                        .filter(|(at, _)| *at <= snapshot_index || self.rng.chance(0.5))
+                        .collect::<State>()
+                });
+                let osd = &mut self.osds[index];
+                let raft = osd.raft.as_mut().expect("the osd is up");
+                let Some(copy) = copy else {
+                    osd.installing.remove(&pg);
+                    let refusal = raft.snapshot_refusal(leader, snapshot_index);
+                    self.send(me, leader, pg, refusal);
+                    continue;
+                };
+                let installing = osd.installing.get_mut(&pg).expect("due above");
+                installing.fetched = Some(copy);
+                installing.stepped = true;
+                let message = std::mem::take(&mut installing.message);
+                raft.step(pg, message);
+                if !raft.has_pending_snapshot(pg) {
+                    // A newer term or commit made it stale meanwhile.
+                    osd.installing.remove(&pg);
+                    let refusal = raft.snapshot_refusal(leader, snapshot_index);
+                    self.send(me, leader, pg, refusal);
+                }
+            }
+        }
+    }
+
+    /// Snapshots sent to followers that stopped fetching count as failed, so that raft
+    /// sends another (a follower that restarted meanwhile forgot it).
+    fn watch_snapshots_sent(&mut self) {
+        let now = self.now;
+        for osd in &mut self.osds {
+            if osd.paused_until.is_some() {
+                continue;
+            }
+            let Some(raft) = osd.raft.as_mut() else {
+                continue;
+            };
+            osd.snapshots_sent.retain(|(pg, follower), heard| {
+                if !raft.sending_snapshot(*pg, *follower) {
+                    return false;
+                }
+                if now - *heard < SNAPSHOT_SILENCE_TICKS * STEPS_PER_TICK {
+                    return true;
+                }
+                raft.snapshot_failed(*pg, *follower);
+                false
+            });
+        }
+    }
+
+    /// Cuts a checkpoint at a random up OSD now and then, as the OSD does: raft logs are
+    /// compacted behind the applied index as far as the retention allows, and each PG's
+    /// durable raft state and state go into the checkpoint, durable a few steps later.
+    fn cut_checkpoints(&mut self) {
+        let retention = Retention {
+            entries: self.config.retained_entries,
+            bytes: u64::MAX,
+            // The simulation's entries carry 8 bytes each.
+            behind_bytes: 8 * self.config.behind_entries,
+        };
+        for index in 0..self.osds.len() {
+            let now = self.now;
+            let osd = &mut self.osds[index];
+            if let Some(cutting) = &osd.cutting
+                && cutting.durable_at <= now
+                && osd.paused_until.is_none()
+            {
+                let cutting = osd.cutting.take().expect("checked above");
+                osd.durable.drain(..cutting.covers);
+                osd.checkpoint = Some(cutting.checkpoint);
+                self.outcome.checkpoints += 1;
+            }
+        }
+        if !self.faults
+            || !self
+                .rng
+                .chance(self.config.checkpoint * self.osds.len() as f64)
+        {
+            return;
+        }
+        let index = self.rng.below(self.osds.len() as u64) as usize;
+        let durable_at = self.now + 1 + self.rng.below(self.config.persist_max);
+        let osd = &mut self.osds[index];
+        // None is cut while a snapshot is being installed (replay sees a transfer whole).
+        if osd.cutting.is_some() || !osd.installing.is_empty() || osd.paused_until.is_some() {
+            return;
+        }
+        let Some(raft) = osd.raft.as_mut() else {
+            return;
+        };
+        let mut checkpoint = SimCheckpoint {
+            checkpoint: Checkpoint::default(),
+            states: BTreeMap::new(),
+        };
+        for &pg in &self.pgs {
+            let applied = osd.applied_index.get(&pg).copied().unwrap_or(0);
+            let matched = raft.followers_matched(pg);
+            let Some(storage) = raft.storage(pg) else {
+                continue;
+            };
+            // The log after a snapshot being sent stays, whatever the retention says.
+            let point = reclaim::compaction_point(storage, applied, matched, retention)
+                .min(raft.snapshot_pin(pg).unwrap_or(u64::MAX));
+            raft.compact(pg, point);
+            let storage = raft.storage(pg).expect("hosted above");
+            let durable = osd.durable_state.get(&pg).cloned().unwrap_or_default();
+            checkpoint
+                .checkpoint
+                .pgs
+                .push(reclaim::pg_checkpoint(pg, storage, &durable, applied, None));
+            let state = osd.applied.get(&pg).cloned().unwrap_or_default();
+            checkpoint.states.insert(pg, state);
+        }
+        osd.cutting = Some(Cutting {
+            durable_at,
+            covers: osd.durable.len(),
+            checkpoint,
+        });
     }
 
     fn complete_persists(&mut self) {
@@ -505,13 +866,38 @@ impl Cluster {
                     .pop_front()
                     .expect("front exists");
                 let osd = &mut self.osds[index];
-                osd.raft
-                    .as_mut()
-                    .expect("in-flight persists belong to up osds")
-                    .on_persisted(record.pg, record.number);
                 let (from, pg) = (osd.id, record.pg);
+                let raft = osd
+                    .raft
+                    .as_mut()
+                    .expect("in-flight persists belong to up osds");
+                let mut messages = Vec::new();
+                if let Some(installed) = &record.snapshot {
+                    // The copy becomes the PG's state, as of the snapshot; the leader is
+                    // told first, so that it takes the answer for the snapshot it sent.
+                    osd.installing.remove(&pg);
+                    osd.applied.insert(pg, installed.state.clone());
+                    osd.applied_index.insert(pg, installed.index);
+                    let answer = raft.snapshot_installed(installed.leader, installed.index);
+                    messages.push((installed.leader, answer));
+                    self.outcome.snapshots += 1;
+                }
+                let durable = osd.durable_state.entry(pg).or_default();
+                durable.in_flight.pop_front();
+                if let Some(last) = record
+                    .entries
+                    .last()
+                    .map(|entry| entry.index)
+                    .or(record.snapshot.as_ref().map(|installed| installed.index))
+                {
+                    durable.last_index = last;
+                }
+                if let Some(hard_state) = &record.hard_state {
+                    durable.hard_state = hard_state.clone();
+                }
+                raft.on_persisted(pg, record.number);
                 // The messages leave now; the durable record keeps only what replay needs.
-                let messages = std::mem::take(&mut record.then_send);
+                messages.append(&mut record.then_send);
                 osd.durable.push(record);
                 for (to, message) in messages {
                     self.send(from, to, pg, message);
@@ -530,16 +916,41 @@ impl Cluster {
             let from = self.osds[index].id;
             for action in actions {
                 match action {
-                    Action::Send { to, pg, message } => self.send(from, to, pg, message),
+                    Action::Send { to, pg, message } => {
+                        if MultiRaft::snapshot_of(&message).is_some() {
+                            self.osds[index].snapshots_sent.insert((pg, to), self.now);
+                        }
+                        self.send(from, to, pg, message)
+                    }
                     Action::Persist {
                         pg,
                         entries,
                         hard_state,
                         number,
                         then_send,
-                        // The simulation never compacts: no snapshots.
-                        ..
+                        snapshot,
                     } => {
+                        let snapshot = match snapshot {
+                            Some(at) => match self.installed(index, pg, at) {
+                                Ok(installed) => Some(installed),
+                                Err(failure) => {
+                                    self.fail(failure);
+                                    continue;
+                                }
+                            },
+                            None => None,
+                        };
+                        self.osds[index]
+                            .durable_state
+                            .entry(pg)
+                            .or_default()
+                            .in_flight
+                            .push_back(
+                                entries
+                                    .first()
+                                    .map(|entry| entry.index)
+                                    .or(snapshot.as_ref().map(|installed| installed.index + 1)),
+                            );
                         // The log device completes persists in order, with group commit:
                         // while one write is under way, what comes meanwhile gathers into
                         // the next one, which starts when it ends.
@@ -560,6 +971,7 @@ impl Cluster {
                             hard_state,
                             number,
                             then_send,
+                            snapshot,
                         };
                         self.osds[index].in_flight.push_back((at, record));
                     }
@@ -575,7 +987,14 @@ impl Cluster {
                     }
                     Action::Apply { pg, entries } => {
                         for entry in entries {
-                            self.osds[index].applied_index.insert(pg, entry.index);
+                            let previous = self.osds[index].applied_index.insert(pg, entry.index);
+                            if previous.is_some_and(|previous| entry.index <= previous) {
+                                self.fail(format!(
+                                    "pg {pg}: {from} applied entry {} after entry {}",
+                                    entry.index,
+                                    previous.unwrap_or(0)
+                                ));
+                            }
                             if entry.data.is_empty() {
                                 continue;
                             }
@@ -586,16 +1005,54 @@ impl Cluster {
                                 self.pending.remove(&id);
                                 self.acknowledged.entry(pg).or_default().push(id);
                             }
-                            self.osds[index]
-                                .applied
-                                .entry(pg)
-                                .or_default()
-                                .push((entry.index, data));
+                            let state = self.osds[index].applied.entry(pg).or_default();
+                            // A snapshot's copy (or a checkpoint's, cut before the entries
+                            // after the copy's index were applied again) may hold this entry
+                            // already, which applying again leaves as it was, or entries
+                            // after it.
+                            match state.binary_search_by_key(&entry.index, |e| e.0) {
+                                Ok(at) if state[at].1 == data => {}
+                                Ok(_) => self.fail(format!(
+                                    "pg {pg}: {from} applied entry {} that differs from the one \
+                                     its state holds there",
+                                    entry.index
+                                )),
+                                Err(at) => state.insert(at, (entry.index, data)),
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    /// The snapshot a persist of `pg` installs at `at` (index, term): the state fetched
+    /// for it, and the configuration raft reset the log to.
+    fn installed(&mut self, index: usize, pg: PgId, at: (u64, u64)) -> Result<Installed, String> {
+        let osd = &mut self.osds[index];
+        let installing = osd.installing.get_mut(&pg);
+        let Some((leader, Some(state))) =
+            installing.map(|installing| (installing.leader, installing.fetched.take()))
+        else {
+            return Err(format!(
+                "pg {pg}: {} installs a snapshot at {} that it did not fetch",
+                osd.id, at.0
+            ));
+        };
+        let conf = osd
+            .raft
+            .as_ref()
+            .and_then(|raft| raft.storage(pg))
+            .and_then(|storage| storage.confs().first())
+            .map(|(_, conf)| basalt_replication::encode_conf(conf))
+            .unwrap_or_default();
+        Ok(Installed {
+            index: at.0,
+            term: at.1,
+            conf,
+            state,
+            leader,
+        })
     }
 
     fn restart_due(&mut self) {
@@ -642,9 +1099,12 @@ impl Cluster {
                     }
                 }
             }
+            self.watch_snapshots_sent();
         }
         self.deliver_messages();
+        self.fetch_snapshots();
         self.complete_persists();
+        self.cut_checkpoints();
         self.propose_writes();
         self.run_actions();
         self.serve_reads();
@@ -692,8 +1152,8 @@ impl Cluster {
     }
 
     fn check(&self) -> Result<(), String> {
-        if let Some(stale) = &self.stale {
-            return Err(stale.clone());
+        if let Some(failure) = &self.failure {
+            return Err(failure.clone());
         }
         for pg in &self.pgs {
             let voters = &self.targets[pg];
@@ -712,10 +1172,18 @@ impl Cluster {
                         reference.len()
                     ));
                 }
-                if !reference.starts_with(log) {
+                // Up to its applied index the same entries as the voters; after it, only
+                // some of theirs (a snapshot's fuzzy copy not applied over yet).
+                let applied = osd.applied_index.get(pg).copied().unwrap_or(0);
+                let upto = |log: &[(u64, Vec<u8>)]| log.partition_point(|(at, _)| *at <= applied);
+                if log[..upto(log)] != reference[..upto(reference)]
+                    || !log[upto(log)..]
+                        .iter()
+                        .all(|entry| reference.contains(entry))
+                {
                     return Err(format!(
-                        "pg {pg}: {n}, not a voter, applied {} entries that are not a \
-                         prefix of the voters' {}",
+                        "pg {pg}: {n}, not a voter, applied {} entries up to index {applied} \
+                         that are not the voters' {}, or holds others that they do not",
                         log.len(),
                         reference.len()
                     ));
@@ -753,10 +1221,14 @@ pub fn run(config: &SimConfig) -> Result<Outcome, String> {
     let settle_start = cluster.now;
     while !cluster.agrees() {
         if cluster.now - settle_start > config.settle_steps {
-            return Err(format!(
-                "seed {}: the healed cluster did not agree within {} steps",
-                config.seed, config.settle_steps
-            ));
+            // A broken invariant says more than the want of agreement it caused.
+            let failure = cluster.check().err().unwrap_or_else(|| {
+                format!(
+                    "the healed cluster did not agree within {} steps",
+                    config.settle_steps
+                )
+            });
+            return Err(format!("seed {}: {failure}", config.seed));
         }
         cluster.step();
     }

@@ -1,5 +1,6 @@
-//! Many seeded runs of the replication simulation; a failure names its seed, which
-//! `cargo run -p basalt-sim -- --seed N` replays.
+//! Many seeded runs of the replication simulation (with checkpoints, compaction and
+//! snapshots); a failure names its seed, which `cargo run -p basalt-sim -- --seed N`
+//! replays.
 
 #[test]
 fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
@@ -11,7 +12,10 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     let (mut crashes, mut pauses) = (0, 0);
     let mut reconfigurations = 0;
     let (mut reads, mut lease_reads) = (0, 0);
+    let (mut checkpoint_restarts, mut snapshots) = (0, 0);
     for seed in 0..seeds {
+        // Shown if the run panics (inside raft-rs, say) instead of failing with its seed.
+        eprintln!("seed {seed}");
         let outcome = basalt_sim::run(&basalt_sim::SimConfig::new(seed))
             .unwrap_or_else(|failure| panic!("{failure}"));
         acknowledged += outcome.acknowledged;
@@ -20,6 +24,8 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         reconfigurations += outcome.reconfigurations;
         reads += outcome.reads;
         lease_reads += outcome.lease_reads;
+        checkpoint_restarts += outcome.checkpoint_restarts;
+        snapshots += outcome.snapshots;
     }
     assert!(
         acknowledged > seeds * 100,
@@ -35,5 +41,11 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     assert!(
         reconfigurations > seeds,
         "the runs must change memberships: {reconfigurations}"
+    );
+    // Compacted logs: replicas restart from checkpoints and catch up by snapshot.
+    assert!(
+        checkpoint_restarts > seeds && snapshots > seeds * 5,
+        "the runs must restart from checkpoints and install snapshots: {checkpoint_restarts} \
+         restarts from a checkpoint, {snapshots} snapshots"
     );
 }
