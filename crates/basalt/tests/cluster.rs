@@ -1141,6 +1141,78 @@ fn the_cleaner_has_damaged_data_in_use_rebuilt_and_goes_on() {
     assert_every_pg_consistent(&cluster);
 }
 
+/// A batch whose header was damaged after it was written no longer stops the cleaner (the
+/// log would fill, the OSD be flagged full, and its PGs refuse writes): what the index
+/// still reads in it is moved out, its blocks checked one by one (a flipped data byte in
+/// the same batch is marked damaged and the copy rebuilt), and a checkpoint follows, so
+/// that the OSD restarts without meeting it in replay.
+#[test]
+fn a_damaged_batch_header_does_not_stop_the_cleaner() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-clean-damaged-header");
+    let mut cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "24MiB");
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    let device = dir.join("osd.1").join("osd.log");
+    flip_a_byte_in_the_header_of_a_batch_of(&device, 90);
+    flip_a_byte_in_a_block_of(&device, 90);
+    // 160 MiB through each 96 MiB device: the cleaner meets the cold 8 MiB.
+    for round in 0..10 {
+        hot_round(&uri, round);
+    }
+    let log = cluster.log_text("osd.1");
+    assert!(
+        log.contains("a batch of the log was damaged after it was written"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the cleaner moved data in use out of a damaged batch, marked damaged"),
+        "{log}"
+    );
+    wait_for("the damaged copy rebuilt", Duration::from_secs(60), || {
+        cluster.log_text("osd.1").contains(" repaired pg=")
+    });
+    for round in 10..12 {
+        hot_round(&uri, round);
+    }
+    cluster.kill_osd(1);
+    cluster.start_osd(1);
+    cluster.wait_clean(Duration::from_secs(60));
+    check_round(&uri, 11);
+    qemu_io_ok(&uri, true, &["read -P 90 0 8M"]);
+    assert_every_pg_consistent(&cluster);
+}
+
+/// Flips a byte in the header of the batch that holds the first block of the device
+/// filled with `fill`.
+fn flip_a_byte_in_the_header_of_a_batch_of(device: &std::path::Path, fill: u8) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(device)
+        .expect("the device file");
+    let mut block = vec![0u8; 4096];
+    let read = |offset: u64, block: &mut Vec<u8>| file.read_exact_at(block, offset).is_ok();
+    let data = (0u64..)
+        .step_by(4096)
+        .map_while(|offset| {
+            read(offset, &mut block).then(|| (offset, block.iter().all(|b| *b == fill)))
+        })
+        .find_map(|(offset, filled)| filled.then_some(offset))
+        .expect("a written block on the device");
+    let header = (0..data / 4096)
+        .rev()
+        .map(|n| n * 4096)
+        .find(|offset| read(*offset, &mut block) && block.starts_with(b"BSLTBTCH"))
+        .expect("a batch header before it");
+    // In the first entry's descriptor, under the header's checksum.
+    file.write_all_at(&[0x5a], header + 64 + 20)
+        .expect("corrupt a byte");
+    file.sync_all().expect("sync");
+}
+
 /// A pool of one replica has no copy to rebuild damaged data from: the cleaner moves it
 /// marked damaged and goes on (before, it stopped there and the log filled up), the
 /// damaged block reads as EIO wherever it has moved, through a restart, and every other

@@ -43,11 +43,11 @@ use basalt_replication::{
     Action, EntryType, MultiRaft, PayloadUnavailable, ProposeError, RaftMessage, ReadStart,
     Reconfiguring, Restored, beat_of, decode_message, encode_message, heartbeat,
 };
-use basalt_store::batch::{self, BLOCK_SIZE};
+use basalt_store::batch::{self, BLOCK_SIZE, BatchError};
 use basalt_store::block_sums::{BlockSums, Mismatch};
 use basalt_store::checkpoint::Checkpoint;
 use basalt_store::extent_map::Piece;
-use basalt_store::log::Replayed;
+use basalt_store::log::{DamagedBatch, Replayed};
 use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
 use basalt_wire::metrics::{self, Exposition};
 use basalt_wire::tcp::{Client, Handler, Server};
@@ -384,6 +384,9 @@ enum Event {
         /// How far the step read.
         limit: u64,
     },
+    /// The cleaner read the batch it could not take, to tell whether it was damaged after
+    /// it was written (`Some`), and if so what it holds.
+    Rescue(std::io::Result<Option<DamagedBatch>>),
     /// The cleaner's relocations are durable: each move's new device offset. The cleaner
     /// has then gone through the ring up to `next`.
     Relocated {
@@ -839,6 +842,7 @@ impl Core {
                 self.membership_checks.remove(&pg);
             }
             Event::Cleaned { result, limit } => self.cleaned(result, limit),
+            Event::Rescue(result) => self.rescue(result),
             Event::Relocated { moves, next } => {
                 let mut bytes = 0;
                 let sums = self.log.block_sums();
@@ -1719,36 +1723,90 @@ impl Core {
                 self.reclaim.cleaning = false;
                 return;
             }
-            let pause = if let Some(damage) = &replayed.damaged {
-                // Written whole and changed since: nothing the cleaner can move past. The
-                // OSD will refuse to start on this device (LogDeviceError::Damaged).
-                tracing::error!(
-                    position = damage.position,
-                    lsn = damage.lsn.0,
-                    error = %damage.error,
-                    "the log is damaged where the cleaner reads: this device cannot be trusted; \
-                     mark the osd out and remove it"
-                );
-                Duration::from_secs(30)
-            } else {
-                if let Some(error) = &replayed.stopped_by {
+            let durable = from < self.reclaim.durable_end.0;
+            match &replayed.stopped_by {
+                // A batch that fails its checks below the durable end was written whole:
+                // damaged since, unless a read of the batch after it says otherwise.
+                Some(error) if durable && !matches!(error, BatchError::Truncated { .. }) => {
+                    let read = self
+                        .log
+                        .read_damaged(from, next.1, self.reclaim.durable_end.0);
+                    let events = self.events.clone();
+                    tokio::spawn(async move {
+                        let _ = events.send(Event::Rescue(read.await));
+                    });
+                    return;
+                }
+                Some(error) => {
                     tracing::warn!(position = next.0, %error, "the cleaner found no batch; it pauses");
                 }
-                Duration::from_secs(1)
-            };
+                None => {}
+            }
             self.reclaim.cleaning = false;
-            self.reclaim.clean_after = std::time::Instant::now() + pause;
+            self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(1);
             return;
         }
         let sums = self.log.block_sums();
+        let relocations =
+            reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects, &sums);
+        let what = "the cleaner moved data in use that fails its checksum, marked damaged";
+        self.relocate(relocations, next, what);
+    }
+
+    /// The batch the cleaner could not take, read again: if it was damaged after it was
+    /// written (its header fails while the batch after it is intact), what still reads it
+    /// is moved out (`reclaim::plan_rescue`), the blocks that fail their checksums marked
+    /// damaged, and the cleaner goes on after it; a checkpoint follows, so that replay
+    /// never meets it. Anything else pauses the cleaner as before.
+    fn rescue(&mut self, result: std::io::Result<Option<DamagedBatch>>) {
+        let damaged = match result {
+            Ok(Some(damaged)) if damaged.damage.lsn == self.reclaim.cleaned_to.1 => damaged,
+            Ok(_) => {
+                tracing::warn!(
+                    position = self.reclaim.cleaned_to.0,
+                    "the cleaner found no batch; it pauses"
+                );
+                self.reclaim.cleaning = false;
+                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(1);
+                return;
+            }
+            Err(error) => {
+                tracing::error!(%error, "the cleaner cannot read the log; it pauses");
+                self.reclaim.cleaning = false;
+                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(5);
+                return;
+            }
+        };
+        let damage = &damaged.damage;
+        tracing::error!(
+            position = damage.position,
+            lsn = damage.lsn.0,
+            error = %damage.error,
+            bytes = damaged.bytes.len(),
+            "a batch of the log was damaged after it was written: the cleaner moves what is \
+             still in use out of it, checking every block"
+        );
+        self.counters.checksum_error();
+        self.reclaim.asked = true;
+        let next = (damaged.end_position, damage.lsn.next());
+        let sums = self.log.block_sums();
+        let relocations =
+            reclaim::plan_rescue(&damaged, self.log.ring(), &self.raft, &self.objects, &sums);
+        let what = "the cleaner moved data in use out of a damaged batch, marked damaged";
+        self.relocate(relocations, next, what);
+    }
+
+    /// Appends the cleaner's relocations; once durable, the cleaner has gone through the
+    /// ring up to `next`. The PGs with damaged data among them (`what` it is) have their
+    /// copies here rebuilt.
+    fn relocate(&mut self, relocations: reclaim::Relocations, next: (u64, Lsn), what: &str) {
         let reclaim::Relocations {
             appends,
             moves,
             damaged,
-        } = reclaim::plan_relocations(replayed.batches, &self.raft, &self.objects, &sums);
+        } = relocations;
         for pg in damaged {
             // Moved all the same, marked damaged at the new place; the copy is rebuilt.
-            let what = "the cleaner moved data in use that fails its checksum, marked damaged";
             self.damaged(pg, what, None);
         }
         tracing::debug!(

@@ -29,7 +29,9 @@ use basalt_io::{DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{Checkpoint, CheckpointError};
-use basalt_store::log::{LogWriter, Replayed, Ring, read_durable, replay_trimmed};
+use basalt_store::log::{
+    DamagedBatch, LogWriter, Replayed, Ring, read_damaged, read_durable, replay_trimmed,
+};
 use basalt_store::object_op::kind;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -630,6 +632,28 @@ impl LogDevice {
         let path = self.path.clone();
         let ring = self.ring;
         async move { read_log(Path::new(&path), ring, (position, lsn), limit, None).await }
+    }
+
+    /// The batch at `position` (of `lsn`) if it was written whole and damaged since (the
+    /// batch after it, below `limit`, is intact), with its bytes: what the cleaner moves
+    /// live data out of when it cannot read the batch's header.
+    pub fn read_damaged(
+        &self,
+        position: u64,
+        lsn: Lsn,
+        limit: u64,
+    ) -> impl std::future::Future<Output = std::io::Result<Option<DamagedBatch>>> + use<> {
+        let path = self.path.clone();
+        let ring = self.ring;
+        async move {
+            let file = std::fs::File::open(&path)?;
+            tokio::task::spawn_blocking(move || {
+                let read = |offset, len| pread(&file, offset, len);
+                read_damaged(read, ring, (position, lsn), limit)
+            })
+            .await
+            .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
+        }
     }
 
     /// The checksum of every block of the log as written, which reads check.

@@ -23,7 +23,7 @@ use basalt_store::batch::BLOCK_SIZE;
 use basalt_store::batch::{self, Entry};
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
-use basalt_store::log::{ReplayedBatch, Ring};
+use basalt_store::log::{DamagedBatch, ReplayedBatch, Ring};
 use basalt_store::object_op::{PayloadRef, PgObjects, kind};
 
 use crate::log_device::{MAX_BATCH_BYTES, RELOCATE};
@@ -289,6 +289,160 @@ pub fn plan_relocations(
     }
 }
 
+/// Plans the relocations out of a batch whose header cannot be read (`damaged`: written
+/// whole, changed since). Its entries are unknown, but what still reads it is not: the
+/// object index's extents and the raft entries kept for followers that refer to payloads
+/// within its bytes. Each is moved (an extent alone, or with the neighbours of its object
+/// less than a block away, or a kept entry's whole payload, which carries the index's
+/// extents in it along), and each block of the moved data that fails its checksum, is
+/// poisoned, or has no checksum known (the header that would have vouched for it is lost)
+/// is marked to be poisoned at the new place. What else the batch held (hard states, other
+/// raft entries) lives in memory and goes into the next checkpoint.
+pub fn plan_rescue(
+    damaged: &DamagedBatch,
+    ring: Ring,
+    raft: &MultiRaft,
+    objects: &HashMap<PgId, PgObjects>,
+    sums: &BlockSums,
+) -> Relocations {
+    let start = ring.device_offset(damaged.damage.position);
+    let end = start + damaged.bytes.len() as u64;
+    let inside = |device: u64, len: u64| device >= start && device + len <= end;
+    let candidate = |pg, from, raft_entry| Move {
+        pg,
+        from,
+        raft_entry,
+        damaged_blocks: Vec::new(),
+    };
+    let mut candidates: Vec<Move> = Vec::new();
+    for pg in raft.pgs() {
+        let Some(storage) = raft.storage(pg) else {
+            continue;
+        };
+        for kept in storage.retained() {
+            if let Some(reference) = PayloadRef::decode(&kept.data)
+                && inside(
+                    reference.device_offset_bytes,
+                    u64::from(reference.len_bytes),
+                )
+            {
+                candidates.push(candidate(pg, reference, Some((kept.index, kept.term))));
+            }
+        }
+    }
+    let kept = candidates.len();
+    let mut pgs: Vec<&PgId> = objects.keys().collect();
+    pgs.sort_unstable();
+    for pg in pgs {
+        let pg_objects = &objects[pg];
+        for key in pg_objects.keys() {
+            let mut last: Option<PayloadRef> = None;
+            for (offset, len, device) in pg_objects.extents(key) {
+                let carried = candidates[..kept].iter().any(|other| {
+                    let reference = &other.from;
+                    other.pg == *pg
+                        && reference.object == key
+                        && same_payload(reference, offset, device)
+                        && device + len
+                            <= reference.device_offset_bytes + u64::from(reference.len_bytes)
+                });
+                if !inside(device, len) || carried {
+                    continue;
+                }
+                let extent = PayloadRef {
+                    object: key,
+                    offset_bytes: offset as u32,
+                    len_bytes: len as u32,
+                    device_offset_bytes: device,
+                };
+                last = match last {
+                    // Of the same payload (the same distance between object and device
+                    // offsets) and less than a block further: one move.
+                    Some(mut run)
+                        if same_payload(&run, offset, device)
+                            && device
+                                < run.device_offset_bytes
+                                    + u64::from(run.len_bytes)
+                                    + BLOCK_SIZE as u64 =>
+                    {
+                        run.len_bytes = (device + len - run.device_offset_bytes) as u32;
+                        Some(run)
+                    }
+                    other => {
+                        if let Some(run) = other {
+                            candidates.push(candidate(*pg, run, None));
+                        }
+                        Some(extent)
+                    }
+                };
+            }
+            if let Some(run) = last {
+                candidates.push(candidate(*pg, run, None));
+            }
+        }
+    }
+    let mut relocations = Vec::new();
+    let mut moves = Vec::new();
+    let mut damaged_pgs = Vec::new();
+    for mut moved in candidates {
+        let from = moved.from;
+        let at = (from.device_offset_bytes - start) as usize;
+        let data = damaged.bytes[at..at + from.len_bytes as usize].to_vec();
+        moved.damaged_blocks = rescued_damage(sums, start, &damaged.bytes, &from);
+        if !moved.damaged_blocks.is_empty() && !damaged_pgs.contains(&moved.pg) {
+            damaged_pgs.push(moved.pg);
+        }
+        let (index, term) = moved.raft_entry.unwrap_or((0, 0));
+        let write = from.with_payload(data);
+        relocations.push(Entry {
+            kind: RELOCATE,
+            pg: moved.pg,
+            term,
+            index,
+            meta: write.meta(),
+            data: write.payload().to_vec(),
+        });
+        moves.push(moved);
+    }
+    Relocations {
+        appends: batch::split(relocations),
+        moves,
+        damaged: damaged_pgs,
+    }
+}
+
+/// Whether the object's bytes at `offset`, read at `device`, lie in `payload` where it
+/// holds them (at or after its start, at the same distance on the device as in the object).
+fn same_payload(payload: &PayloadRef, offset: u64, device: u64) -> bool {
+    let into_object = offset.checked_sub(u64::from(payload.offset_bytes));
+    let into_device = device.checked_sub(payload.device_offset_bytes);
+    into_object.is_some() && into_object == into_device
+}
+
+/// The blocks of a payload moved out of a damaged batch (`bytes`, from device offset
+/// `start`), counted from its first at the new place, that hold bytes of a block that fails
+/// its checksum, is poisoned, or has no checksum known where it was. The payload may start
+/// within a block (an extent of a write overwritten in part), so a block at the new place
+/// may hold bytes of two blocks of the old.
+fn rescued_damage(sums: &BlockSums, start: u64, bytes: &[u8], from: &PayloadRef) -> Vec<u64> {
+    let block = BLOCK_SIZE as u64;
+    let (device, len) = (from.device_offset_bytes, u64::from(from.len_bytes));
+    let bad = |old: u64| {
+        let at = (old - start) as usize;
+        let data = &bytes[at..at + BLOCK_SIZE];
+        sums.verify(old, data).is_err() || sums.get(old).is_none()
+    };
+    (0..len.div_ceil(block))
+        .filter(|j| {
+            let first = device + j * block;
+            let last = (first + block).min(device + len) - 1;
+            (first - first % block..=last - last % block)
+                .step_by(BLOCK_SIZE)
+                .any(bad)
+        })
+        .collect()
+}
+
 /// The blocks of `data` (an entry's, read at `data_offset`) that fail their checksums (or
 /// are poisoned); if the entry's own checksum failed (`entry_damaged`), those whose
 /// checksums are not known too (the damage may be in any of them).
@@ -378,9 +532,11 @@ pub fn apply_move(
 mod tests {
     use super::*;
     use crate::log_device::FLOOR_BYTES;
+    use basalt_common::OsdId;
     use basalt_common::{Lsn, PoolId};
     use basalt_store::batch::DATA_SIZE_MAX;
     use basalt_store::log::{LogWriter, replay_trimmed};
+    use basalt_store::object_op::ObjectOp;
     use proptest::prelude::*;
 
     fn entries(sizes: &[usize]) -> Vec<Entry> {
@@ -529,5 +685,106 @@ mod tests {
         );
         durable.in_flight.push_back(Some(11));
         assert_eq!(durable.bound(), 7);
+    }
+
+    /// A batch whose header is damaged after it was written: what the index still reads
+    /// in it is moved (the pieces of a write overwritten in the middle as one move, since
+    /// they share its payload), nothing else, with the data it held; the block whose byte
+    /// was flipped too is marked damaged, and only for the move that holds it.
+    #[test]
+    fn what_the_index_reads_in_a_batch_with_a_damaged_header_is_moved() {
+        use basalt_common::{ImageId, ObjectKey};
+        use basalt_store::log::read_damaged;
+        let ring = Ring {
+            start_bytes: 4096,
+            len_bytes: 64 * BLOCK_SIZE as u64,
+        };
+        let pg = PgId {
+            pool: PoolId(1),
+            index: 0,
+        };
+        let object = |number| ObjectKey {
+            image: ImageId(7),
+            number,
+        };
+        let write = |number, offset_bytes, fill: u8, len: usize| ObjectOp::Write {
+            object: object(number),
+            offset_bytes,
+            data: vec![fill; len],
+        };
+        let blocks = |n| n * BLOCK_SIZE;
+        let mut disk = vec![0u8; (ring.start_bytes + ring.len_bytes) as usize];
+        let sums = BlockSums::new(ring);
+        let mut objects = PgObjects::new();
+        let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
+        // Batch 1 (damaged later): object 1 gets 4 blocks, object 2 gets 2 blocks.
+        // Batch 2 overwrites 1 KiB inside object 1's second block and all of object 2;
+        // batch 3 follows.
+        let batches = [
+            vec![write(1, 0, 0xa1, blocks(4)), write(2, 0, 0xa2, blocks(2))],
+            vec![write(1, 4608, 0xb1, 1024), write(2, 0, 0xb2, blocks(2))],
+            vec![write(3, 0, 0xc3, blocks(1))],
+        ];
+        let mut first_batch = None;
+        for ops in batches {
+            let log: Vec<Entry> = ops
+                .iter()
+                .map(|op| Entry {
+                    kind: op.kind(),
+                    pg,
+                    term: 1,
+                    index: 1,
+                    meta: op.meta(),
+                    data: op.payload().to_vec(),
+                })
+                .collect();
+            let placed = writer.append(&log).expect("room");
+            let at = placed.offset_bytes as usize;
+            disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+            for (op, offset) in ops.iter().zip(&placed.data_offsets_bytes) {
+                sums.record(*offset, op.payload());
+                objects.apply(op, *offset);
+            }
+            first_batch.get_or_insert(placed);
+        }
+        let first = first_batch.expect("written");
+        // The header, and the first block of object 1's data (an extent before the
+        // overwritten block), are damaged.
+        let header = first.offset_bytes as usize;
+        disk[header + 100] ^= 0xff;
+        let object_1_data = first.data_offsets_bytes[0] as usize;
+        disk[object_1_data + 10] ^= 0xff;
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            Ok(disk[offset as usize..offset as usize + len].to_vec())
+        };
+        let damaged = read_damaged(read, ring, (0, Lsn(1)), ring.len_bytes)
+            .expect("reads")
+            .expect("a damaged batch");
+        assert_eq!(damaged.end_position, first.bytes.len() as u64);
+
+        let raft = MultiRaft::new(OsdId(0), 1);
+        let index = HashMap::from([(pg, objects)]);
+        let planned = plan_rescue(&damaged, ring, &raft, &index, &sums);
+        // Object 1 still reads batch 1 but for 1 KiB in its second block: one move, as its
+        // two extents share that block; object 2 is overwritten whole.
+        assert_eq!(planned.moves.len(), 1, "{:?}", planned.moves);
+        let moved = &planned.moves[0];
+        assert_eq!(moved.from.object, object(1));
+        assert_eq!(moved.from.offset_bytes, 0);
+        assert_eq!(moved.from.len_bytes, 4 * BLOCK_SIZE as u32);
+        assert_eq!(moved.from.device_offset_bytes, first.data_offsets_bytes[0]);
+        assert_eq!(moved.raft_entry, None);
+        assert_eq!(moved.damaged_blocks, vec![0]);
+        assert_eq!(planned.damaged, vec![pg]);
+        let relocated: Vec<&Entry> = planned.appends.iter().flatten().collect();
+        assert_eq!(relocated.len(), 1);
+        assert_eq!(relocated[0].kind, RELOCATE);
+        assert_eq!(
+            PayloadRef::from_meta(&relocated[0].meta, moved.from.device_offset_bytes),
+            moved.from
+        );
+        let mut expected = vec![0xa1; 4 * BLOCK_SIZE];
+        expected[10] ^= 0xff;
+        assert_eq!(relocated[0].data, expected);
     }
 }

@@ -418,6 +418,52 @@ fn read_log<E>(
     })
 }
 
+/// A batch of the log that was written whole and damaged since, with its place: where the
+/// batch after it lies tells where it ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DamagedBatch {
+    /// The damage.
+    pub damage: Damage,
+    /// The position after the damaged batch: the next batch's, or the end of the lap if
+    /// the writer skipped there after it.
+    pub end_position: u64,
+    /// The bytes from the damaged batch's position to `end_position`.
+    pub bytes: Vec<u8>,
+}
+
+/// The batch of LSN `lsn` at `position` if it fails its checks while the batch after it,
+/// below `limit`, is intact (see [`Damage`]), with its bytes: what a cleaner needs to move
+/// what is still in use out of a batch whose header it cannot read (the live payloads are
+/// known from the index, and their blocks from their checksums). `None` if the batch is
+/// intact, or nothing says it was written whole.
+pub fn read_damaged<E>(
+    mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    (position, lsn): (u64, Lsn),
+    limit: u64,
+) -> Result<Option<DamagedBatch>, E> {
+    let skip_possible = !position.is_multiple_of(ring.len_bytes) && ring.next_lap(position) < limit;
+    let damage = damage_at(&mut read, ring, position, lsn, limit).or_else(|| {
+        // The writer may have placed the batch at the start of the next lap.
+        skip_possible
+            .then(|| damage_at(&mut read, ring, ring.next_lap(position), lsn, limit))
+            .flatten()
+    });
+    let Some(damage) = damage else {
+        return Ok(None);
+    };
+    let end_position = damage.next_position.min(ring.next_lap(damage.position));
+    let bytes = read(
+        ring.device_offset(damage.position),
+        (end_position - damage.position) as usize,
+    )?;
+    Ok(Some(DamagedBatch {
+        damage,
+        end_position,
+        bytes,
+    }))
+}
+
 /// The damage of the batch of LSN `lsn` at `position`, which failed its checks, if the
 /// batch of the next LSN lies intact after it (header and every entry's data checked):
 /// exactly where the writer put it when this batch's header is intact (right after it, or
