@@ -585,7 +585,7 @@ fn health(
                 .last_checksum_error_age_seconds
                 .filter(|age| *age < CHECKSUM_ERROR_WARN_SECONDS)?;
             Some(format!(
-                "{id} ({} since it started, the last {age} s ago)",
+                "{id} ({} reads, the last {age} s ago)",
                 report.checksum_errors
             ))
         })

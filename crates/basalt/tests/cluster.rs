@@ -1182,6 +1182,14 @@ fn a_damaged_batch_header_does_not_stop_the_cleaner() {
     check_round(&uri, 11);
     qemu_io_ok(&uri, true, &["read -P 90 0 8M"]);
     assert_every_pg_consistent(&cluster);
+    // Health still names the device after its OSD restarted (the monitor keeps what it
+    // heard).
+    let checksums = "1 osds read blocks failing their checksum in the last hour: osd.1 (";
+    wait_for(
+        "the warning back after the restart",
+        Duration::from_secs(30),
+        || cluster.health().1.contains(checksums),
+    );
 }
 
 /// Flips a byte in the header of the batch that holds the first block of the device

@@ -94,6 +94,47 @@ struct Report {
     report: OsdReport,
     /// The one before, for rates.
     previous: Option<(Instant, OsdReport)>,
+    /// The OSD's reads that met damage, kept through its restarts (its own counts start
+    /// again at zero), so that health goes on naming a device that gave back damaged bytes.
+    checksum_errors: ChecksumErrors,
+}
+
+/// An OSD's reads that met damage, as the monitor saw them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ChecksumErrors {
+    /// Counted before the OSD's last restart.
+    before_restart: u64,
+    /// When the last one was.
+    last: Option<Instant>,
+}
+
+impl ChecksumErrors {
+    /// What `report` (arriving `now`) adds to what was known when the OSD reported
+    /// `previous` (its count falls when it restarted).
+    fn update(self, previous: Option<&OsdReport>, report: &OsdReport, now: Instant) -> Self {
+        let before_restart = match previous {
+            Some(previous) if report.checksum_errors < previous.checksum_errors => {
+                self.before_restart + previous.checksum_errors
+            }
+            _ => self.before_restart,
+        };
+        let reported = report
+            .last_checksum_error_age_seconds
+            .and_then(|age| now.checked_sub(Duration::from_secs(age)));
+        Self {
+            before_restart,
+            last: self.last.max(reported),
+        }
+    }
+
+    /// `report` with these counts in it, as of `now`.
+    fn apply(self, mut report: OsdReport, now: Instant) -> OsdReport {
+        report.checksum_errors += self.before_restart;
+        report.last_checksum_error_age_seconds = self
+            .last
+            .map(|last| now.saturating_duration_since(last).as_secs());
+        report
+    }
 }
 
 struct State {
@@ -321,16 +362,20 @@ impl Monitor {
             };
             let now = Instant::now();
             state.liveness.heartbeat(osd, now);
-            let previous = state
-                .reports
-                .remove(&osd)
-                .map(|report| (report.at, report.report));
+            let old = state.reports.remove(&osd);
+            let checksum_errors = old
+                .as_ref()
+                .map_or_else(ChecksumErrors::default, |old| old.checksum_errors);
+            let checksum_errors =
+                checksum_errors.update(old.as_ref().map(|old| &old.report), &report, now);
+            let previous = old.map(|old| (old.at, old.report));
             state.reports.insert(
                 osd,
                 Report {
                     at: now,
                     report,
                     previous,
+                    checksum_errors,
                 },
             );
             let full_changed = full.filter(|full| *full != entry.full);
@@ -380,7 +425,11 @@ impl Monitor {
                 bytes.0 += rate(report.report.read_bytes, previous.read_bytes);
                 bytes.1 += rate(report.report.write_bytes, previous.write_bytes);
             }
-            reports.push((osd, report.report.clone()));
+            let now = Instant::now();
+            reports.push((
+                osd,
+                report.checksum_errors.apply(report.report.clone(), now),
+            ));
         }
         ClusterStatus {
             map: state.map.clone(),
@@ -768,4 +817,42 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
         _server: server,
         tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(checksum_errors: u64, age: Option<u64>) -> OsdReport {
+        OsdReport {
+            checksum_errors,
+            last_checksum_error_age_seconds: age,
+            ..OsdReport::default()
+        }
+    }
+
+    /// An OSD that restarts reports no damage any more (its counts start again); the
+    /// monitor keeps what it heard before, and adds what comes after.
+    #[test]
+    fn checksum_errors_are_kept_through_an_osd_restart() {
+        let start = Instant::now() + Duration::from_secs(100);
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let first = report(2, Some(10));
+        let known = ChecksumErrors::default().update(None, &first, at(0));
+        assert_eq!(known.apply(first.clone(), at(0)), first);
+        // Restarted: nothing of its own to say.
+        let restarted = report(0, None);
+        let known = known.update(Some(&first), &restarted, at(5));
+        assert_eq!(known.apply(restarted.clone(), at(5)), report(2, Some(15)));
+        // A new one since the restart.
+        let again = report(1, Some(0));
+        let known = known.update(Some(&restarted), &again, at(20));
+        assert_eq!(known.apply(again.clone(), at(30)), report(3, Some(10)));
+        // And the next heartbeat, with nothing new.
+        let known = known.update(Some(&again), &report(1, Some(12)), at(32));
+        assert_eq!(
+            known.apply(report(1, Some(12)), at(32)),
+            report(3, Some(12))
+        );
+    }
 }

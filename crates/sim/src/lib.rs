@@ -29,6 +29,12 @@
 //!   installs the copy when the persist that records it is durable; raft then applies the
 //!   entries after the snapshot again, and each must equal what the copy holds at its index.
 //!   A leader whose follower stops fetching counts the snapshot failed after a silence.
+//! - **Damage and repairs**: now and then a voter's copy of a PG loses a write (its device
+//!   damaged it; the damage survives crashes until a snapshot replaces the copy). The OSD
+//!   never serves a damaged copy (reads there are dropped, a snapshot is not fetched from
+//!   it) and repairs it as the OSD does: a leader hands leadership over, a follower asks
+//!   its leader for a snapshot ([`MultiRaft::request_snapshot`]) and installs it however
+//!   recent its log. A copy never repaired differs from the others at the end.
 //! - **Membership**: every OSD hosts every PG, which starts on the first few; now and then a
 //!   PG's target members change (as the monitors' map would when OSDs go out or come in)
 //!   and its leader moves the voters there ([`MultiRaft::reconfigure`]).
@@ -98,6 +104,8 @@ pub struct SimConfig {
     /// Entries a leader keeps for a follower it knows to be behind (one further behind
     /// gets a snapshot).
     pub behind_entries: u64,
+    /// Chance per step of damage to a voter's copy of a PG.
+    pub damage: f64,
 }
 
 impl SimConfig {
@@ -122,6 +130,7 @@ impl SimConfig {
             checkpoint: 0.002,
             retained_entries: 8,
             behind_entries: 16,
+            damage: 0.0003,
         }
     }
 }
@@ -153,6 +162,10 @@ pub struct Outcome {
     pub checkpoint_restarts: u64,
     /// Snapshots installed.
     pub snapshots: u64,
+    /// Copies damaged.
+    pub damaged: u64,
+    /// Damaged copies replaced by a snapshot of the leader's.
+    pub repairs: u64,
 }
 
 struct Rng(u64);
@@ -274,6 +287,9 @@ struct SimOsd {
     installing: BTreeMap<PgId, Installing>,
     /// Snapshots this OSD sent, and the step it last heard from their followers.
     snapshots_sent: BTreeMap<(PgId, OsdId), u64>,
+    /// The PGs whose copy here is damaged (on the device: crashes keep it) until a
+    /// snapshot's install replaces it.
+    damaged: std::collections::BTreeSet<PgId>,
     in_flight: VecDeque<(u64, Record)>,
     applied: BTreeMap<PgId, State>,
     /// The index of the last entry applied (data or not), per PG.
@@ -378,6 +394,7 @@ impl Cluster {
                 durable_state: BTreeMap::new(),
                 installing: BTreeMap::new(),
                 snapshots_sent: BTreeMap::new(),
+                damaged: std::collections::BTreeSet::new(),
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
                 applied_index: BTreeMap::new(),
@@ -561,11 +578,11 @@ impl Cluster {
             return;
         }
         let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
+        // A damaged copy is never read (the OSD's checksums catch it).
         let leaders: Vec<usize> = (0..self.osds.len())
             .filter(|&i| {
-                self.osds[i]
-                    .running()
-                    .is_some_and(|raft| raft.is_leader(pg))
+                let osd = &mut self.osds[i];
+                !osd.damaged.contains(&pg) && osd.running().is_some_and(|raft| raft.is_leader(pg))
             })
             .collect();
         if leaders.is_empty() {
@@ -608,6 +625,10 @@ impl Cluster {
             });
         self.waiting = waiting;
         for (at, read) in ready {
+            if self.osds[read.via.0 as usize].damaged.contains(&read.pg) {
+                // Met the damage: answered Busy, and the client retries elsewhere.
+                continue;
+            }
             self.outcome.reads += 1;
             let seen: std::collections::BTreeSet<u64> = self.osds[read.via.0 as usize]
                 .applied
@@ -666,12 +687,23 @@ impl Cluster {
             // A newer leader's snapshot replaces an older one's.
             osd.installing.remove(&pg);
         }
-        let behind = raft
-            .committed(pg)
-            .is_some_and(|committed| committed < snapshot_index);
+        // A replica that asked for a snapshot (a repair) fetches it however recent its log.
+        let requesting = raft.requesting_snapshot(pg);
+        let behind = requesting
+            || raft
+                .committed(pg)
+                .is_some_and(|committed| committed < snapshot_index);
         if !behind || message.term < raft.term(pg).unwrap_or(0) {
             // Raft answers a snapshot it does not need, or a stale one, by itself.
             raft.step(pg, message);
+            return;
+        }
+        if requesting && Some(snapshot_index) < raft.last_index(pg) {
+            // Raft would drop the entries after it, which this replica may have
+            // acknowledged; the one asked for reaches at least its last entry.
+            let from = osd.id;
+            let refusal = raft.snapshot_refusal(leader, snapshot_index);
+            self.send(from, leader, pg, refusal);
             return;
         }
         osd.installing.insert(
@@ -723,7 +755,8 @@ impl Cluster {
                             }
                         }
                     }
-                    (hosts && applied >= snapshot_index)
+                    // A damaged copy is never sent (the OSD's chunk reads check it).
+                    (hosts && applied >= snapshot_index && !source.damaged.contains(&pg))
                         .then(|| source.applied.get(&pg).cloned().unwrap_or_default())
                 };
                 // The OSD's copy is fuzzy: each object as of some index at or after the
@@ -753,6 +786,56 @@ impl Cluster {
                     osd.installing.remove(&pg);
                     let refusal = raft.snapshot_refusal(leader, snapshot_index);
                     self.send(me, leader, pg, refusal);
+                }
+            }
+        }
+    }
+
+    /// Damages a voter's copy of a PG now and then (a write lost from it), unless another
+    /// copy of the PG is damaged already.
+    fn damage(&mut self) {
+        if !self.faults || !self.rng.chance(self.config.damage) {
+            return;
+        }
+        let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
+        if self.osds.iter().any(|osd| osd.damaged.contains(&pg)) {
+            return;
+        }
+        let voters = &self.targets[&pg];
+        let victim = voters[self.rng.below(voters.len() as u64) as usize];
+        let pick = self.rng.next();
+        let osd = &mut self.osds[victim.0 as usize];
+        let Some(state) = osd.applied.get_mut(&pg).filter(|state| !state.is_empty()) else {
+            return;
+        };
+        if osd.raft.is_none() {
+            return;
+        }
+        state.remove((pick % state.len() as u64) as usize);
+        osd.damaged.insert(pg);
+        self.outcome.damaged += 1;
+    }
+
+    /// Moves each damaged copy's repair on, as the OSD does: a leader hands leadership
+    /// over, a follower that knows a leader asks it for a snapshot.
+    fn advance_repairs(&mut self) {
+        for osd in &mut self.osds {
+            if osd.paused_until.is_some() {
+                continue;
+            }
+            let Some(raft) = osd.raft.as_mut() else {
+                continue;
+            };
+            for &pg in &osd.damaged {
+                if raft.requesting_snapshot(pg) || osd.installing.contains_key(&pg) {
+                    continue;
+                }
+                if raft.is_leader(pg) {
+                    raft.hand_over(pg, &[osd.id]);
+                } else if raft.leader(pg).is_some() {
+                    // Fails while this replica's last entry is of an older term: asked
+                    // again at the next tick.
+                    let _ = raft.request_snapshot(pg);
                 }
             }
         }
@@ -876,6 +959,9 @@ impl Cluster {
                     // The copy becomes the PG's state, as of the snapshot; the leader is
                     // told first, so that it takes the answer for the snapshot it sent.
                     osd.installing.remove(&pg);
+                    if osd.damaged.remove(&pg) {
+                        self.outcome.repairs += 1;
+                    }
                     osd.applied.insert(pg, installed.state.clone());
                     osd.applied_index.insert(pg, installed.index);
                     let answer = raft.snapshot_installed(installed.leader, installed.index);
@@ -1100,7 +1186,9 @@ impl Cluster {
                 }
             }
             self.watch_snapshots_sent();
+            self.advance_repairs();
         }
+        self.damage();
         self.deliver_messages();
         self.fetch_snapshots();
         self.complete_persists();
@@ -1171,6 +1259,10 @@ impl Cluster {
                         log.len(),
                         reference.len()
                     ));
+                }
+                if osd.damaged.contains(pg) {
+                    // Known damaged, never read; dropped once the PG leaves it.
+                    continue;
                 }
                 // Up to its applied index the same entries as the voters; after it, only
                 // some of theirs (a snapshot's fuzzy copy not applied over yet).

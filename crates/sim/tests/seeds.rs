@@ -1,5 +1,5 @@
-//! Many seeded runs of the replication simulation (with checkpoints, compaction and
-//! snapshots); a failure names its seed, which `cargo run -p basalt-sim -- --seed N`
+//! Many seeded runs of the replication simulation (with checkpoints, compaction,
+//! snapshots and repairs); a failure names its seed, which `cargo run -p basalt-sim -- --seed N`
 //! replays.
 
 #[test]
@@ -13,6 +13,7 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     let mut reconfigurations = 0;
     let (mut reads, mut lease_reads) = (0, 0);
     let (mut checkpoint_restarts, mut snapshots) = (0, 0);
+    let (mut damaged, mut repairs) = (0, 0);
     for seed in 0..seeds {
         // Shown if the run panics (inside raft-rs, say) instead of failing with its seed.
         eprintln!("seed {seed}");
@@ -26,6 +27,8 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         lease_reads += outcome.lease_reads;
         checkpoint_restarts += outcome.checkpoint_restarts;
         snapshots += outcome.snapshots;
+        damaged += outcome.damaged;
+        repairs += outcome.repairs;
     }
     assert!(
         acknowledged > seeds * 100,
@@ -47,5 +50,10 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         checkpoint_restarts > seeds && snapshots > seeds * 5,
         "the runs must restart from checkpoints and install snapshots: {checkpoint_restarts} \
          restarts from a checkpoint, {snapshots} snapshots"
+    );
+    // Damaged copies are rebuilt (one that is not would differ from the others at the end).
+    assert!(
+        damaged > seeds && repairs > seeds,
+        "the runs must damage copies and repair them: {damaged} damaged, {repairs} repaired"
     );
 }
