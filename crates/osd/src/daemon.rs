@@ -217,6 +217,8 @@ struct Repair {
     installed: Option<PgReplicaState>,
     /// A checkpoint cut after the install is being written.
     covered: bool,
+    /// The replica leadership is being handed to (logged once, not at every tick).
+    heir: Option<OsdId>,
 }
 
 impl Repair {
@@ -228,6 +230,7 @@ impl Repair {
             since: std::time::Instant::now(),
             installed: None,
             covered: false,
+            heir: None,
         }
     }
 }
@@ -2178,11 +2181,15 @@ impl Core {
                 continue;
             }
             if self.raft.is_leader(pg) {
-                let avoid = repair.avoid.clone();
-                match self.raft.hand_over(pg, &avoid) {
-                    Some(heir) => tracing::info!(%pg, %heir, "leadership handed over for a repair"),
+                let heir = self.raft.hand_over(pg, &repair.avoid);
+                match heir {
+                    Some(heir) if repair.heir != Some(heir) => {
+                        tracing::info!(%pg, %heir, "leadership handed over for a repair");
+                    }
+                    Some(_) => {}
                     None => tracing::debug!(%pg, "no caught-up replica to hand leadership to yet"),
                 }
+                repair.heir = heir;
                 continue;
             }
             if let Some(leader) = self.raft.leader(pg)
