@@ -623,10 +623,8 @@ struct Core {
     /// log are not digested again (the objects restored may be from such a snapshot).
     scrub_fuzzy_through: HashMap<PgId, u64>,
     actions: Vec<Action>,
-    /// The last hard state handed to the log, per PG.
-    hard_states: HashMap<PgId, basalt_replication::HardState>,
-    /// PGs whose last hard state (a commit index change) is not written yet.
-    lazy_commit: std::collections::HashSet<PgId>,
+    /// Which hard states each PG's persists write.
+    hard_states: HashMap<PgId, pg_log::HardStates>,
     /// Log bytes of the writes proposed here and not yet answered.
     pending_bytes: u64,
     /// The core's own queue, for the tasks it starts.
@@ -952,13 +950,17 @@ impl Core {
         // transfer after another (each given up at its first chunk for want of room, say)
         // would keep both off for good, and the room never come. The leader is told, and
         // sends the snapshot again later.
-        // A repair goes ahead all the same: reads of the damaged copy fail until it is
-        // in, and it is one transfer.
+        // A repair goes ahead all the same (reads of the damaged copy fail until it is
+        // in, and it is one transfer), but for a checkpoint asked for at once: one that
+        // takes a damaged batch out of replay, which a crash during the install would
+        // otherwise meet at the restart.
         let full = self.installing.len() >= self.max_moves;
         let reclaim_waits = self.reuse_allowed()
-            && !self.repairs.contains_key(&pg)
-            && (self.checkpoint_due()
-                || (self.log.free_bytes() < self.clean_low_mark() && self.reclaimable_bytes() > 0));
+            && (self.reclaim.asked
+                || (!self.repairs.contains_key(&pg)
+                    && (self.checkpoint_due()
+                        || (self.log.free_bytes() < self.clean_low_mark()
+                            && self.reclaimable_bytes() > 0))));
         if full || reclaim_waits {
             tracing::debug!(%pg, %leader, index, installing = self.installing.len(), full, reclaim_waits, "a snapshot refused for now");
             let refusal = self.raft.snapshot_refusal(leader, index);
@@ -1710,9 +1712,7 @@ impl Core {
             Ok(replayed) => replayed,
             Err(error) => {
                 tracing::error!(%error, "the cleaner cannot read the log; it pauses");
-                self.reclaim.cleaning = false;
-                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(5);
-                return;
+                return self.pause_cleaner(Duration::from_secs(5));
             }
         };
         let next = (replayed.next_position, replayed.next_lsn);
@@ -1745,9 +1745,7 @@ impl Core {
                 }
                 None => {}
             }
-            self.reclaim.cleaning = false;
-            self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(1);
-            return;
+            return self.pause_cleaner(Duration::from_secs(1));
         }
         let sums = self.log.block_sums();
         let relocations =
@@ -1763,40 +1761,58 @@ impl Core {
     /// never meets it. Anything else pauses the cleaner as before.
     fn rescue(&mut self, result: std::io::Result<Option<DamagedBatch>>) {
         let damaged = match result {
-            Ok(Some(damaged)) if damaged.damage.lsn == self.reclaim.cleaned_to.1 => damaged,
-            Ok(_) => {
-                tracing::warn!(
-                    position = self.reclaim.cleaned_to.0,
-                    "the cleaner found no batch; it pauses"
-                );
-                self.reclaim.cleaning = false;
-                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(1);
-                return;
+            Ok(Some(damaged)) => damaged,
+            Ok(None) => {
+                let position = self.reclaim.cleaned_to.0;
+                tracing::warn!(position, "the cleaner found no batch; it pauses");
+                return self.pause_cleaner(Duration::from_secs(1));
             }
             Err(error) => {
                 tracing::error!(%error, "the cleaner cannot read the log; it pauses");
-                self.reclaim.cleaning = false;
-                self.reclaim.clean_after = std::time::Instant::now() + Duration::from_secs(5);
-                return;
+                return self.pause_cleaner(Duration::from_secs(5));
             }
         };
         let damage = &damaged.damage;
+        let (position, lsn, error) = (damage.position, damage.lsn.0, &damage.error);
+        let sums = self.log.block_sums();
+        let ring = self.log.ring();
+        let relocations =
+            match reclaim::plan_rescue(&damaged, ring, &self.raft, &self.objects, &sums) {
+                Ok(relocations) => relocations,
+                Err(reason) => {
+                    tracing::error!(
+                        position,
+                        lsn,
+                        %error,
+                        %reason,
+                        "the log is damaged where the cleaner reads: this device cannot be \
+                         trusted; mark the osd out and remove it"
+                    );
+                    self.counters.checksum_error();
+                    return self.pause_cleaner(Duration::from_secs(30));
+                }
+            };
         tracing::error!(
-            position = damage.position,
-            lsn = damage.lsn.0,
-            error = %damage.error,
+            position,
+            lsn,
+            %error,
             bytes = damaged.bytes.len(),
             "a batch of the log was damaged after it was written: the cleaner moves what is \
              still in use out of it, checking every block"
         );
         self.counters.checksum_error();
+        // Replay must not meet it: the next checkpoint starts replay after it. Repairs'
+        // installs, which hold checkpoints back, wait for that one.
         self.reclaim.asked = true;
         let next = (damaged.end_position, damage.lsn.next());
-        let sums = self.log.block_sums();
-        let relocations =
-            reclaim::plan_rescue(&damaged, self.log.ring(), &self.raft, &self.objects, &sums);
         let what = "the cleaner moved data in use out of a damaged batch, marked damaged";
         self.relocate(relocations, next, what);
+    }
+
+    /// The cleaner waits `pause` before its next step.
+    fn pause_cleaner(&mut self, pause: Duration) {
+        self.reclaim.cleaning = false;
+        self.reclaim.clean_after = std::time::Instant::now() + pause;
     }
 
     /// Appends the cleaner's relocations; once durable, the cleaner has gone through the
@@ -2471,34 +2487,13 @@ impl Core {
         then_send: Vec<(OsdId, RaftMessage)>,
         snapshot: Option<(u64, u64)>,
     ) {
-        // A hard state that changes only the commit index is not written on its own: raft
-        // needs term and vote durable, while a lost commit index is learnt again from the
-        // leader. It rides along with the PG's next entries instead, which saves a device
-        // write per client write on every replica. The persist still completes in order
-        // behind the ones before it.
-        let hard_state = match hard_state {
-            Some(hs) if entries.is_empty() => {
-                let known = self.hard_states.get(&pg);
-                if known.is_some_and(|k| k.term == hs.term && k.vote == hs.vote) {
-                    self.hard_states.insert(pg, hs);
-                    self.lazy_commit.insert(pg);
-                    None
-                } else {
-                    self.hard_states.insert(pg, hs.clone());
-                    self.lazy_commit.remove(&pg);
-                    Some(hs)
-                }
-            }
-            Some(hs) => {
-                self.hard_states.insert(pg, hs.clone());
-                self.lazy_commit.remove(&pg);
-                Some(hs)
-            }
-            None if !entries.is_empty() && self.lazy_commit.remove(&pg) => {
-                self.hard_states.get(&pg).cloned()
-            }
-            None => None,
-        };
+        // The persist still completes in order behind the ones before it, whether it
+        // writes a hard state or not.
+        let hard_state = self
+            .hard_states
+            .entry(pg)
+            .or_default()
+            .to_write(hard_state, !entries.is_empty());
         let last_index = entries
             .last()
             .map(|entry| entry.index)
@@ -2773,7 +2768,6 @@ impl Core {
         self.applied.remove(&pg);
         self.durable.remove(&pg);
         self.hard_states.remove(&pg);
-        self.lazy_commit.remove(&pg);
         self.reads.remove(&pg);
         self.restored.remove(&pg);
         self.restored_objects.remove(&pg);
@@ -3672,7 +3666,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         scrub_fuzzy_through: HashMap::new(),
         actions: Vec::new(),
         hard_states: HashMap::new(),
-        lazy_commit: std::collections::HashSet::new(),
         pending_bytes: 0,
         events: core_events,
         durable: HashMap::new(),

@@ -96,6 +96,45 @@ pub fn to_log_entries(
     log
 }
 
+/// Which of a PG's hard states its persists write. One that changes only the commit index
+/// is not written on its own: raft needs term and vote durable, while a lost commit index
+/// is learnt again from the leader. It rides along with the PG's next entries instead,
+/// which saves a device write per client write on every replica.
+#[derive(Debug, Clone, Default)]
+pub struct HardStates {
+    /// The last hard state raft handed out, and whether it is not written yet.
+    last: Option<(HardState, bool)>,
+}
+
+impl HardStates {
+    /// The hard state to write with a persist of raft's `hard_state` (if it changed) and
+    /// entries, if any (`with_entries`).
+    pub fn to_write(
+        &mut self,
+        hard_state: Option<HardState>,
+        with_entries: bool,
+    ) -> Option<HardState> {
+        match (hard_state, &mut self.last) {
+            (Some(new), Some((last, unwritten)))
+                if !with_entries && last.term == new.term && last.vote == new.vote =>
+            {
+                *last = new;
+                *unwritten = true;
+                None
+            }
+            (Some(new), _) => {
+                self.last = Some((new.clone(), false));
+                Some(new)
+            }
+            (None, Some((last, unwritten))) if with_entries && *unwritten => {
+                *unwritten = false;
+                Some(last.clone())
+            }
+            (None, _) => None,
+        }
+    }
+}
+
 /// Why a log entry could not be turned back into raft state.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -573,5 +612,29 @@ mod tests {
             from_log_entry(&entry),
             Err(PgLogError::Kind { pg: PG, kind: 99 })
         );
+    }
+
+    /// A hard state that changes only the commit index waits for the PG's next entries;
+    /// one that changes the term or the vote is written at once.
+    #[test]
+    fn a_commit_index_alone_rides_with_the_next_entries() {
+        let hs = |term, vote, commit| HardState {
+            term,
+            vote,
+            commit,
+            ..HardState::default()
+        };
+        let mut states = HardStates::default();
+        // The first is written: nothing says what is durable yet.
+        assert_eq!(states.to_write(Some(hs(1, 2, 5)), false), Some(hs(1, 2, 5)));
+        assert_eq!(states.to_write(Some(hs(1, 2, 6)), false), None);
+        assert_eq!(states.to_write(Some(hs(1, 2, 7)), false), None);
+        assert_eq!(states.to_write(None, false), None);
+        assert_eq!(states.to_write(None, true), Some(hs(1, 2, 7)));
+        assert_eq!(states.to_write(None, true), None);
+        assert_eq!(states.to_write(Some(hs(1, 2, 8)), true), Some(hs(1, 2, 8)));
+        assert_eq!(states.to_write(Some(hs(1, 2, 9)), false), None);
+        assert_eq!(states.to_write(Some(hs(2, 0, 9)), false), Some(hs(2, 0, 9)));
+        assert_eq!(states.to_write(None, true), None);
     }
 }

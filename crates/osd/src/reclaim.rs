@@ -298,15 +298,30 @@ pub fn plan_relocations(
 /// poisoned, or has no checksum known (the header that would have vouched for it is lost)
 /// is marked to be poisoned at the new place. What else the batch held (hard states, other
 /// raft entries) lives in memory and goes into the next checkpoint.
+///
+/// A payload lies within one batch, so one that lies across an end of the batch's bytes
+/// says that end is wrong (client data that happened to look like the next batch's header):
+/// an error then, and nothing is moved, for what lies past the wrong end would be freed.
 pub fn plan_rescue(
     damaged: &DamagedBatch,
     ring: Ring,
     raft: &MultiRaft,
     objects: &HashMap<PgId, PgObjects>,
     sums: &BlockSums,
-) -> Relocations {
+) -> Result<Relocations, String> {
     let start = ring.device_offset(damaged.damage.position);
     let end = start + damaged.bytes.len() as u64;
+    let across = |device: u64, len: u64| {
+        let inside = device >= start && device + len <= end;
+        let outside = device + len <= start || device >= end;
+        (!inside && !outside).then(|| {
+            format!(
+                "data in use at device bytes {device}..{} lies across an end of the damaged \
+                 batch's bytes {start}..{end}: where the batch ends is not known",
+                device + len
+            )
+        })
+    };
     let inside = |device: u64, len: u64| device >= start && device + len <= end;
     let candidate = |pg, from, raft_entry| Move {
         pg,
@@ -320,12 +335,17 @@ pub fn plan_rescue(
             continue;
         };
         for kept in storage.retained() {
-            if let Some(reference) = PayloadRef::decode(&kept.data)
-                && inside(
-                    reference.device_offset_bytes,
-                    u64::from(reference.len_bytes),
-                )
-            {
+            let Some(reference) = PayloadRef::decode(&kept.data) else {
+                continue;
+            };
+            let (device, len) = (
+                reference.device_offset_bytes,
+                u64::from(reference.len_bytes),
+            );
+            if let Some(error) = across(device, len) {
+                return Err(error);
+            }
+            if inside(device, len) {
                 candidates.push(candidate(pg, reference, Some((kept.index, kept.term))));
             }
         }
@@ -338,6 +358,9 @@ pub fn plan_rescue(
         for key in pg_objects.keys() {
             let mut last: Option<PayloadRef> = None;
             for (offset, len, device) in pg_objects.extents(key) {
+                if let Some(error) = across(device, len) {
+                    return Err(error);
+                }
                 let carried = candidates[..kept].iter().any(|other| {
                     let reference = &other.from;
                     other.pg == *pg
@@ -404,11 +427,11 @@ pub fn plan_rescue(
         });
         moves.push(moved);
     }
-    Relocations {
+    Ok(Relocations {
         appends: batch::split(relocations),
         moves,
         damaged: damaged_pgs,
-    }
+    })
 }
 
 /// Whether the object's bytes at `offset`, read at `device`, lie in `payload` where it
@@ -764,7 +787,7 @@ mod tests {
 
         let raft = MultiRaft::new(OsdId(0), 1);
         let index = HashMap::from([(pg, objects)]);
-        let planned = plan_rescue(&damaged, ring, &raft, &index, &sums);
+        let planned = plan_rescue(&damaged, ring, &raft, &index, &sums).expect("a plan");
         // Object 1 still reads batch 1 but for 1 KiB in its second block: one move, as its
         // two extents share that block; object 2 is overwritten whole.
         assert_eq!(planned.moves.len(), 1, "{:?}", planned.moves);

@@ -852,12 +852,27 @@ impl MultiRaft {
                 // snapshot meanwhile (one per answer that moves the follower on).
                 let current = message.term == group.node.raft.term;
                 let progress = group.node.raft.mut_prs().get_mut(message.from);
-                if current
-                    && let Some(progress) = progress
-                    && progress.pending_request_snapshot != raft::INVALID_INDEX
-                    && message.index >= progress.pending_request_snapshot
-                {
-                    progress.pending_request_snapshot = raft::INVALID_INDEX;
+                let mut has_snapshot = false;
+                if current && let Some(progress) = progress {
+                    if progress.pending_request_snapshot != raft::INVALID_INDEX
+                        && message.index >= progress.pending_request_snapshot
+                    {
+                        progress.pending_request_snapshot = raft::INVALID_INDEX;
+                    }
+                    // A follower being sent a snapshot whose answer reaches it has it.
+                    // raft-rs moves on only when an answer raises what it knows the
+                    // follower holds, which this one does not when the snapshot is at what
+                    // the follower held already (a repair's) and the snapshot's status was
+                    // lost: the follower would get no entries until the snapshot is counted
+                    // failed, and a hand-over to it would never end.
+                    has_snapshot = progress.state == ProgressState::Snapshot
+                        && progress.pending_snapshot != 0
+                        && message.index >= progress.pending_snapshot;
+                }
+                if has_snapshot {
+                    group
+                        .node
+                        .report_snapshot(message.from, SnapshotStatus::Finish);
                 }
             }
             if message.get_msg_type() == MessageType::MsgSnapStatus {
@@ -1484,10 +1499,14 @@ mod tests {
         assert!(trio.replicas[leader].request_snapshot(PG).is_err());
     }
 
-    /// When the snapshot is at the follower's last entry, raft-rs's answer to it tells the
-    /// leader nothing new; the follower's word that it installed it ends the transfer.
+    /// When the snapshot is at the follower's last entry (a repair's), raft-rs's answer to
+    /// it tells raft-rs nothing new; the answer ends the transfer all the same, so that a
+    /// lost word from the follower (`snapshot_installed`) does not leave the leader sending
+    /// it no entries until the snapshot is counted failed (found by the simulation: a
+    /// hand-over to that follower, for a repair of the leader's copy, never ended). A late
+    /// word then changes nothing.
     #[test]
-    fn a_snapshot_at_the_followers_last_entry_ends_with_its_word() {
+    fn a_snapshot_at_the_followers_last_entry_ends_with_its_answer() {
         let (mut trio, leader) = Trio::with_entries(10);
         let asking = (leader + 1) % 3;
         trio.replicas[asking].request_snapshot(PG).expect("asks");
@@ -1507,10 +1526,11 @@ mod tests {
         let snapshot = snapshot.expect("a snapshot");
         let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
         assert_eq!(Some(index), trio.replicas[asking].last_index(PG));
-        trio.replicas[asking].step(PG, snapshot);
-        trio.settle();
         let follower = OsdId(asking as u32);
         assert!(trio.replicas[leader].sending_snapshot(PG, follower));
+        trio.replicas[asking].step(PG, snapshot);
+        trio.settle();
+        assert!(!trio.replicas[leader].sending_snapshot(PG, follower));
         let installed = trio.replicas[asking].snapshot_installed(OsdId(leader as u32), index);
         trio.replicas[leader].step(PG, installed);
         assert!(!trio.replicas[leader].sending_snapshot(PG, follower));

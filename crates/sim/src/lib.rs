@@ -290,6 +290,8 @@ struct SimOsd {
     /// The PGs whose copy here is damaged (on the device: crashes keep it) until a
     /// snapshot's install replaces it.
     damaged: std::collections::BTreeSet<PgId>,
+    /// Which hard states each PG's persists write (the OSD's rule).
+    hard_states: BTreeMap<PgId, pg_log::HardStates>,
     in_flight: VecDeque<(u64, Record)>,
     applied: BTreeMap<PgId, State>,
     /// The index of the last entry applied (data or not), per PG.
@@ -395,6 +397,7 @@ impl Cluster {
                 installing: BTreeMap::new(),
                 snapshots_sent: BTreeMap::new(),
                 damaged: std::collections::BTreeSet::new(),
+                hard_states: BTreeMap::new(),
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
                 applied_index: BTreeMap::new(),
@@ -473,13 +476,41 @@ impl Cluster {
         osd.restart_at = None;
     }
 
+    /// Crashes an OSD. The device may have made durable more than the OSD heard of: some of
+    /// the group commits in flight (whole, in order: a torn one is discarded by replay),
+    /// and the checkpoint being written.
     fn crash(&mut self, index: usize) {
         let restart = self.now + 200 + self.rng.below(2000);
+        let groups: Vec<u64> = {
+            let mut ats: Vec<u64> = self.osds[index]
+                .in_flight
+                .iter()
+                .map(|(at, _)| *at)
+                .collect();
+            ats.dedup();
+            ats
+        };
+        let kept_groups = self.rng.below(groups.len() as u64 + 1) as usize;
+        let checkpoint_kept = self.rng.chance(0.5);
         let osd = &mut self.osds[index];
+        if let Some(cutting) = osd.cutting.take()
+            && checkpoint_kept
+        {
+            osd.durable.drain(..cutting.covers);
+            osd.checkpoint = Some(cutting.checkpoint);
+        }
+        if let Some(&last) = groups[..kept_groups].last() {
+            while osd.in_flight.front().is_some_and(|(at, _)| *at <= last) {
+                let (_, mut record) = osd.in_flight.pop_front().expect("checked");
+                // Durable, but nothing was sent after it.
+                record.then_send.clear();
+                osd.durable.push(record);
+            }
+        }
         osd.raft = None;
         osd.paused_until = None;
         osd.in_flight.clear();
-        osd.cutting = None;
+        osd.hard_states.clear();
         osd.installing.clear();
         osd.snapshots_sent.clear();
         osd.restart_at = Some(restart);
@@ -748,16 +779,17 @@ impl Cluster {
                     let source = &mut self.osds[leader.0 as usize];
                     let applied = source.applied_index.get(&pg).copied().unwrap_or(0);
                     let hosts = source.running().is_some_and(|raft| raft.hosts(pg));
-                    if hosts {
+                    // A damaged copy is never sent (the OSD's chunk reads check it).
+                    let serves =
+                        hosts && applied >= snapshot_index && !source.damaged.contains(&pg);
+                    if serves {
                         for ((sent, _), heard) in &mut source.snapshots_sent {
                             if *sent == pg {
                                 *heard = now;
                             }
                         }
                     }
-                    // A damaged copy is never sent (the OSD's chunk reads check it).
-                    (hosts && applied >= snapshot_index && !source.damaged.contains(&pg))
-                        .then(|| source.applied.get(&pg).cloned().unwrap_or_default())
+                    serves.then(|| source.applied.get(&pg).cloned().unwrap_or_default())
                 };
                 // The OSD's copy is fuzzy: each object as of some index at or after the
                 // snapshot's. So is this one: every entry up to the snapshot, and about
@@ -897,6 +929,7 @@ impl Cluster {
         }
         let index = self.rng.below(self.osds.len() as u64) as usize;
         let durable_at = self.now + 1 + self.rng.below(self.config.persist_max);
+        let again = self.rng.chance(0.5);
         let osd = &mut self.osds[index];
         // None is cut while a snapshot is being installed (replay sees a transfer whole).
         if osd.cutting.is_some() || !osd.installing.is_empty() || osd.paused_until.is_some() {
@@ -928,9 +961,12 @@ impl Cluster {
             let state = osd.applied.get(&pg).cloned().unwrap_or_default();
             checkpoint.states.insert(pg, state);
         }
+        // The OSD's replay starts at the batch of the last persist it processed, which may
+        // hold others: now and then the last record is replayed again.
+        let covers = osd.durable.len().saturating_sub(usize::from(again));
         osd.cutting = Some(Cutting {
             durable_at,
-            covers: osd.durable.len(),
+            covers,
             checkpoint,
         });
     }
@@ -1016,6 +1052,12 @@ impl Cluster {
                         then_send,
                         snapshot,
                     } => {
+                        // As the OSD writes them: a commit index alone waits for entries.
+                        let hard_state = self.osds[index]
+                            .hard_states
+                            .entry(pg)
+                            .or_default()
+                            .to_write(hard_state, !entries.is_empty());
                         let snapshot = match snapshot {
                             Some(at) => match self.installed(index, pg, at) {
                                 Ok(installed) => Some(installed),
@@ -1117,8 +1159,9 @@ impl Cluster {
     fn installed(&mut self, index: usize, pg: PgId, at: (u64, u64)) -> Result<Installed, String> {
         let osd = &mut self.osds[index];
         let installing = osd.installing.get_mut(&pg);
-        let Some((leader, Some(state))) =
-            installing.map(|installing| (installing.leader, installing.fetched.take()))
+        let Some((leader, Some(state))) = installing
+            .filter(|installing| installing.index == at.0)
+            .map(|installing| (installing.leader, installing.fetched.take()))
         else {
             return Err(format!(
                 "pg {pg}: {} installs a snapshot at {} that it did not fetch",
