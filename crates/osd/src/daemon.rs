@@ -505,6 +505,9 @@ struct Reclaim {
     /// Where a step found no batch before the end of its lap (the writer skipped the rest
     /// of it): a step from there reads on in the next lap ([`reclaim::step_limit`]).
     skipped_lap_end: Option<u64>,
+    /// The position of a damaged batch the cleaner could not move data out of (counted
+    /// once as a checksum error, not at every retry).
+    unrescued: Option<u64>,
     /// A cleaner step is under way.
     cleaning: bool,
     /// Free space fell below the low mark: the cleaner runs until it is above the high one.
@@ -803,9 +806,9 @@ impl Core {
                 if let Some((index, _)) = snapshot
                     && let Some(leader) = self.snapshot_installed(pg, index)
                 {
-                    // Raft's answer (in `then_send`) does not end a transfer at this
-                    // replica's last entry (a repair's); this does, and goes first, so
-                    // that the leader takes it for the snapshot it sent.
+                    // Goes first, so that the leader takes it for the snapshot it sent;
+                    // raft's answer (in `then_send`) ends the transfer too, through
+                    // `MultiRaft::step`, should this be lost.
                     let installed = self.raft.snapshot_installed(leader, index);
                     self.send(leader, pg, installed);
                 }
@@ -1660,7 +1663,9 @@ impl Core {
         }
         self.reclaim.cleaning = true;
         tracing::debug!(from, limit, tail, free, "cleaner step");
-        let read = self.log.read_batches(from, lsn, limit);
+        let read = self
+            .log
+            .read_batches(from, lsn, (limit, self.reclaim.durable_end.0));
         let events = self.events.clone();
         tokio::spawn(async move {
             let _ = events.send(Event::Cleaned {
@@ -1718,6 +1723,13 @@ impl Core {
         let next = (replayed.next_position, replayed.next_lsn);
         if replayed.batches.is_empty() {
             let from = self.reclaim.cleaned_to.0;
+            if next.0 > from {
+                // A torn batch left behind by a crash, passed over (its LSN's batch lies at
+                // the next lap): nothing to move.
+                self.reclaim.cleaned_to = next;
+                self.reclaim.cleaning = false;
+                return;
+            }
             if self.reclaim.skipped_lap_end != Some(from)
                 && reclaim::stopped_at_lap_end(self.log.ring(), from, limit)
             {
@@ -1731,9 +1743,10 @@ impl Core {
                 // A batch that fails its checks below the durable end was written whole:
                 // damaged since, unless a read of the batch after it says otherwise.
                 Some(error) if durable && !matches!(error, BatchError::Truncated { .. }) => {
-                    let read = self
-                        .log
-                        .read_damaged(from, next.1, self.reclaim.durable_end.0);
+                    // The batch at the durable end is whole: the one after the damaged
+                    // batch may be that one.
+                    let look = self.reclaim.durable_end.0 + crate::log_device::MAX_BATCH_BYTES;
+                    let read = self.log.read_damaged(from, next.1, look);
                     let events = self.events.clone();
                     tokio::spawn(async move {
                         let _ = events.send(Event::Rescue(read.await));
@@ -1788,7 +1801,9 @@ impl Core {
                         "the log is damaged where the cleaner reads: this device cannot be \
                          trusted; mark the osd out and remove it"
                     );
-                    self.counters.checksum_error();
+                    if self.reclaim.unrescued.replace(position) != Some(position) {
+                        self.counters.checksum_error();
+                    }
                     return self.pause_cleaner(Duration::from_secs(30));
                 }
             };
@@ -3674,6 +3689,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             durable_end: replay_end,
             cleaned_to: tail,
             skipped_lap_end: None,
+            unrescued: None,
             cleaning: false,
             pressed: false,
             progress_at: std::time::Instant::now(),

@@ -404,15 +404,10 @@ impl LogDevice {
         if let Some(checkpoint) = &checkpoint {
             sums.load(&checkpoint.block_sums, &[]);
         }
-        let replayed = read_log(
-            path,
-            ring,
-            (start, lsn),
-            tail + ring.len_bytes,
-            Some(sums.clone()),
-        )
-        .await
-        .map_err(io_error(path))?;
+        let limit = tail + ring.len_bytes;
+        let replayed = read_log(path, ring, (start, lsn), (limit, limit), Some(sums.clone()))
+            .await
+            .map_err(io_error(path))?;
         if let Some(damage) = &replayed.damaged {
             return Err(LogDeviceError::Damaged {
                 path: path.display().to_string(),
@@ -622,16 +617,18 @@ impl LogDevice {
     }
 
     /// Reads the batches from `position` (whose batch has `lsn`) up to `limit` whole, data
-    /// included: what the cleaner examines.
+    /// included: what the cleaner examines. The batch at `durable_end` is known durable
+    /// (see [`read_durable`]).
     pub fn read_batches(
         &self,
         position: u64,
         lsn: Lsn,
-        limit: u64,
+        (limit, durable_end): (u64, u64),
     ) -> impl std::future::Future<Output = std::io::Result<Replayed>> + use<> {
         let path = self.path.clone();
         let ring = self.ring;
-        async move { read_log(Path::new(&path), ring, (position, lsn), limit, None).await }
+        let limits = (limit, durable_end);
+        async move { read_log(Path::new(&path), ring, (position, lsn), limits, None).await }
     }
 
     /// The batch at `position` (of `lsn`) if it was written whole and damaged since (the
@@ -754,7 +751,7 @@ async fn read_log(
     path: &Path,
     ring: Ring,
     (start, lsn): (u64, Lsn),
-    limit: u64,
+    (limit, durable_end): (u64, u64),
     replaying: Option<Arc<BlockSums>>,
 ) -> std::io::Result<Replayed> {
     let file = std::fs::File::open(path)?;
@@ -772,7 +769,7 @@ async fn read_log(
             }),
             // The cleaner reads durable batches and keeps the payloads it may move; it
             // takes a damaged batch too and decides what its damage means.
-            None => read_durable(read, ring, (start, lsn), limit, |_, _| {}),
+            None => read_durable(read, ring, (start, lsn), (limit, durable_end), |_, _| {}),
         }
     })
     .await

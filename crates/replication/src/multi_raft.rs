@@ -602,9 +602,11 @@ impl MultiRaft {
     }
 
     /// The message a follower sends to tell the leader (`to`) that it installed the
-    /// snapshot at `index`. Raft's answer to the snapshot tells the leader too, unless the
-    /// snapshot is at the follower's last entry (one it asked for): the leader then learns
-    /// nothing new from it, and only this ends the transfer.
+    /// snapshot at `index`. Raft's answer to the snapshot tells the leader too (for a
+    /// snapshot at the follower's last entry, one it asked for, through
+    /// [`MultiRaft::step`]'s own rule: raft-rs learns nothing new from it); this goes first,
+    /// so that the leader ends the transfer of the snapshot it sent even if the answer is
+    /// late.
     pub fn snapshot_installed(&self, to: OsdId, index: u64) -> Message {
         self.snapshot_status(to, index, false)
     }

@@ -198,6 +198,8 @@ struct Record {
     then_send: Vec<(OsdId, RaftMessage)>,
     /// The snapshot this persist installs.
     snapshot: Option<Installed>,
+    /// The group commit that made it durable (the step it completed at).
+    group: u64,
 }
 
 impl Record {
@@ -287,9 +289,10 @@ struct SimOsd {
     installing: BTreeMap<PgId, Installing>,
     /// Snapshots this OSD sent, and the step it last heard from their followers.
     snapshots_sent: BTreeMap<(PgId, OsdId), u64>,
-    /// The PGs whose copy here is damaged (on the device: crashes keep it) until a
-    /// snapshot's install replaces it.
-    damaged: std::collections::BTreeSet<PgId>,
+    /// The PGs whose copy here is damaged (on the device: crashes keep it, and applying
+    /// the write again after a restart reads the same damaged payload) until a snapshot's
+    /// install replaces it, with the index of the write lost.
+    damaged: BTreeMap<PgId, u64>,
     /// Which hard states each PG's persists write (the OSD's rule).
     hard_states: BTreeMap<PgId, pg_log::HardStates>,
     in_flight: VecDeque<(u64, Record)>,
@@ -396,7 +399,7 @@ impl Cluster {
                 durable_state: BTreeMap::new(),
                 installing: BTreeMap::new(),
                 snapshots_sent: BTreeMap::new(),
-                damaged: std::collections::BTreeSet::new(),
+                damaged: BTreeMap::new(),
                 hard_states: BTreeMap::new(),
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
@@ -467,8 +470,12 @@ impl Cluster {
             let group = restored.groups.remove(&pg).unwrap_or_default();
             osd.durable_state.insert(pg, Durable::restored(&group));
             osd.applied_index.insert(pg, group.applied);
-            osd.applied
-                .insert(pg, states.remove(&pg).unwrap_or_default());
+            let mut state = states.remove(&pg).unwrap_or_default();
+            if let Some(lost) = osd.damaged.get(&pg) {
+                // The device still holds the damage.
+                state.retain(|(at, _)| at != lost);
+            }
+            osd.applied.insert(pg, state);
             raft.create_group(pg, &members, group)
                 .expect("a restored group starts");
         }
@@ -501,9 +508,13 @@ impl Cluster {
         }
         if let Some(&last) = groups[..kept_groups].last() {
             while osd.in_flight.front().is_some_and(|(at, _)| *at <= last) {
-                let (_, mut record) = osd.in_flight.pop_front().expect("checked");
+                let (at, mut record) = osd.in_flight.pop_front().expect("checked");
                 // Durable, but nothing was sent after it.
                 record.then_send.clear();
+                record.group = at;
+                if record.snapshot.is_some() && osd.damaged.remove(&record.pg).is_some() {
+                    self.outcome.repairs += 1;
+                }
                 osd.durable.push(record);
             }
         }
@@ -613,7 +624,8 @@ impl Cluster {
         let leaders: Vec<usize> = (0..self.osds.len())
             .filter(|&i| {
                 let osd = &mut self.osds[i];
-                !osd.damaged.contains(&pg) && osd.running().is_some_and(|raft| raft.is_leader(pg))
+                !osd.damaged.contains_key(&pg)
+                    && osd.running().is_some_and(|raft| raft.is_leader(pg))
             })
             .collect();
         if leaders.is_empty() {
@@ -656,7 +668,10 @@ impl Cluster {
             });
         self.waiting = waiting;
         for (at, read) in ready {
-            if self.osds[read.via.0 as usize].damaged.contains(&read.pg) {
+            if self.osds[read.via.0 as usize]
+                .damaged
+                .contains_key(&read.pg)
+            {
                 // Met the damage: answered Busy, and the client retries elsewhere.
                 continue;
             }
@@ -781,7 +796,7 @@ impl Cluster {
                     let hosts = source.running().is_some_and(|raft| raft.hosts(pg));
                     // A damaged copy is never sent (the OSD's chunk reads check it).
                     let serves =
-                        hosts && applied >= snapshot_index && !source.damaged.contains(&pg);
+                        hosts && applied >= snapshot_index && !source.damaged.contains_key(&pg);
                     if serves {
                         for ((sent, _), heard) in &mut source.snapshots_sent {
                             if *sent == pg {
@@ -830,7 +845,7 @@ impl Cluster {
             return;
         }
         let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
-        if self.osds.iter().any(|osd| osd.damaged.contains(&pg)) {
+        if self.osds.iter().any(|osd| osd.damaged.contains_key(&pg)) {
             return;
         }
         let voters = &self.targets[&pg];
@@ -843,8 +858,8 @@ impl Cluster {
         if osd.raft.is_none() {
             return;
         }
-        state.remove((pick % state.len() as u64) as usize);
-        osd.damaged.insert(pg);
+        let removed = state.remove((pick % state.len() as u64) as usize);
+        osd.damaged.insert(pg, removed.0);
         self.outcome.damaged += 1;
     }
 
@@ -858,7 +873,7 @@ impl Cluster {
             let Some(raft) = osd.raft.as_mut() else {
                 continue;
             };
-            for &pg in &osd.damaged {
+            for &pg in osd.damaged.keys() {
                 if raft.requesting_snapshot(pg) || osd.installing.contains_key(&pg) {
                     continue;
                 }
@@ -962,8 +977,16 @@ impl Cluster {
             checkpoint.states.insert(pg, state);
         }
         // The OSD's replay starts at the batch of the last persist it processed, which may
-        // hold others: now and then the last record is replayed again.
-        let covers = osd.durable.len().saturating_sub(usize::from(again));
+        // hold others: now and then the last group commit is replayed again.
+        let last_group = osd.durable.last().map(|record| record.group);
+        let covers = match last_group {
+            Some(group) if again => osd
+                .durable
+                .iter()
+                .position(|record| record.group == group)
+                .unwrap_or(osd.durable.len()),
+            _ => osd.durable.len(),
+        };
         osd.cutting = Some(Cutting {
             durable_at,
             covers,
@@ -995,7 +1018,7 @@ impl Cluster {
                     // The copy becomes the PG's state, as of the snapshot; the leader is
                     // told first, so that it takes the answer for the snapshot it sent.
                     osd.installing.remove(&pg);
-                    if osd.damaged.remove(&pg) {
+                    if osd.damaged.remove(&pg).is_some() {
                         self.outcome.repairs += 1;
                     }
                     osd.applied.insert(pg, installed.state.clone());
@@ -1100,6 +1123,7 @@ impl Cluster {
                             number,
                             then_send,
                             snapshot,
+                            group: at,
                         };
                         self.osds[index].in_flight.push_back((at, record));
                     }
@@ -1132,6 +1156,10 @@ impl Cluster {
                             {
                                 self.pending.remove(&id);
                                 self.acknowledged.entry(pg).or_default().push(id);
+                            }
+                            if self.osds[index].damaged.get(&pg) == Some(&entry.index) {
+                                // Applied again, it refers to the same damaged payload.
+                                continue;
                             }
                             let state = self.osds[index].applied.entry(pg).or_default();
                             // A snapshot's copy (or a checkpoint's, cut before the entries
@@ -1303,7 +1331,7 @@ impl Cluster {
                         reference.len()
                     ));
                 }
-                if osd.damaged.contains(pg) {
+                if osd.damaged.contains_key(pg) {
                     // Known damaged, never read; dropped once the PG leaves it.
                     continue;
                 }

@@ -331,7 +331,7 @@ pub fn replay_trimmed<E>(
     trim: impl FnMut(&mut Entry, u64),
 ) -> Result<Replayed, E> {
     let from = (start_position, first_lsn);
-    read_log(read, ring, from, limit_position, trim, false)
+    read_log(read, ring, from, limit_position, trim, None)
 }
 
 /// [`replay_trimmed`] over batches known to be durable (before the writer's durable end,
@@ -339,15 +339,21 @@ pub fn replay_trimmed<E>(
 /// data fails its checksum was damaged after it was written, not torn. It is taken, with
 /// those entries named in [`ReplayedBatch::damaged_entries`], so that the caller can tell
 /// whether the damage is still of use to anyone.
+///
+/// `durable_end` is the start of a batch known whole and durable, at or past the limit:
+/// whether a batch that fails its checks is a torn write left behind (the batch of its LSN
+/// written after the crash went to the next lap) is told by a look at the next lap, as far
+/// as that batch's end, even past the limit. A torn batch left behind whose successor lies
+/// past the limit is passed over: the read ends at the next lap, with the same LSN.
 pub fn read_durable<E>(
     read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     (start_position, first_lsn): (u64, Lsn),
-    limit_position: u64,
+    (limit_position, durable_end): (u64, u64),
     trim: impl FnMut(&mut Entry, u64),
 ) -> Result<Replayed, E> {
     let from = (start_position, first_lsn);
-    read_log(read, ring, from, limit_position, trim, true)
+    read_log(read, ring, from, limit_position, trim, Some(durable_end))
 }
 
 fn read_log<E>(
@@ -356,8 +362,9 @@ fn read_log<E>(
     (start_position, first_lsn): (u64, Lsn),
     limit_position: u64,
     mut trim: impl FnMut(&mut Entry, u64),
-    durable: bool,
+    durable_end: Option<u64>,
 ) -> Result<Replayed, E> {
+    let durable = durable_end.is_some();
     let mut position = start_position;
     let mut lsn = first_lsn;
     let mut batches = Vec::new();
@@ -373,29 +380,39 @@ fn read_log<E>(
         let intact = found.as_ref().is_ok_and(|batch| batch.3.is_empty());
         if !intact {
             let next_lap = ring.next_lap(position);
-            let lap_start = position.is_multiple_of(ring.len_bytes);
-            let skipped = if lap_start || next_lap >= limit_position {
+            // Read as durable, the next lap is looked at as far as the end of the batch at
+            // the durable end (a batch of this LSN there was written after this one).
+            let look = durable_end.map_or(limit_position, |end| {
+                limit_position.max(end + LARGEST_BATCH)
+            });
+            let skipped = if position.is_multiple_of(ring.len_bytes) || next_lap >= look {
                 None
             } else {
-                read_batch(&mut read, ring, (next_lap, lsn), limit_position, durable)?.ok()
+                read_batch(&mut read, ring, (next_lap, lsn), look, durable)?.ok()
             };
-            // A batch of this LSN could have been skipped to the next lap only from less
-            // than a largest batch before its end.
-            let skip_possible = !lap_start && next_lap - position < LARGEST_BATCH;
-            match (skipped, &found) {
-                (Some(batch), _) => {
+            match skipped {
+                Some(batch) if next_lap < limit_position => {
                     position = next_lap;
                     found = Ok(batch);
                 }
-                (None, Err(error)) => break Some(error.clone()),
-                // Damaged entries are taken for damage only once the next lap was looked
-                // at: a torn write left behind there, whose LSN's batch went to the next
-                // lap, is not damage. Out of reach, this stops; the caller reads on
-                // across the end of the lap.
-                (None, Ok((_, _, _, damaged))) if skip_possible && next_lap >= limit_position => {
-                    break Some(BatchError::DataChecksum { entry: damaged[0] });
+                // Past the limit but durable: this one is passed over, and the next read
+                // starts there.
+                Some(_) if durable_end.is_some_and(|end| next_lap <= end) => {
+                    position = next_lap;
+                    break None;
                 }
-                (None, Ok(_)) => {}
+                // One of this LSN lies there, not known to be durable: nothing is taken.
+                Some(_) => {
+                    break Some(match &found {
+                        Err(error) => error.clone(),
+                        Ok((_, _, _, damaged)) => BatchError::DataChecksum { entry: damaged[0] },
+                    });
+                }
+                None => {
+                    if let Err(error) = &found {
+                        break Some(error.clone());
+                    }
+                }
             }
         }
         let (size, mut entries, offsets, damaged_entries) = found.expect("errors ended the loop");
@@ -739,10 +756,15 @@ mod tests {
             let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
                 Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
             };
-            // Up to a lap further: a damaged batch is taken once the next lap is known not
-            // to hold a batch of its LSN (a torn one's, left behind, would lie there).
-            let limit = 2 * disk.bytes.len() as u64;
-            read_durable(read, disk.ring(), (0, Lsn::FIRST), limit, |_, _| {}).expect("read")
+            let limit = disk.bytes.len() as u64;
+            read_durable(
+                read,
+                disk.ring(),
+                (0, Lsn::FIRST),
+                (limit, limit),
+                |_, _| {},
+            )
+            .expect("read")
         };
         let (disk, placed) =
             five_batches_on_disk(|placed| Some(placed[2].data_offsets_bytes[0] + 100));
@@ -792,8 +814,8 @@ mod tests {
         let read_from = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
             Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
         };
-        let read =
-            read_durable(read_from, ring, (40 * K, Lsn::FIRST), end, |_, _| {}).expect("read");
+        let read = read_durable(read_from, ring, (40 * K, Lsn::FIRST), (end, end), |_, _| {})
+            .expect("read");
         let found: Vec<(Lsn, u64, Vec<usize>)> = read
             .batches
             .iter()
@@ -804,14 +826,29 @@ mod tests {
             [(Lsn(1), 40 * K, vec![]), (Lsn(2), ring.len_bytes, vec![])]
         );
         assert_eq!(read.next_lsn, Lsn(3));
-        // A read that ends at the end of the lap (a cleaner's step) cannot look at the next
-        // lap: it stops before the torn batch instead of taking it for damage (found in
-        // review: the cleaner went on past it expecting batch 3, which is nowhere).
+        // A read that ends at the end of the lap (a cleaner's step) looks at the next lap
+        // all the same, as far as the durable end's batch: the torn batch is passed over,
+        // and the next read starts at the next lap (found in review: taken for damage, it
+        // had the cleaner expect batch 3 after it, which is nowhere).
+        let lap_end = ring.len_bytes;
+        let durable = again.position;
+        let passed = read_durable(
+            read_from,
+            ring,
+            (40 * K, Lsn::FIRST),
+            (lap_end, durable),
+            |_, _| {},
+        )
+        .expect("read");
+        assert_eq!(passed.batches.len(), 1);
+        assert_eq!((passed.next_position, passed.next_lsn), (lap_end, Lsn(2)));
+        assert_eq!(passed.stopped_by, None);
+        // Not known to be durable there: nothing is taken.
         let stopped = read_durable(
             read_from,
             ring,
             (40 * K, Lsn::FIRST),
-            ring.len_bytes,
+            (lap_end, torn.position),
             |_, _| {},
         )
         .expect("read");
@@ -824,6 +861,43 @@ mod tests {
             stopped.stopped_by,
             Some(BatchError::DataChecksum { entry: 0 })
         );
+    }
+
+    /// A batch with damaged data near the end of a lap, whose successor follows it in the
+    /// lap, is taken for damage by a read that ends before the successor (a cleaner's step
+    /// up to the durable end): no batch of its LSN lies at the next lap (found in review: a
+    /// version that stopped before it whenever the next lap was out of reach stalled the
+    /// cleaner there for good).
+    #[test]
+    fn damage_near_a_lap_end_is_taken_up_to_the_durable_end() {
+        const K: u64 = 1024;
+        let mut disk = Disk::new(64 << 10);
+        let ring = disk.ring();
+        let mut writer = LogWriter::new(ring, 40 * K, Lsn::FIRST, 40 * K);
+        let damaged = writer.append(&[entry(1, 1, 4096)]).expect("room");
+        let next = writer.append(&[entry(2, 2, 4096)]).expect("room");
+        assert!(next.position < ring.len_bytes, "in the same lap");
+        disk.write(&damaged);
+        disk.write(&next);
+        disk.bytes[damaged.data_offsets_bytes[0] as usize + 7] ^= 0xff;
+        let read_from = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
+        };
+        let read = read_durable(
+            read_from,
+            ring,
+            (40 * K, Lsn::FIRST),
+            (next.position, next.position),
+            |_, _| {},
+        )
+        .expect("read");
+        let found: Vec<(Lsn, Vec<usize>)> = read
+            .batches
+            .iter()
+            .map(|batch| (batch.lsn, batch.damaged_entries.clone()))
+            .collect();
+        assert_eq!(found, [(Lsn(1), vec![0])]);
+        assert_eq!((read.next_position, read.next_lsn), (next.position, Lsn(2)));
     }
 
     #[test]
