@@ -1227,8 +1227,10 @@ impl Core {
             return;
         }
         let now = std::time::Instant::now();
-        for ((sent_pg, _), heard) in &mut self.snapshots_sent {
-            if *sent_pg == pg {
+        // Heard from the followers sent this snapshot (the request does not name its
+        // follower): one that stopped fetching another is still counted failed in time.
+        for ((sent_pg, follower), heard) in &mut self.snapshots_sent {
+            if *sent_pg == pg && self.raft.snapshot_sent(pg, *follower) == Some(index) {
                 *heard = now;
             }
         }

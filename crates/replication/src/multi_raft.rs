@@ -567,11 +567,15 @@ impl MultiRaft {
 
     /// Whether this replica leads `pg` and waits for `follower` to install a snapshot.
     pub fn sending_snapshot(&self, pg: PgId, follower: OsdId) -> bool {
-        self.led(pg).is_some_and(|raft| {
-            raft.prs()
-                .get(raft_id(follower))
-                .is_some_and(|progress| progress.state == ProgressState::Snapshot)
-        })
+        self.snapshot_sent(pg, follower).is_some()
+    }
+
+    /// The index of the snapshot this replica, leading `pg`, waits for `follower` to
+    /// install, if any.
+    pub fn snapshot_sent(&self, pg: PgId, follower: OsdId) -> Option<u64> {
+        let raft = self.led(pg)?;
+        let progress = raft.prs().get(raft_id(follower))?;
+        (progress.state == ProgressState::Snapshot).then_some(progress.pending_snapshot)
     }
 
     /// Tells the leader of `pg` here that `follower` did not install the snapshot it was

@@ -797,9 +797,11 @@ impl Cluster {
                     // A damaged copy is never sent (the OSD's chunk reads check it).
                     let serves =
                         hosts && applied >= snapshot_index && !source.damaged.contains_key(&pg);
-                    if serves {
-                        for ((sent, _), heard) in &mut source.snapshots_sent {
-                            if *sent == pg {
+                    if serves && let Some(raft) = source.raft.as_ref() {
+                        for ((sent, follower), heard) in &mut source.snapshots_sent {
+                            if *sent == pg
+                                && raft.snapshot_sent(pg, *follower) == Some(snapshot_index)
+                            {
                                 *heard = now;
                             }
                         }
