@@ -679,12 +679,14 @@ impl MultiRaft {
     fn hand_to(group: &mut Group, eligible: impl Fn(u64) -> bool) -> Option<u64> {
         let raft = &group.node.raft;
         let last = raft.raft_log.last_index();
-        let heir = raft
-            .prs()
-            .conf()
-            .to_conf_state()
+        // In a joint configuration the outgoing voters vote too, and may lead: the only
+        // caught-up one may be among them (the incoming ones waiting for snapshots that
+        // the leader's damaged copy cannot give, found by the simulation).
+        let conf = raft.prs().conf().to_conf_state();
+        let heir = conf
             .voters
             .into_iter()
+            .chain(conf.voters_outgoing)
             .filter(|id| eligible(*id))
             .filter_map(|id| Some((id, raft.prs().get(id)?.matched)))
             .filter(|(_, matched)| matched + CAUGHT_UP_SLACK >= last)
