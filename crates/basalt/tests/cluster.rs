@@ -1121,23 +1121,11 @@ fn the_log_is_reused_over_many_laps_and_survives_crashes() {
 fn the_cleaner_has_damaged_data_in_use_rebuilt_and_goes_on() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-clean-damaged");
-    let cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "24MiB");
-    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
-    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
-    cluster.wait_replicas_equal(Duration::from_secs(60));
-    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 90);
-    // 160 MiB through each 96 MiB device: the cleaner moves the cold 8 MiB.
-    for round in 0..10 {
-        hot_round(&uri, round);
-    }
-    let log = cluster.log_text("osd.1");
-    assert!(
-        log.contains("the cleaner moved data in use that fails its checksum, marked damaged"),
-        "{log}"
+    let (cluster, _target, uri) = clean_over_damaged_cold_data(
+        &dir,
+        |device| flip_a_byte_in_a_block_of(device, 90),
+        &["the cleaner moved data in use that fails its checksum, marked damaged"],
     );
-    wait_for("the damaged copy rebuilt", Duration::from_secs(60), || {
-        cluster.log_text("osd.1").contains(" repaired pg=")
-    });
     for round in 10..14 {
         hot_round(&uri, round);
     }
@@ -1155,29 +1143,18 @@ fn the_cleaner_has_damaged_data_in_use_rebuilt_and_goes_on() {
 fn a_damaged_batch_header_does_not_stop_the_cleaner() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-clean-damaged-header");
-    let mut cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "24MiB");
-    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
-    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
-    cluster.wait_replicas_equal(Duration::from_secs(60));
-    let device = dir.join("osd.1").join("osd.log");
-    flip_a_byte_in_the_header_of_a_batch_of(&device, 90);
-    flip_a_byte_in_a_block_of(&device, 90);
-    // 160 MiB through each 96 MiB device: the cleaner meets the cold 8 MiB.
-    for round in 0..10 {
-        hot_round(&uri, round);
-    }
-    let log = cluster.log_text("osd.1");
-    assert!(
-        log.contains("a batch of the log was damaged after it was written"),
-        "{log}"
+    let damage = |device: &std::path::Path| {
+        flip_a_byte_in_the_header_of_a_batch_of(device, 90);
+        flip_a_byte_in_a_block_of(device, 90);
+    };
+    let (mut cluster, _target, uri) = clean_over_damaged_cold_data(
+        &dir,
+        damage,
+        &[
+            "a batch of the log was damaged after it was written",
+            "the cleaner moved data in use out of a damaged batch, marked damaged",
+        ],
     );
-    assert!(
-        log.contains("the cleaner moved data in use out of a damaged batch, marked damaged"),
-        "{log}"
-    );
-    wait_for("the damaged copy rebuilt", Duration::from_secs(60), || {
-        cluster.log_text("osd.1").contains(" repaired pg=")
-    });
     for round in 10..12 {
         hot_round(&uri, round);
     }
@@ -1195,6 +1172,33 @@ fn a_damaged_batch_header_does_not_stop_the_cleaner() {
         Duration::from_secs(30),
         || cluster.health().1.contains(checksums),
     );
+}
+
+/// Three OSDs on 96 MiB devices take 8 MiB of cold data (pattern 90); `damage` is done to
+/// osd.1's device, then 160 MiB of hot rounds (0 to 9) go through each device, so that the
+/// cleaner meets the cold data. osd.1 must have logged each of `logged`, and its damaged
+/// copy must be rebuilt.
+fn clean_over_damaged_cold_data(
+    dir: &ScratchDir,
+    damage: impl FnOnce(&std::path::Path),
+    logged: &[&str],
+) -> (ClusterProcesses, TargetProcess, String) {
+    let cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "24MiB");
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 90 0 8M"]);
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    damage(&dir.join("osd.1").join("osd.log"));
+    for round in 0..10 {
+        hot_round(&uri, round);
+    }
+    let log = cluster.log_text("osd.1");
+    for line in logged {
+        assert!(log.contains(line), "{line}: {log}");
+    }
+    wait_for("the damaged copy rebuilt", Duration::from_secs(60), || {
+        cluster.log_text("osd.1").contains(" repaired pg=")
+    });
+    (cluster, target, uri)
 }
 
 /// Flips a byte in the header of the batch that holds the first block of the device

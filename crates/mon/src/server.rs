@@ -413,6 +413,7 @@ impl Monitor {
         let mut ops = (0.0, 0.0);
         let mut bytes = (0.0, 0.0);
         let mut reports = Vec::new();
+        let now = Instant::now();
         for (&osd, report) in &state.reports {
             if !state.map.osds.get(&osd).is_some_and(|entry| entry.up) {
                 continue;
@@ -425,7 +426,6 @@ impl Monitor {
                 bytes.0 += rate(report.report.read_bytes, previous.read_bytes);
                 bytes.1 += rate(report.report.write_bytes, previous.write_bytes);
             }
-            let now = Instant::now();
             reports.push((
                 osd,
                 report.checksum_errors.apply(report.report.clone(), now),

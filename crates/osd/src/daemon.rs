@@ -812,14 +812,10 @@ impl Core {
                     let installed = self.raft.snapshot_installed(leader, index);
                     self.send(leader, pg, installed);
                 }
-                let durable = self.durable.entry(pg).or_default();
-                durable.in_flight.pop_front();
-                if let Some(last_index) = last_index {
-                    durable.last_index = last_index;
-                }
-                if let Some(hard_state) = hard_state {
-                    durable.hard_state = hard_state;
-                }
+                self.durable
+                    .entry(pg)
+                    .or_default()
+                    .persisted(last_index, hard_state);
                 for (index, term, offset) in payloads {
                     // Memory keeps where the payload is, not the payload; apply uses it.
                     self.raft.replace_entry_data(pg, index, term, |data| {
@@ -1723,15 +1719,10 @@ impl Core {
             }
         };
         let next = (replayed.next_position, replayed.next_lsn);
-        if replayed.batches.is_empty() {
-            let from = self.reclaim.cleaned_to.0;
-            if next.0 > from {
-                // A torn batch left behind by a crash, passed over (its LSN's batch lies at
-                // the next lap): nothing to move.
-                self.reclaim.cleaned_to = next;
-                self.reclaim.cleaning = false;
-                return;
-            }
+        let from = self.reclaim.cleaned_to.0;
+        // A read that took no batch but went on (past a torn batch left behind by a crash,
+        // whose LSN's batch lies at the next lap) has nothing to move, and goes on below.
+        if replayed.batches.is_empty() && next.0 == from {
             if self.reclaim.skipped_lap_end != Some(from)
                 && reclaim::stopped_at_lap_end(self.log.ring(), from, limit)
             {
@@ -1745,10 +1736,9 @@ impl Core {
                 // A batch that fails its checks below the durable end was written whole:
                 // damaged since, unless a read of the batch after it says otherwise.
                 Some(error) if durable && !matches!(error, BatchError::Truncated { .. }) => {
-                    // The batch at the durable end is whole: the one after the damaged
-                    // batch may be that one.
-                    let look = self.reclaim.durable_end.0 + crate::log_device::MAX_BATCH_BYTES;
-                    let read = self.log.read_damaged(from, next.1, look);
+                    let read = self
+                        .log
+                        .read_damaged(from, next.1, self.reclaim.durable_end.0);
                     let events = self.events.clone();
                     tokio::spawn(async move {
                         let _ = events.send(Event::Rescue(read.await));
@@ -2511,16 +2501,11 @@ impl Core {
             .entry(pg)
             .or_default()
             .to_write(hard_state, !entries.is_empty());
-        let last_index = entries
-            .last()
-            .map(|entry| entry.index)
-            .or(snapshot.map(|(index, _)| index));
-        self.durable.entry(pg).or_default().in_flight.push_back(
-            entries
-                .first()
-                .map(|entry| entry.index)
-                .or(snapshot.map(|(index, _)| index + 1)),
-        );
+        let last_index = self
+            .durable
+            .entry(pg)
+            .or_default()
+            .persisting(&entries, snapshot.map(|(index, _)| index));
         let mut log_entries = Vec::new();
         if let Some((index, term)) = snapshot {
             // The log was just reset to the snapshot: its first configuration is the

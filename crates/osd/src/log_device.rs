@@ -20,7 +20,7 @@
 //! later append rather than guess (the OSD must restart and replay).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -632,25 +632,19 @@ impl LogDevice {
     }
 
     /// The batch at `position` (of `lsn`) if it was written whole and damaged since (the
-    /// batch after it, below `limit`, is intact), with its bytes: what the cleaner moves
-    /// live data out of when it cannot read the batch's header.
+    /// batch after it is intact; see [`read_damaged`] for `durable_end`), with its bytes:
+    /// what the cleaner moves live data out of when it cannot read the batch's header.
     pub fn read_damaged(
         &self,
         position: u64,
         lsn: Lsn,
-        limit: u64,
+        durable_end: u64,
     ) -> impl std::future::Future<Output = std::io::Result<Option<DamagedBatch>>> + use<> {
-        let path = self.path.clone();
+        let path = PathBuf::from(&self.path);
         let ring = self.ring;
-        async move {
-            let file = std::fs::File::open(&path)?;
-            tokio::task::spawn_blocking(move || {
-                let read = |offset, len| pread(&file, offset, len);
-                read_damaged(read, ring, (position, lsn), limit)
-            })
-            .await
-            .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
-        }
+        on_blocking_pool(path, move |read| {
+            read_damaged(read, ring, (position, lsn), durable_end)
+        })
     }
 
     /// The checksum of every block of the log as written, which reads check.
@@ -754,9 +748,7 @@ async fn read_log(
     (limit, durable_end): (u64, u64),
     replaying: Option<Arc<BlockSums>>,
 ) -> std::io::Result<Replayed> {
-    let file = std::fs::File::open(path)?;
-    tokio::task::spawn_blocking(move || {
-        let read = |offset, len| pread(&file, offset, len);
+    on_blocking_pool(path.to_path_buf(), move |read| {
         match replaying {
             // Replay on start records the blocks' checksums and keeps only where the
             // payloads lie.
@@ -773,7 +765,20 @@ async fn read_log(
         }
     })
     .await
-    .map_err(|error| std::io::Error::other(format!("replay task failed: {error}")))?
+}
+
+/// A device read for the log's readers: `(offset, len)` to bytes.
+type DeviceRead<'a> = &'a mut dyn FnMut(u64, usize) -> std::io::Result<Vec<u8>>;
+
+/// Runs `task` on the blocking pool with positioned reads of the device file at `path`.
+async fn on_blocking_pool<T: Send + 'static>(
+    path: PathBuf,
+    task: impl FnOnce(DeviceRead<'_>) -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    let file = std::fs::File::open(&path)?;
+    tokio::task::spawn_blocking(move || task(&mut |offset, len| pread(&file, offset, len)))
+        .await
+        .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
 }
 
 /// Takes from the front of `waiting` as many whole appends as one batch holds (each fits

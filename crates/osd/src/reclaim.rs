@@ -83,6 +83,27 @@ impl Durable {
         }
     }
 
+    /// A persist of `entries`, or of a snapshot at index `snapshot`, goes to the device:
+    /// the last index it makes durable, for [`Durable::persisted`].
+    pub fn persisting(&mut self, entries: &[RaftEntry], snapshot: Option<u64>) -> Option<u64> {
+        let first = entries.first().map(|entry| entry.index);
+        self.in_flight
+            .push_back(first.or(snapshot.map(|index| index + 1)));
+        entries.last().map(|entry| entry.index).or(snapshot)
+    }
+
+    /// The oldest persist in flight is durable: its last index ([`Durable::persisting`]),
+    /// and its hard state.
+    pub fn persisted(&mut self, last_index: Option<u64>, hard_state: Option<HardState>) {
+        self.in_flight.pop_front();
+        if let Some(last_index) = last_index {
+            self.last_index = last_index;
+        }
+        if let Some(hard_state) = hard_state {
+            self.hard_state = hard_state;
+        }
+    }
+
     /// The last index up to which the log in memory is durable: entries from the first
     /// index of a persist in flight on replaced what was durable there.
     pub fn bound(&self) -> u64 {
@@ -311,18 +332,20 @@ pub fn plan_rescue(
 ) -> Result<Relocations, String> {
     let start = ring.device_offset(damaged.damage.position);
     let end = start + damaged.bytes.len() as u64;
-    let across = |device: u64, len: u64| {
-        let inside = device >= start && device + len <= end;
-        let outside = device + len <= start || device >= end;
-        (!inside && !outside).then(|| {
-            format!(
+    // Whether data in use lies in the batch's bytes; an error if across an end of them.
+    let inside = |device: u64, len: u64| {
+        if device >= start && device + len <= end {
+            Ok(true)
+        } else if device + len <= start || device >= end {
+            Ok(false)
+        } else {
+            Err(format!(
                 "data in use at device bytes {device}..{} lies across an end of the damaged \
                  batch's bytes {start}..{end}: where the batch ends is not known",
                 device + len
-            )
-        })
+            ))
+        }
     };
-    let inside = |device: u64, len: u64| device >= start && device + len <= end;
     let candidate = |pg, from, raft_entry| Move {
         pg,
         from,
@@ -342,10 +365,7 @@ pub fn plan_rescue(
                 reference.device_offset_bytes,
                 u64::from(reference.len_bytes),
             );
-            if let Some(error) = across(device, len) {
-                return Err(error);
-            }
-            if inside(device, len) {
+            if inside(device, len)? {
                 candidates.push(candidate(pg, reference, Some((kept.index, kept.term))));
             }
         }
@@ -358,9 +378,6 @@ pub fn plan_rescue(
         for key in pg_objects.keys() {
             let mut last: Option<PayloadRef> = None;
             for (offset, len, device) in pg_objects.extents(key) {
-                if let Some(error) = across(device, len) {
-                    return Err(error);
-                }
                 let carried = candidates[..kept].iter().any(|other| {
                     let reference = &other.from;
                     other.pg == *pg
@@ -369,7 +386,7 @@ pub fn plan_rescue(
                         && device + len
                             <= reference.device_offset_bytes + u64::from(reference.len_bytes)
                 });
-                if !inside(device, len) || carried {
+                if !inside(device, len)? || carried {
                     continue;
                 }
                 let extent = PayloadRef {
@@ -410,20 +427,18 @@ pub fn plan_rescue(
     for mut moved in candidates {
         let from = moved.from;
         let at = (from.device_offset_bytes - start) as usize;
-        let data = damaged.bytes[at..at + from.len_bytes as usize].to_vec();
         moved.damaged_blocks = rescued_damage(sums, start, &damaged.bytes, &from);
         if !moved.damaged_blocks.is_empty() && !damaged_pgs.contains(&moved.pg) {
             damaged_pgs.push(moved.pg);
         }
         let (index, term) = moved.raft_entry.unwrap_or((0, 0));
-        let write = from.with_payload(data);
         relocations.push(Entry {
             kind: RELOCATE,
             pg: moved.pg,
             term,
             index,
-            meta: write.meta(),
-            data: write.payload().to_vec(),
+            meta: from.meta(),
+            data: damaged.bytes[at..at + from.len_bytes as usize].to_vec(),
         });
         moves.push(moved);
     }
@@ -452,8 +467,8 @@ fn rescued_damage(sums: &BlockSums, start: u64, bytes: &[u8], from: &PayloadRef)
     let (device, len) = (from.device_offset_bytes, u64::from(from.len_bytes));
     let bad = |old: u64| {
         let at = (old - start) as usize;
-        let data = &bytes[at..at + BLOCK_SIZE];
-        sums.verify(old, data).is_err() || sums.get(old).is_none()
+        // Nothing vouches for a block of unknown checksum: the header is lost.
+        block_damaged(sums, old, &bytes[at..at + BLOCK_SIZE], true)
     };
     (0..len.div_ceil(block))
         .filter(|j| {
@@ -478,12 +493,22 @@ fn damaged_blocks(
     (0u64..)
         .zip(data.chunks(BLOCK_SIZE))
         .filter(|(i, chunk)| {
-            let at = data_offset + i * BLOCK_SIZE as u64;
-            let unknown = sums.get(at).is_none() && !sums.is_poisoned(at);
-            sums.verify(at, chunk).is_err() || (entry_damaged && unknown)
+            block_damaged(
+                sums,
+                data_offset + i * BLOCK_SIZE as u64,
+                chunk,
+                entry_damaged,
+            )
         })
         .map(|(i, _)| i)
         .collect()
+}
+
+/// Whether the block at `at`, read as `chunk`, fails its checksum or is poisoned, or, if
+/// `unknown_is_damaged`, has no checksum known.
+fn block_damaged(sums: &BlockSums, at: u64, chunk: &[u8], unknown_is_damaged: bool) -> bool {
+    let unknown = sums.get(at).is_none() && !sums.is_poisoned(at);
+    sums.verify(at, chunk).is_err() || (unknown_is_damaged && unknown)
 }
 
 /// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the

@@ -198,6 +198,8 @@ struct Record {
     then_send: Vec<(OsdId, RaftMessage)>,
     /// The snapshot this persist installs.
     snapshot: Option<Installed>,
+    /// The last index it makes durable ([`Durable::persisting`]).
+    last_index: Option<u64>,
     /// The group commit that made it durable (the step it completed at).
     group: u64,
 }
@@ -508,10 +510,9 @@ impl Cluster {
         }
         if let Some(&last) = groups[..kept_groups].last() {
             while osd.in_flight.front().is_some_and(|(at, _)| *at <= last) {
-                let (at, mut record) = osd.in_flight.pop_front().expect("checked");
+                let (_, mut record) = osd.in_flight.pop_front().expect("checked");
                 // Durable, but nothing was sent after it.
                 record.then_send.clear();
-                record.group = at;
                 if record.snapshot.is_some() && osd.damaged.remove(&record.pg).is_some() {
                     self.outcome.repairs += 1;
                 }
@@ -1029,19 +1030,10 @@ impl Cluster {
                     messages.push((installed.leader, answer));
                     self.outcome.snapshots += 1;
                 }
-                let durable = osd.durable_state.entry(pg).or_default();
-                durable.in_flight.pop_front();
-                if let Some(last) = record
-                    .entries
-                    .last()
-                    .map(|entry| entry.index)
-                    .or(record.snapshot.as_ref().map(|installed| installed.index))
-                {
-                    durable.last_index = last;
-                }
-                if let Some(hard_state) = &record.hard_state {
-                    durable.hard_state = hard_state.clone();
-                }
+                osd.durable_state
+                    .entry(pg)
+                    .or_default()
+                    .persisted(record.last_index, record.hard_state.clone());
                 raft.on_persisted(pg, record.number);
                 // The messages leave now; the durable record keeps only what replay needs.
                 messages.append(&mut record.then_send);
@@ -1093,17 +1085,11 @@ impl Cluster {
                             },
                             None => None,
                         };
-                        self.osds[index]
+                        let last_index = self.osds[index]
                             .durable_state
                             .entry(pg)
                             .or_default()
-                            .in_flight
-                            .push_back(
-                                entries
-                                    .first()
-                                    .map(|entry| entry.index)
-                                    .or(snapshot.as_ref().map(|installed| installed.index + 1)),
-                            );
+                            .persisting(&entries, snapshot.as_ref().map(|s| s.index));
                         // The log device completes persists in order, with group commit:
                         // while one write is under way, what comes meanwhile gathers into
                         // the next one, which starts when it ends.
@@ -1125,6 +1111,7 @@ impl Cluster {
                             number,
                             then_send,
                             snapshot,
+                            last_index,
                             group: at,
                         };
                         self.osds[index].in_flight.push_back((at, record));

@@ -431,15 +431,9 @@ fn read_log<E>(
     };
     // The batch may have been placed at the start of the next lap (the writer skips there
     // when a batch does not fit): replay tried it too, and it may be the damaged one.
-    let damaged = stopped_by.as_ref().and_then(|_| {
-        let skipped = ring.next_lap(position);
-        let skip_possible = !position.is_multiple_of(ring.len_bytes) && skipped < limit_position;
-        damage_at(&mut read, ring, position, lsn, limit_position).or_else(|| {
-            skip_possible
-                .then(|| damage_at(&mut read, ring, skipped, lsn, limit_position))
-                .flatten()
-        })
-    });
+    let damaged = stopped_by
+        .as_ref()
+        .and_then(|_| find_damage(&mut read, ring, (position, lsn), limit_position));
     Ok(Replayed {
         batches,
         next_position: position,
@@ -462,25 +456,20 @@ pub struct DamagedBatch {
     pub bytes: Vec<u8>,
 }
 
-/// The batch of LSN `lsn` at `position` if it fails its checks while the batch after it,
-/// below `limit`, is intact (see [`Damage`]), with its bytes: what a cleaner needs to move
-/// what is still in use out of a batch whose header it cannot read (the live payloads are
-/// known from the index, and their blocks from their checksums). `None` if the batch is
-/// intact, or nothing says it was written whole.
+/// The batch of LSN `lsn` at `position` if it fails its checks while the batch after it is
+/// intact (see [`Damage`]), with its bytes: what a cleaner needs to move what is still in
+/// use out of a batch whose header it cannot read (the live payloads are known from the
+/// index, and their blocks from their checksums). The batch after it is looked for as far
+/// as the end of the batch at `durable_end`, which is whole (see [`read_durable`]). `None`
+/// if the batch is intact, or nothing says it was written whole.
 pub fn read_damaged<E>(
     mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     (position, lsn): (u64, Lsn),
-    limit: u64,
+    durable_end: u64,
 ) -> Result<Option<DamagedBatch>, E> {
-    let skip_possible = !position.is_multiple_of(ring.len_bytes) && ring.next_lap(position) < limit;
-    let damage = damage_at(&mut read, ring, position, lsn, limit).or_else(|| {
-        // The writer may have placed the batch at the start of the next lap.
-        skip_possible
-            .then(|| damage_at(&mut read, ring, ring.next_lap(position), lsn, limit))
-            .flatten()
-    });
-    let Some(damage) = damage else {
+    let limit = durable_end + LARGEST_BATCH;
+    let Some(damage) = find_damage(&mut read, ring, (position, lsn), limit) else {
         return Ok(None);
     };
     let end_position = damage.next_position.min(ring.next_lap(damage.position));
@@ -493,6 +482,23 @@ pub fn read_damaged<E>(
         end_position,
         bytes,
     }))
+}
+
+/// The damage of the batch of LSN `lsn` at `position`, or at the start of the next lap if
+/// the writer may have skipped there ([`damage_at`]).
+fn find_damage<E>(
+    read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    (position, lsn): (u64, Lsn),
+    limit: u64,
+) -> Option<Damage> {
+    let skipped = ring.next_lap(position);
+    let skip_possible = !position.is_multiple_of(ring.len_bytes) && skipped < limit;
+    damage_at(read, ring, position, lsn, limit).or_else(|| {
+        skip_possible
+            .then(|| damage_at(read, ring, skipped, lsn, limit))
+            .flatten()
+    })
 }
 
 /// The damage of the batch of LSN `lsn` at `position`, which failed its checks, if the
@@ -610,10 +616,19 @@ mod tests {
         }
 
         fn replay_ring(&self, ring: Ring, start: u64, first: Lsn, limit: u64) -> Replayed {
-            let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
-                Ok(self.bytes[offset as usize..offset as usize + len].to_vec())
-            };
+            let read = |offset, len| self.read(offset, len);
             replay(read, ring, start, first, limit).expect("memory reads do not fail")
+        }
+
+        /// Reads as the cleaner does ([`read_durable`]), from `start` (with `first`).
+        fn read_durable(&self, (start, first): (u64, Lsn), limits: (u64, u64)) -> Replayed {
+            let read = |offset, len| self.read(offset, len);
+            read_durable(read, self.ring(), (start, first), limits, |_, _| {})
+                .expect("memory reads do not fail")
+        }
+
+        fn read(&self, offset: u64, len: usize) -> Result<Vec<u8>, ()> {
+            Ok(self.bytes[offset as usize..offset as usize + len].to_vec())
         }
     }
 
@@ -753,18 +768,8 @@ mod tests {
     #[test]
     fn durable_batches_are_read_past_damaged_data() {
         let durable = |disk: &Disk| {
-            let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
-                Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
-            };
             let limit = disk.bytes.len() as u64;
-            read_durable(
-                read,
-                disk.ring(),
-                (0, Lsn::FIRST),
-                (limit, limit),
-                |_, _| {},
-            )
-            .expect("read")
+            disk.read_durable((0, Lsn::FIRST), (limit, limit))
         };
         let (disk, placed) =
             five_batches_on_disk(|placed| Some(placed[2].data_offsets_bytes[0] + 100));
@@ -811,11 +816,7 @@ mod tests {
         assert_eq!(again.position, ring.len_bytes, "placed at the next lap");
         disk.write(&again);
         let end = again.position + again.bytes.len() as u64;
-        let read_from = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
-            Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
-        };
-        let read = read_durable(read_from, ring, (40 * K, Lsn::FIRST), (end, end), |_, _| {})
-            .expect("read");
+        let read = disk.read_durable((40 * K, Lsn::FIRST), (end, end));
         let found: Vec<(Lsn, u64, Vec<usize>)> = read
             .batches
             .iter()
@@ -832,26 +833,12 @@ mod tests {
         // had the cleaner expect batch 3 after it, which is nowhere).
         let lap_end = ring.len_bytes;
         let durable = again.position;
-        let passed = read_durable(
-            read_from,
-            ring,
-            (40 * K, Lsn::FIRST),
-            (lap_end, durable),
-            |_, _| {},
-        )
-        .expect("read");
+        let passed = disk.read_durable((40 * K, Lsn::FIRST), (lap_end, durable));
         assert_eq!(passed.batches.len(), 1);
         assert_eq!((passed.next_position, passed.next_lsn), (lap_end, Lsn(2)));
         assert_eq!(passed.stopped_by, None);
         // Not known to be durable there: nothing is taken.
-        let stopped = read_durable(
-            read_from,
-            ring,
-            (40 * K, Lsn::FIRST),
-            (lap_end, torn.position),
-            |_, _| {},
-        )
-        .expect("read");
+        let stopped = disk.read_durable((40 * K, Lsn::FIRST), (lap_end, torn.position));
         assert_eq!(stopped.batches.len(), 1);
         assert_eq!(
             (stopped.next_position, stopped.next_lsn),
@@ -880,17 +867,7 @@ mod tests {
         disk.write(&damaged);
         disk.write(&next);
         disk.bytes[damaged.data_offsets_bytes[0] as usize + 7] ^= 0xff;
-        let read_from = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
-            Ok(disk.bytes[offset as usize..offset as usize + len].to_vec())
-        };
-        let read = read_durable(
-            read_from,
-            ring,
-            (40 * K, Lsn::FIRST),
-            (next.position, next.position),
-            |_, _| {},
-        )
-        .expect("read");
+        let read = disk.read_durable((40 * K, Lsn::FIRST), (next.position, next.position));
         let found: Vec<(Lsn, Vec<usize>)> = read
             .batches
             .iter()

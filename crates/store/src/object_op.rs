@@ -62,16 +62,22 @@ impl PayloadRef {
         }
     }
 
-    /// The raft entry data.
-    pub fn encode(&self) -> Vec<u8> {
+    /// The meta of the write it stands for, as the log stores it (the inverse of
+    /// [`PayloadRef::from_meta`]).
+    pub fn meta(&self) -> [u8; META_SIZE] {
         let mut meta = [0u8; META_SIZE];
         meta[0..8].copy_from_slice(&self.object.image.0.to_le_bytes());
         meta[8..16].copy_from_slice(&self.object.number.to_le_bytes());
         meta[16..20].copy_from_slice(&self.offset_bytes.to_le_bytes());
         meta[20..24].copy_from_slice(&self.len_bytes.to_le_bytes());
+        meta
+    }
+
+    /// The raft entry data.
+    pub fn encode(&self) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(1 + META_SIZE + 8);
         bytes.push(kind::WRITE_REF);
-        bytes.extend_from_slice(&meta);
+        bytes.extend_from_slice(&self.meta());
         bytes.extend_from_slice(&self.device_offset_bytes.to_le_bytes());
         bytes
     }
@@ -183,12 +189,14 @@ impl ObjectOp {
                 len_bytes,
             } => (object, *offset_bytes, *len_bytes),
         };
-        let mut meta = [0u8; META_SIZE];
-        meta[0..8].copy_from_slice(&object.image.0.to_le_bytes());
-        meta[8..16].copy_from_slice(&object.number.to_le_bytes());
-        meta[16..20].copy_from_slice(&offset.to_le_bytes());
-        meta[20..24].copy_from_slice(&len.to_le_bytes());
-        meta
+        // A write's and a discard's meta are laid out as a payload reference's.
+        PayloadRef {
+            object: *object,
+            offset_bytes: offset,
+            len_bytes: len,
+            device_offset_bytes: 0,
+        }
+        .meta()
     }
 
     /// The payload stored as the log entry's data.
