@@ -479,8 +479,34 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     );
     flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x77);
 
-    // Restarted, the OSD replays its log, finds the damaged batch with intact ones after
-    // it, and refuses to start rather than drop what followed it.
+    // Restarted, the OSD replays its log, finds the damaged data with intact batches after
+    // it, marks it damaged, goes on, and has its copy rebuilt from another replica.
+    cluster.kill_osd(1);
+    let repairs_before = cluster.log_text("osd.1").matches(" repaired pg=").count();
+    cluster.start_osd(1);
+    wait_for(
+        "the copy damaged at rest rebuilt",
+        Duration::from_secs(90),
+        || cluster.log_text("osd.1").matches(" repaired pg=").count() > repairs_before,
+    );
+    let log = cluster.log_text("osd.1");
+    assert!(
+        log.contains("replay found data in the batch of lsn") && log.contains("damaged at rest"),
+        "{log}"
+    );
+    cluster.wait_clean(Duration::from_secs(60));
+    let pgs = scrub(&cluster, true);
+    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    qemu_io_ok(&uri, true, &["read -P 0x77 8M 1M", "read -P 0x44 12M 1M"]);
+
+    // Damage to a batch's header (the OSD's own records of what the batch holds): the
+    // OSD refuses to start rather than drop what followed it.
+    qemu_io_ok(
+        &uri,
+        false,
+        &["write -P 0x66 14M 1M", "write -P 0x55 15M 1M"],
+    );
+    flip_a_byte_in_the_header_of_a_batch_of(&dir.join("osd.1").join("osd.log"), 0x66);
     cluster.kill_osd(1);
     // (Under `timeout`: an OSD that started would never end.)
     let refused = run(Command::new("timeout")

@@ -3218,6 +3218,20 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let superblock = prepare_device(&path, config.device_size_bytes).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
+    // Client data replay found damaged at rest: marked so (reads of it fail), and the
+    // copies of its PGs are rebuilt from the other replicas once the OSD runs.
+    let damaged_at_rest: BTreeMap<PgId, Lsn> = opened
+        .replayed
+        .batches
+        .iter()
+        .flat_map(|batch| {
+            let pgs = batch
+                .damaged_entries
+                .iter()
+                .map(|&at| batch.entries[at].0.pg);
+            pgs.map(|pg| (pg, batch.lsn))
+        })
+        .collect();
     let RestoredPgs {
         groups,
         objects: restored_objects,
@@ -3700,6 +3714,16 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         repairs: BTreeMap::new(),
     };
     core.adopt_map(Arc::new(map));
+    for (pg, lsn) in damaged_at_rest {
+        if core.raft.hosts(pg) {
+            let lsn = lsn.0;
+            core.damaged(
+                pg,
+                format!("replay found data in the batch of lsn {lsn} damaged at rest"),
+                None,
+            );
+        }
+    }
     core.refresh_live_bytes();
     core.refresh_retained_bytes();
     let replayed: Vec<(PgId, u64)> = core

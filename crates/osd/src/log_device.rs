@@ -30,7 +30,7 @@ use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entr
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{Checkpoint, CheckpointError};
 use basalt_store::log::{
-    DamagedBatch, LogWriter, Replayed, Ring, read_damaged, read_durable, replay_trimmed,
+    DamagedBatch, LogWriter, Replayed, Ring, read_damaged, read_durable, replay_sparing,
 };
 use basalt_store::object_op::kind;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -52,6 +52,12 @@ const FORMAT_CHUNK_BYTES: usize = 1 << 20;
 /// never replicated; replay skips it, see `docs/internals/store.md`). Meta as a write's;
 /// term and index are the raft entry's whose payload it carries, or 0.
 pub const RELOCATE: u8 = 5;
+
+/// The kinds of log entries whose data is an object's payload, with the rest of the entry
+/// in its descriptor: the object index and raft entries refer to the data where it lies,
+/// and replay keeps only that place. Replay on start takes such an entry whose data was
+/// damaged at rest (its blocks are marked damaged, and the PG's copy is rebuilt).
+pub const PAYLOAD_KINDS: [u8; 3] = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
 
 /// Why the log device failed.
 #[derive(Debug, thiserror::Error)]
@@ -107,7 +113,8 @@ pub enum LogDeviceError {
         "{path}: the log is damaged: the batch of lsn {lsn} at ring position {position} fails \
          its checks ({error}), though the batch written after it (at {next_position}) is \
          intact, so it was written whole and has changed since; the osd does not start on a \
-         device that lost acknowledged data. Mark it out (`basalt osd out ID`) so that its \
+         device that lost records of its own (client data damaged so is marked damaged and \
+         rebuilt from the other replicas; this is not that). Mark it out (`basalt osd out ID`) so that its \
          PGs are copied from the other replicas, then remove it (`basalt osd rm ID`) and \
          give the disk a fresh device"
     )]
@@ -752,13 +759,24 @@ async fn read_log(
         match replaying {
             // Replay on start records the blocks' checksums and keeps only where the
             // payloads lie.
-            Some(sums) => replay_trimmed(read, ring, start, lsn, limit, |entry, offset| {
-                sums.record(offset, &entry.data);
-                let payload = [kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE];
-                if payload.contains(&entry.kind) {
-                    entry.data = Vec::new();
-                }
-            }),
+            Some(sums) => {
+                let payload = |entry: &Entry| PAYLOAD_KINDS.contains(&entry.kind);
+                let trim = |entry: &mut Entry, offset, damaged| {
+                    if damaged {
+                        // Which of its blocks changed is unknown: reads of any fail.
+                        let len = entry.data.len() as u64;
+                        for at in (offset..offset + len).step_by(BLOCK_SIZE) {
+                            sums.poison(at);
+                        }
+                    } else {
+                        sums.record(offset, &entry.data);
+                    }
+                    if payload(entry) {
+                        entry.data = Vec::new();
+                    }
+                };
+                replay_sparing(read, ring, (start, lsn), limit, &payload, trim)
+            }
             // The cleaner reads durable batches and keeps the payloads it may move; it
             // takes a damaged batch too and decides what its damage means.
             None => read_durable(read, ring, (start, lsn), (limit, durable_end), |_, _| {}),

@@ -24,9 +24,9 @@ use basalt_store::batch::{self, Entry};
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
 use basalt_store::log::{DamagedBatch, ReplayedBatch, Ring};
-use basalt_store::object_op::{PayloadRef, PgObjects, kind};
+use basalt_store::object_op::{PayloadRef, PgObjects};
 
-use crate::log_device::{MAX_BATCH_BYTES, RELOCATE};
+use crate::log_device::{MAX_BATCH_BYTES, PAYLOAD_KINDS, RELOCATE};
 
 /// How far a cleaner step from `from` reads (whole batches below it): so that what it
 /// moves fits the log device's floor (`FLOOR_BYTES`, two largest batches and a block),
@@ -521,7 +521,7 @@ fn live_payload(
 ) -> Option<Move> {
     // A snapshot's object data is mapped like a write's once installed (the cleaner does
     // not run while one is being installed).
-    if ![kind::WRITE, RELOCATE, crate::snapshot::SNAPSHOT_WRITE].contains(&entry.kind) {
+    if !PAYLOAD_KINDS.contains(&entry.kind) {
         // Anything else lives in memory and goes into checkpoints.
         return None;
     }
@@ -584,7 +584,7 @@ mod tests {
     use basalt_common::{Lsn, PoolId};
     use basalt_store::batch::DATA_SIZE_MAX;
     use basalt_store::log::{LogWriter, replay_trimmed};
-    use basalt_store::object_op::ObjectOp;
+    use basalt_store::object_op::{ObjectOp, kind};
     use proptest::prelude::*;
 
     fn entries(sizes: &[usize]) -> Vec<Entry> {

@@ -516,3 +516,63 @@ async fn poisoned_blocks_stay_poisoned_through_replay() {
     );
     std::fs::remove_file(path).expect("remove");
 }
+
+/// Data of a client write damaged at rest in a batch that replay goes through (the batch
+/// after it is intact) is spared: the device opens, replay goes on past it, and the
+/// damaged entry's blocks fail every read. Damage to an entry of any other kind still
+/// keeps the device from opening.
+#[tokio::test(flavor = "current_thread")]
+async fn replay_spares_damaged_client_data_and_nothing_else() {
+    use basalt_store::object_op::kind;
+    use std::os::unix::fs::FileExt;
+    let flip = |path: &Path, at: u64| {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .expect("open");
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, at).expect("read");
+        file.write_all_at(&[byte[0] ^ 0xff], at).expect("write");
+    };
+    let write = |index: u64, byte: u8| {
+        let mut entry = entry(1, index, byte);
+        entry.kind = kind::WRITE;
+        entry.data = vec![byte; 8192];
+        entry
+    };
+    let (path, device) = formatted_device("spared", 32 << 20, 8).await;
+    device.submit(vec![write(1, 0x11)]).await.expect("room");
+    let damaged = device.submit(vec![write(2, 0x22)]).await.expect("room");
+    let after = device.submit(vec![write(3, 0x33)]).await.expect("room");
+    let at = damaged.data_offsets_bytes[0];
+    drop(device);
+    flip(&path, at + 4096 + 7);
+    let opened = LogDevice::open(&path).await.expect("opens");
+    let batches = &opened.replayed.batches;
+    assert_eq!(batches.len(), 3, "replay goes on past the damage");
+    assert_eq!(batches[1].damaged_entries, vec![0]);
+    let sums = opened.device.block_sums();
+    // Both blocks of the entry: which one changed is not known.
+    assert!(sums.is_poisoned(at) && sums.is_poisoned(at + 4096));
+    assert!(sums.verify(at, &[0x22; 4096]).is_err());
+    let intact = after.data_offsets_bytes[0];
+    assert_eq!(sums.verify(intact, &[0x33; 8192]), Ok(()));
+    drop(opened);
+    std::fs::remove_file(&path).expect("remove");
+
+    // A raft record of the replica's own (not a client's payload) damaged so: refused.
+    let (path, device) = formatted_device("unspared", 32 << 20, 9).await;
+    device.submit(vec![write(1, 0x11)]).await.expect("room");
+    let own = device.submit(vec![entry(1, 2, 0x22)]).await.expect("room");
+    device.submit(vec![write(3, 0x33)]).await.expect("room");
+    drop(device);
+    flip(&path, own.data_offsets_bytes[0] + 7);
+    let error = LogDevice::open(&path)
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(error.contains("the log is damaged"), "{error}");
+    std::fs::remove_file(&path).expect("remove");
+}

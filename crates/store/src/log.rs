@@ -211,8 +211,9 @@ pub struct ReplayedBatch {
     pub offset_bytes: u64,
     /// Its entries, with where each entry's data lies on the device.
     pub entries: Vec<(Entry, u64)>,
-    /// The positions (in `entries`) of those whose data fails its checksum: only from
-    /// [`read_durable`], which takes such batches; replay stops at them.
+    /// The positions (in `entries`) of those whose data fails its checksum: from
+    /// [`read_durable`], which takes such batches, and from [`replay_sparing`], which takes
+    /// those written whole when their caller can spare the data; [`replay`] stops at them.
     pub damaged_entries: Vec<usize>,
 }
 
@@ -331,7 +332,56 @@ pub fn replay_trimmed<E>(
     trim: impl FnMut(&mut Entry, u64),
 ) -> Result<Replayed, E> {
     let from = (start_position, first_lsn);
-    read_log(read, ring, from, limit_position, trim, None)
+    let trim = untold(trim);
+    read_log(
+        read,
+        ring,
+        from,
+        limit_position,
+        trim,
+        Reading::Replay(None),
+    )
+}
+
+/// [`replay_trimmed`], going on past data damaged at rest: a batch whose header is intact
+/// but some of whose entries' data fails its checksum, while the batch after it is intact
+/// (so it was written whole: see [`Damage`]), is taken when `spare` says the caller can do
+/// without the data of each of those entries (it knows where the data lay and marks it
+/// damaged), with them named in [`ReplayedBatch::damaged_entries`]. `trim` is told, with
+/// each entry and the device offset of its data, whether that data is damaged. Any other
+/// damage ends replay as in [`replay`]; a torn last batch is still the end of the log.
+pub fn replay_sparing<E>(
+    read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    from: (u64, Lsn),
+    limit_position: u64,
+    spare: &dyn Fn(&Entry) -> bool,
+    trim: impl FnMut(&mut Entry, u64, bool),
+) -> Result<Replayed, E> {
+    read_log(
+        read,
+        ring,
+        from,
+        limit_position,
+        trim,
+        Reading::Replay(Some(spare)),
+    )
+}
+
+/// A trim that is not told whether an entry's data is damaged.
+fn untold(mut trim: impl FnMut(&mut Entry, u64)) -> impl FnMut(&mut Entry, u64, bool) {
+    move |entry, offset, _| trim(entry, offset)
+}
+
+/// How [`read_log`] takes a batch that fails its checks.
+#[derive(Clone, Copy)]
+enum Reading<'a> {
+    /// On start: the log ends there, unless the batch was written whole and the damaged
+    /// data can be spared (see [`replay_sparing`]).
+    Replay(Option<&'a dyn Fn(&Entry) -> bool>),
+    /// Batches up to the batch at this durable end were written whole (see
+    /// [`read_durable`]).
+    Durable(u64),
 }
 
 /// [`replay_trimmed`] over batches known to be durable (before the writer's durable end,
@@ -353,7 +403,15 @@ pub fn read_durable<E>(
     trim: impl FnMut(&mut Entry, u64),
 ) -> Result<Replayed, E> {
     let from = (start_position, first_lsn);
-    read_log(read, ring, from, limit_position, trim, Some(durable_end))
+    let trim = untold(trim);
+    read_log(
+        read,
+        ring,
+        from,
+        limit_position,
+        trim,
+        Reading::Durable(durable_end),
+    )
 }
 
 fn read_log<E>(
@@ -361,9 +419,13 @@ fn read_log<E>(
     ring: Ring,
     (start_position, first_lsn): (u64, Lsn),
     limit_position: u64,
-    mut trim: impl FnMut(&mut Entry, u64),
-    durable_end: Option<u64>,
+    mut trim: impl FnMut(&mut Entry, u64, bool),
+    reading: Reading<'_>,
 ) -> Result<Replayed, E> {
+    let (durable_end, spare) = match reading {
+        Reading::Replay(spare) => (None, spare),
+        Reading::Durable(end) => (Some(end), None),
+    };
     let durable = durable_end.is_some();
     let mut position = start_position;
     let mut lsn = first_lsn;
@@ -410,14 +472,24 @@ fn read_log<E>(
                 }
                 None => {
                     if let Err(error) = &found {
-                        break Some(error.clone());
+                        let spared = match spare {
+                            Some(spare) if matches!(error, BatchError::DataChecksum { .. }) => {
+                                let at = (position, lsn);
+                                spared_batch(&mut read, ring, at, limit_position, spare)?
+                            }
+                            _ => None,
+                        };
+                        match spared {
+                            Some(batch) => found = Ok(batch),
+                            None => break Some(error.clone()),
+                        }
                     }
                 }
             }
         }
         let (size, mut entries, offsets, damaged_entries) = found.expect("errors ended the loop");
-        for (entry, offset) in entries.iter_mut().zip(&offsets) {
-            trim(entry, *offset);
+        for (at, (entry, offset)) in entries.iter_mut().zip(&offsets).enumerate() {
+            trim(entry, *offset, damaged_entries.contains(&at));
         }
         batches.push(ReplayedBatch {
             lsn,
@@ -441,6 +513,25 @@ fn read_log<E>(
         stopped_by,
         damaged,
     })
+}
+
+/// The batch of LSN `lsn` at `position`, whose header is intact but some of whose
+/// entries' data fails its checksum, if it was written whole (the batch after it is intact:
+/// [`damage_at`]) and `spare` holds for each of those entries.
+fn spared_batch<E>(
+    read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
+    ring: Ring,
+    (position, lsn): (u64, Lsn),
+    limit: u64,
+    spare: &dyn Fn(&Entry) -> bool,
+) -> Result<Option<FoundBatch>, E> {
+    let Ok(batch) = read_batch(read, ring, (position, lsn), limit, true)? else {
+        return Ok(None);
+    };
+    let (_, entries, _, damaged) = &batch;
+    let spared = damaged.iter().all(|&at| spare(&entries[at]))
+        && damage_at(read, ring, position, lsn, limit).is_some();
+    Ok(spared.then_some(batch))
 }
 
 /// A batch of the log that was written whole and damaged since, with its place: where the
@@ -916,6 +1007,53 @@ mod tests {
         let (replayed, _) = five_batches(|_| None);
         assert_eq!(replayed.batches.len(), 5);
         assert_eq!(replayed.damaged, None);
+    }
+
+    /// Replay sparing damaged data takes a batch written whole whose data changed since
+    /// when the caller can spare that data, tells the trim which entries' data is damaged,
+    /// and goes on; data it cannot spare, a damaged header and a torn last batch end it.
+    #[test]
+    fn replay_goes_on_past_damaged_data_it_can_spare() {
+        let sparing = |disk: &Disk, spare: &dyn Fn(&Entry) -> bool| {
+            let mut told = Vec::new();
+            let read = |offset, len| disk.read(offset, len);
+            let limit = disk.bytes.len() as u64;
+            let trim = |entry: &mut Entry, _: u64, damaged: bool| told.push((entry.index, damaged));
+            let replayed = replay_sparing(read, disk.ring(), (0, Lsn::FIRST), limit, spare, trim)
+                .expect("memory reads do not fail");
+            (replayed, told)
+        };
+        let (disk, placed) =
+            five_batches_on_disk(|placed| Some(placed[2].data_offsets_bytes[0] + 100));
+        let (replayed, told) = sparing(&disk, &|entry| entry.index == 3);
+        assert_eq!(replayed.batches.len(), 5);
+        assert_eq!(replayed.batches[2].damaged_entries, vec![0]);
+        assert_eq!(replayed.batches[2].position, placed[2].position);
+        assert_eq!(replayed.stopped_by, Some(BatchError::NoMagic { found: 0 }));
+        assert_eq!(replayed.damaged, None);
+        assert_eq!(
+            told,
+            [(1, false), (2, false), (3, true), (4, false), (5, false)]
+        );
+        // An entry the caller cannot do without: damage, as in plain replay.
+        let (replayed, _) = sparing(&disk, &|entry| entry.index != 3);
+        assert_eq!(replayed.batches.len(), 2);
+        assert_eq!(replayed.damaged.map(|damage| damage.lsn), Some(Lsn(3)));
+        // The header damaged: what the batch held is unknown.
+        let (disk, _) = five_batches_on_disk(|placed| Some(placed[2].offset_bytes + 40));
+        let (replayed, _) = sparing(&disk, &|_| true);
+        assert_eq!(replayed.batches.len(), 2);
+        assert_eq!(replayed.damaged.map(|damage| damage.lsn), Some(Lsn(3)));
+        // The last batch torn: the end of the log, not damage to spare.
+        let (disk, _) = five_batches_on_disk(|placed| Some(placed[4].data_offsets_bytes[0] + 9));
+        let (replayed, told) = sparing(&disk, &|_| true);
+        assert_eq!(replayed.batches.len(), 4);
+        assert_eq!(
+            replayed.stopped_by,
+            Some(BatchError::DataChecksum { entry: 0 })
+        );
+        assert_eq!(replayed.damaged, None);
+        assert!(told.iter().all(|(_, damaged)| !damaged), "{told:?}");
     }
 
     #[test]
