@@ -382,11 +382,7 @@ enum Event {
     /// The log device failed: stop.
     Failed(String),
     /// The cleaner read batches from where it got to.
-    Cleaned {
-        result: std::io::Result<Replayed>,
-        /// How far the step read.
-        limit: u64,
-    },
+    Cleaned(std::io::Result<Replayed>),
     /// The cleaner read the batch it could not take, to tell whether it was damaged after
     /// it was written (`Some`), and if so what it holds.
     Rescue(std::io::Result<Option<DamagedBatch>>),
@@ -502,9 +498,6 @@ struct Reclaim {
     durable_end: (u64, Lsn),
     /// The cleaner has gone through the ring up to here.
     cleaned_to: (u64, Lsn),
-    /// Where a step found no batch before the end of its lap (the writer skipped the rest
-    /// of it): a step from there reads on in the next lap ([`reclaim::step_limit`]).
-    skipped_lap_end: Option<u64>,
     /// The position of a damaged batch the cleaner could not move data out of (counted
     /// once as a checksum error, not at every retry).
     unrescued: Option<u64>,
@@ -841,7 +834,7 @@ impl Core {
             Event::MembershipChecked { pg } => {
                 self.membership_checks.remove(&pg);
             }
-            Event::Cleaned { result, limit } => self.cleaned(result, limit),
+            Event::Cleaned(result) => self.cleaned(result),
             Event::Rescue(result) => self.rescue(result),
             Event::Relocated { moves, next } => {
                 let mut bytes = 0;
@@ -1647,11 +1640,7 @@ impl Core {
         let limit = reclaim
             .durable_end
             .0
-            .min(reclaim::step_limit(
-                self.log.ring(),
-                from,
-                reclaim.skipped_lap_end == Some(from),
-            ))
+            .min(reclaim::step_limit(self.log.ring(), from))
             .min(tail + ring / 4 + crate::log_device::MAX_BATCH_BYTES);
         if limit <= from {
             if self.reclaim.durable_end.0 <= from {
@@ -1666,10 +1655,7 @@ impl Core {
             .read_batches(from, lsn, (limit, self.reclaim.durable_end.0));
         let events = self.events.clone();
         tokio::spawn(async move {
-            let _ = events.send(Event::Cleaned {
-                result: read.await,
-                limit,
-            });
+            let _ = events.send(Event::Cleaned(read.await));
         });
     }
 
@@ -1710,7 +1696,7 @@ impl Core {
     }
 
     /// The batches a cleaner step read: relocate what is live.
-    fn cleaned(&mut self, result: std::io::Result<Replayed>, limit: u64) {
+    fn cleaned(&mut self, result: std::io::Result<Replayed>) {
         let replayed = match result {
             Ok(replayed) => replayed,
             Err(error) => {
@@ -1720,17 +1706,10 @@ impl Core {
         };
         let next = (replayed.next_position, replayed.next_lsn);
         let from = self.reclaim.cleaned_to.0;
-        // A read that took no batch but went on (past a torn batch left behind by a crash,
-        // whose LSN's batch lies at the next lap) has nothing to move, and goes on below.
+        // A read that took no batch but went on (past the rest of a lap the writer skipped,
+        // or a torn batch left behind by a crash, whose LSN's batch lies at the next lap)
+        // has nothing to move, and goes on below.
         if replayed.batches.is_empty() && next.0 == from {
-            if self.reclaim.skipped_lap_end != Some(from)
-                && reclaim::stopped_at_lap_end(self.log.ring(), from, limit)
-            {
-                // The writer skipped the rest of this lap: read on in the next, at once.
-                self.reclaim.skipped_lap_end = Some(from);
-                self.reclaim.cleaning = false;
-                return;
-            }
             let durable = from < self.reclaim.durable_end.0;
             match &replayed.stopped_by {
                 // A batch that fails its checks below the durable end was written whole:
@@ -3689,7 +3668,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         reclaim: Reclaim {
             durable_end: replay_end,
             cleaned_to: tail,
-            skipped_lap_end: None,
             unrescued: None,
             cleaning: false,
             pressed: false,

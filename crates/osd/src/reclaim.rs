@@ -34,28 +34,17 @@ use crate::log_device::{MAX_BATCH_BYTES, PAYLOAD_KINDS, RELOCATE};
 ///
 /// The relocations take at most the bytes of the batches read (they carry a subset of
 /// their entries, split as greedily), and the writer may skip the end of a lap before one
-/// of them (less than a batch). So a step reads at most a largest batch and a block:
-/// - within a lap, up to a largest batch and a block further, or to the end of the lap if
-///   that comes first (a batch never crosses it);
-/// - `across_lap`, when that read found no batch at the end of a lap (the writer skipped
-///   it), from the start of the next lap on as far.
+/// of them (less than a batch). So a step reads at most a largest batch and a block, up to
+/// the end of the lap if that comes first (a batch never crosses it). A step from the rest
+/// of a lap the writer skipped finds no batch there, and its read goes on at the next lap
+/// (`store::log::read_durable` looks there), where the next step starts.
 ///
-/// At least one batch is always within reach: a batch is at most a largest batch.
-pub fn step_limit(ring: Ring, from: u64, across_lap: bool) -> u64 {
+/// At least one batch is always within reach of a step from a batch's start: a batch is at
+/// most a largest batch.
+pub fn step_limit(ring: Ring, from: u64) -> u64 {
     let step = MAX_BATCH_BYTES + BLOCK_SIZE as u64;
     let lap_end = from - from % ring.len_bytes + ring.len_bytes;
-    if across_lap {
-        lap_end + step
-    } else {
-        (from + step).min(lap_end)
-    }
-}
-
-/// Whether a step from `from` that found no batch ended at the end of a lap: the writer
-/// skipped what was left of it, and the next step must look in the next lap
-/// ([`step_limit`] with `across_lap`).
-pub fn stopped_at_lap_end(ring: Ring, from: u64, limit: u64) -> bool {
-    step_limit(ring, from, false) == limit && limit.is_multiple_of(ring.len_bytes)
+    (from + step).min(lap_end)
 }
 
 /// What of a PG's raft log is known durable here.
@@ -583,7 +572,7 @@ mod tests {
     use basalt_common::OsdId;
     use basalt_common::{Lsn, PoolId};
     use basalt_store::batch::DATA_SIZE_MAX;
-    use basalt_store::log::{LogWriter, replay_trimmed};
+    use basalt_store::log::{LogWriter, read_durable};
     use basalt_store::object_op::{ObjectOp, kind};
     use proptest::prelude::*;
 
@@ -604,7 +593,8 @@ mod tests {
             .collect()
     }
 
-    /// A step that meets a skipped lap end finds no batch, then finds the next lap's first.
+    /// A step that meets a skipped lap end finds no batch there, and its read goes on at
+    /// the next lap, where the next step finds that lap's first batch.
     #[test]
     fn a_step_goes_on_past_a_skipped_lap_end() {
         let largest = || entries(&[DATA_SIZE_MAX]);
@@ -631,14 +621,21 @@ mod tests {
             Ok(disk[offset as usize..offset as usize + len].to_vec())
         };
         let from = 2 * MAX_BATCH_BYTES;
-        let limit = step_limit(ring, from, false);
-        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_, _| {}).expect("read");
+        let durable_end = last.position;
+        let limit = step_limit(ring, from);
+        let found = read_durable(
+            read,
+            ring,
+            (from, last.lsn),
+            (limit, durable_end),
+            |_, _| {},
+        )
+        .expect("read");
         assert!(found.batches.is_empty());
-        assert!(stopped_at_lap_end(ring, from, limit));
-        let limit = step_limit(ring, from, true);
-        let found = replay_trimmed(read, ring, from, last.lsn, limit, |_, _| {}).expect("read");
-        assert_eq!(found.batches.len(), 1);
-        assert_eq!(found.batches[0].position, ring.len_bytes);
+        assert_eq!(
+            (found.next_position, found.next_lsn),
+            (ring.len_bytes, last.lsn)
+        );
     }
 
     proptest! {
@@ -666,7 +663,7 @@ mod tests {
             let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
             // (position after the batch, LSN after it): where a step can start.
             let mut starts = vec![(0, Lsn(1))];
-            let mut tail = 0;
+            let (mut tail, mut last_position) = (0, 0);
             for sizes in &batches {
                 let mut sizes = sizes.clone();
                 while batch::batch_size(&entries(&sizes)) - BLOCK_SIZE > DATA_SIZE_MAX {
@@ -678,25 +675,35 @@ mod tests {
                 let placed = writer.append(&entries(&sizes)).expect("room");
                 let at = placed.offset_bytes as usize;
                 disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+                last_position = placed.position;
                 starts.push((placed.position + placed.bytes.len() as u64, placed.lsn.next()));
             }
             let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
                 Ok(disk[offset as usize..offset as usize + len].to_vec())
             };
-            let (durable_end, _) = *starts.last().expect("batches");
+            // As the cleaner reads: up to the start of the last batch written, durable.
+            let durable_end = last_position;
             let in_ring = starts.iter().filter(|(from, _)| *from >= tail && *from < durable_end);
             for &(from, lsn) in in_ring {
-                let step = |across| {
-                    let limit = step_limit(ring, from, across).min(durable_end);
-                    (limit, replay_trimmed(read, ring, from, lsn, limit, |_, _| {}).expect("read"))
+                let step = |(from, lsn)| {
+                    let limit = step_limit(ring, from).min(durable_end);
+                    let found = read_durable(read, ring, (from, lsn), (limit, durable_end), |_, _| {})
+                        .expect("read");
+                    (limit, found)
                 };
-                let (mut limit, mut found) = step(false);
+                let (mut limit, mut found) = step((from, lsn));
                 if found.batches.is_empty() {
+                    // The rest of a lap the writer skipped: the read went on at the next.
+                    let next = found.next_position;
                     prop_assert!(
-                        stopped_at_lap_end(ring, from, limit),
-                        "no batch from {from} to {limit}"
+                        next > from && next.is_multiple_of(ring.len_bytes) && next <= durable_end,
+                        "no batch from {from} to {limit}, next {next}"
                     );
-                    (limit, found) = step(true);
+                    if next == durable_end {
+                        // The cleaner waits there for the batch's persist.
+                        continue;
+                    }
+                    (limit, found) = step((next, found.next_lsn));
                 }
                 prop_assert!(!found.batches.is_empty(), "no batch from {from} to {limit}");
                 // A step reads adjacent batches (never across a skipped lap end).
