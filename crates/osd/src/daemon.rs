@@ -76,6 +76,9 @@ const RETAINED_ENTRIES: usize = 4096;
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
+/// How long a replica whose copy replay found damaged does not campaign, in ticks: several
+/// election timeouts, for the others to elect one of them ([`MultiRaft::hold_back`]).
+const HELD_BACK_TICKS: usize = 5 * basalt_replication::multi_raft::ELECTION_TICKS;
 /// How long a quorum's confirmation of a PG's leadership lets its leader serve reads
 /// without asking again: half the time a follower refuses to vote after hearing from its
 /// leader ([`basalt_replication::multi_raft::ELECTION_TICKS`] ticks), see
@@ -3199,16 +3202,13 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
     // Client data replay found damaged at rest: marked so (reads of it fail), and the
     // copies of its PGs are rebuilt from the other replicas once the OSD runs.
-    let damaged_at_rest: BTreeMap<PgId, Lsn> = opened
+    let damaged_at_rest: Vec<(basalt_store::batch::Entry, u64, Lsn)> = opened
         .replayed
         .batches
         .iter()
         .flat_map(|batch| {
-            let pgs = batch
-                .damaged_entries
-                .iter()
-                .map(|&at| batch.entries[at].0.pg);
-            pgs.map(|pg| (pg, batch.lsn))
+            let damaged = batch.damaged_entries.iter().map(|&at| &batch.entries[at]);
+            damaged.map(|(entry, offset)| (entry.clone(), *offset, batch.lsn))
         })
         .collect();
     let RestoredPgs {
@@ -3692,14 +3692,25 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         repairs: BTreeMap::new(),
     };
     core.adopt_map(Arc::new(map));
-    for (pg, lsn) in damaged_at_rest {
-        if core.raft.hosts(pg) {
-            let lsn = lsn.0;
-            core.damaged(
-                pg,
-                format!("replay found data in the batch of lsn {lsn} damaged at rest"),
-                None,
-            );
+    for (entry, offset, lsn) in damaged_at_rest {
+        let pg = entry.pg;
+        // Data nothing reads any more (overwritten, or moved by the cleaner) needs no
+        // rebuild: its blocks stay marked until they are reused.
+        if !core.raft.hosts(pg)
+            || reclaim::live_payload(&entry, offset, &core.raft, &core.objects).is_none()
+        {
+            continue;
+        }
+        let lsn = lsn.0;
+        let what = format!("replay found data in the batch of lsn {lsn} damaged at rest");
+        core.damaged(pg, what, None);
+        if core.repairs.contains_key(&pg) {
+            // Its log may end in entries no other replica took, whose payloads it cannot
+            // send: the others elect one of them first if they can.
+            core.raft.hold_back(pg, HELD_BACK_TICKS);
+        } else {
+            // No other replica to rebuild from: counted here, since no repair counts it.
+            core.counters.checksum_error();
         }
     }
     core.refresh_live_bytes();

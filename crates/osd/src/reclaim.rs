@@ -502,7 +502,7 @@ fn block_damaged(sums: &BlockSums, at: u64, chunk: &[u8], unknown_is_damaged: bo
 
 /// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the
 /// object index, or a raft entry kept for followers.
-fn live_payload(
+pub fn live_payload(
     entry: &Entry,
     data_offset: u64,
     raft: &MultiRaft,

@@ -163,6 +163,8 @@ struct Group {
     asked: BTreeMap<Vec<u8>, (u64, Instant)>,
     /// Numbers the lease renewals.
     renewals: u64,
+    /// Ticks for which it does not campaign (see [`MultiRaft::hold_back`]).
+    held_back: usize,
 }
 
 /// Where a read stands when it starts ([`MultiRaft::read`]).
@@ -516,6 +518,7 @@ impl MultiRaft {
             handed_on: None,
             asked: BTreeMap::new(),
             renewals: 0,
+            held_back: 0,
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
@@ -833,8 +836,25 @@ impl MultiRaft {
     pub fn tick(&mut self) {
         for group in self.groups.values_mut() {
             group.ticks = group.ticks.saturating_add(1);
-            group.node.tick();
+            // A replica held back does not count towards its election timeout.
+            if group.held_back > 0 && group.node.raft.state != StateRole::Leader {
+                group.held_back -= 1;
+            } else {
+                group.node.tick();
+            }
             Self::draw_election_timeout(&mut self.rng, group);
+        }
+    }
+
+    /// Keeps this replica of `pg` from campaigning for the next `ticks` ticks (while it
+    /// does not lead): its copy is damaged where the other replicas may not hold the
+    /// entries (payloads of its log it cannot read back), so that, elected, it could send
+    /// them to no one and would keep the PG for good. The others elect one of them
+    /// meanwhile if they can (it still votes and follows); if they cannot (its vote is
+    /// needed and its log is ahead of theirs), it campaigns once the ticks are out.
+    pub fn hold_back(&mut self, pg: PgId, ticks: usize) {
+        if let Some(group) = self.groups.get_mut(&pg) {
+            group.held_back = ticks;
         }
     }
 
@@ -1692,6 +1712,98 @@ mod tests {
         }
         trio.replicas[restarted].step(PG, ask(60, b""));
         assert!(answered(&trio.settle()), "the vote went unanswered");
+    }
+
+    /// A replica restarted from its durable state: its persisted hard state and entries.
+    fn restarted(raft: &MultiRaft, osd: usize, seed: u64) -> MultiRaft {
+        let storage = raft.storage(PG).expect("hosted");
+        let state = storage.initial_state().expect("state");
+        let last = storage.last_index().expect("last");
+        let context = raft::GetEntriesContext::empty(false);
+        let entries = storage
+            .entries(1, last + 1, None, context)
+            .expect("entries");
+        let restored = Restored {
+            hard_state: state.hard_state,
+            entries,
+            ..Restored::default()
+        };
+        let mut fresh = MultiRaft::new(OsdId(osd as u32), seed);
+        let members = [OsdId(0), OsdId(1), OsdId(2)];
+        fresh.create_group(PG, &members, restored).expect("group");
+        fresh
+    }
+
+    /// A replica held back does not campaign for as long as it is held. Here the leader
+    /// wrote an entry no other replica took, then every replica restarted: held back, the
+    /// one with the longest log waits (else it would be elected, holding an entry whose
+    /// payload it cannot send when its copy is damaged), the two others elect one of them,
+    /// and that entry is replaced by the new leader's. Once the ticks are out, it may
+    /// campaign again.
+    #[test]
+    fn a_replica_held_back_does_not_campaign_and_the_others_elect_without_it() {
+        let (mut trio, quiet) = Trio::with_entries(2);
+        trio.replicas[quiet]
+            .propose(PG, b"only here".to_vec())
+            .expect("leader");
+        trio.settle_where(|_, _, _| false);
+        let longest = trio.replicas[quiet].last_index(PG).expect("hosted");
+        let term_at = |raft: &MultiRaft, index| raft.storage(PG).expect("hosted").term(index);
+        let old_term = term_at(&trio.replicas[quiet], longest).expect("term");
+        for n in 0..3 {
+            trio.replicas[n] = restarted(&trio.replicas[n], n, 40 + n as u64);
+        }
+        assert_eq!(trio.replicas[quiet].last_index(PG), Some(longest));
+        trio.replicas[quiet].hold_back(PG, 12 * ELECTION_TICKS);
+        let asked = |sent: &[(usize, Message)]| {
+            sent.iter().any(|(from, message)| {
+                let kind = message.get_msg_type();
+                let campaign = [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote];
+                *from == quiet && campaign.contains(&kind)
+            })
+        };
+        // Alone in ticking, for long, it still does not campaign.
+        for _ in 0..4 * ELECTION_TICKS {
+            trio.replicas[quiet].tick();
+            assert!(!asked(&trio.settle()), "the quiet replica asked for votes");
+        }
+        let others: Vec<usize> = (0..3).filter(|n| *n != quiet).collect();
+        let mut leader = None;
+        for _ in 0..10 * ELECTION_TICKS {
+            for n in 0..3 {
+                trio.replicas[n].tick();
+            }
+            assert!(!asked(&trio.settle()), "the quiet replica asked for votes");
+            leader = others
+                .iter()
+                .copied()
+                .find(|n| trio.replicas[*n].read_barrier(PG).is_some());
+            if leader.is_some() {
+                break;
+            }
+        }
+        let leader = leader.expect("the others elect one of them");
+        trio.replicas[leader]
+            .propose(PG, b"after".to_vec())
+            .expect("leader");
+        trio.settle();
+        let last = trio.replicas[leader].last_index(PG);
+        assert_eq!(trio.replicas[quiet].last_index(PG), last);
+        assert!(last.is_some_and(|last| last >= longest), "{last:?}");
+        let replaced = term_at(&trio.replicas[quiet], longest).expect("term");
+        assert!(replaced > old_term, "the entry only it held is still there");
+        assert_eq!(Ok(replaced), term_at(&trio.replicas[leader], longest));
+        assert_eq!(
+            trio.replicas[quiet].committed(PG),
+            trio.replicas[leader].committed(PG)
+        );
+        // The others gone, it campaigns once its ticks are out.
+        let mut campaigned = false;
+        for _ in 0..12 * ELECTION_TICKS {
+            trio.replicas[quiet].tick();
+            campaigned |= asked(&trio.settle_where(|from, _, _| from == quiet));
+        }
+        assert!(campaigned, "held back for good");
     }
 
     /// Messages no replica sends are refused before raft-rs sees them: each of these

@@ -472,15 +472,29 @@ fn read_log<E>(
                 }
                 None => {
                     if let Err(error) = &found {
-                        let spared = match spare {
-                            Some(spare) if matches!(error, BatchError::DataChecksum { .. }) => {
-                                let at = (position, lsn);
-                                spared_batch(&mut read, ring, at, limit_position, spare)?
+                        // Damaged data to spare, here or where the writer may have put
+                        // the batch instead (the next lap).
+                        let mut spared = None;
+                        if let Some(spare) = spare {
+                            let here = matches!(error, BatchError::DataChecksum { .. });
+                            let there = !position.is_multiple_of(ring.len_bytes)
+                                && next_lap < limit_position;
+                            for (at, may) in [(position, here), (next_lap, there)] {
+                                if may && spared.is_none() {
+                                    let batch = (at, lsn);
+                                    spared = spared_batch(
+                                        &mut read,
+                                        ring,
+                                        batch,
+                                        limit_position,
+                                        spare,
+                                    )?
+                                    .map(|found| (at, found));
+                                }
                             }
-                            _ => None,
-                        };
+                        }
                         match spared {
-                            Some(batch) => found = Ok(batch),
+                            Some((at, batch)) => (position, found) = (at, Ok(batch)),
                             None => break Some(error.clone()),
                         }
                     }
@@ -1054,6 +1068,56 @@ mod tests {
         );
         assert_eq!(replayed.damaged, None);
         assert!(told.iter().all(|(_, damaged)| !damaged), "{told:?}");
+    }
+
+    /// Damaged data in a batch the writer put at the next lap (its LSN's batch torn by a
+    /// crash where it was first written, and the batch written after the restart did not
+    /// fit in the rest of the lap) is spared there; the torn batch left behind is not.
+    #[test]
+    fn damaged_data_at_the_next_lap_is_spared_there() {
+        let mut disk = Disk::new(64 << 10);
+        let ring = disk.ring();
+        let mut writer = LogWriter::new(ring, 0, Lsn::FIRST, 0);
+        for n in 0..7 {
+            disk.write(&writer.append(&[entry(n + 1, 1, 4096)]).expect("room"));
+        }
+        writer.set_tail(32 << 10);
+        let torn = writer.append(&[entry(8, 2, 4096)]).expect("room");
+        disk.write(&torn);
+        disk.bytes[torn.data_offsets_bytes[0] as usize + 3] ^= 0xff;
+        // After the restart, the batch of the same LSN is larger and goes to the next lap.
+        let mut restarted = LogWriter::new(ring, torn.position, Lsn(8), 32 << 10);
+        let rewritten = restarted.append(&[entry(8, 3, 8192)]).expect("room");
+        assert_eq!(rewritten.position, 64 << 10, "placed at the next lap");
+        disk.write(&rewritten);
+        let after = restarted.append(&[entry(9, 4, 4096)]).expect("room");
+        disk.write(&after);
+        disk.bytes[rewritten.data_offsets_bytes[0] as usize + 5000] ^= 0xff;
+        let read = |offset, len| disk.read(offset, len);
+        let (from, limit) = ((32 << 10, Lsn(5)), (32 << 10) + ring.len_bytes);
+        let replayed = replay_sparing(read, ring, from, limit, &|_| true, |_, _, _| {})
+            .expect("memory reads do not fail");
+        let taken: Vec<(u64, Lsn, Vec<usize>)> = replayed
+            .batches
+            .iter()
+            .map(|b| (b.position, b.lsn, b.damaged_entries.clone()))
+            .collect();
+        assert_eq!(
+            taken,
+            [
+                (32 << 10, Lsn(5), vec![]),
+                (40 << 10, Lsn(6), vec![]),
+                (48 << 10, Lsn(7), vec![]),
+                (64 << 10, Lsn(8), vec![0]),
+                (after.position, Lsn(9), vec![]),
+            ]
+        );
+        assert_eq!(replayed.damaged, None);
+        // Plain replay stops there, and calls it damage.
+        let replayed = disk.replay_ring(ring, 32 << 10, Lsn(5), limit);
+        assert_eq!(replayed.batches.len(), 3);
+        let damage = replayed.damaged.expect("damage");
+        assert_eq!((damage.lsn, damage.position), (Lsn(8), 64 << 10));
     }
 
     #[test]
