@@ -1070,18 +1070,25 @@ mod tests {
         assert!(told.iter().all(|(_, damaged)| !damaged), "{told:?}");
     }
 
+    /// A 64 KiB ring with seven batches of one 4 KiB entry (8 KiB each, LSNs 1 to 7), its
+    /// tail at 32 KiB: room for one more such batch before the end of the lap.
+    fn a_lap_short_of_its_end() -> (Disk, LogWriter) {
+        let mut disk = Disk::new(64 << 10);
+        let mut writer = LogWriter::new(disk.ring(), 0, Lsn::FIRST, 0);
+        for n in 0..7 {
+            disk.write(&writer.append(&[entry(n + 1, 1, 4096)]).expect("room"));
+        }
+        writer.set_tail(32 << 10);
+        (disk, writer)
+    }
+
     /// Damaged data in a batch the writer put at the next lap (its LSN's batch torn by a
     /// crash where it was first written, and the batch written after the restart did not
     /// fit in the rest of the lap) is spared there; the torn batch left behind is not.
     #[test]
     fn damaged_data_at_the_next_lap_is_spared_there() {
-        let mut disk = Disk::new(64 << 10);
+        let (mut disk, mut writer) = a_lap_short_of_its_end();
         let ring = disk.ring();
-        let mut writer = LogWriter::new(ring, 0, Lsn::FIRST, 0);
-        for n in 0..7 {
-            disk.write(&writer.append(&[entry(n + 1, 1, 4096)]).expect("room"));
-        }
-        writer.set_tail(32 << 10);
         let torn = writer.append(&[entry(8, 2, 4096)]).expect("room");
         disk.write(&torn);
         disk.bytes[torn.data_offsets_bytes[0] as usize + 3] ^= 0xff;
@@ -1146,13 +1153,8 @@ mod tests {
 
         // A batch the writer placed at the next lap (it did not fit before the lap's end),
         // damaged there, with its successor after it.
-        let mut disk = Disk::new(64 << 10);
+        let (mut disk, mut writer) = a_lap_short_of_its_end();
         let ring = disk.ring();
-        let mut writer = LogWriter::new(ring, 0, Lsn::FIRST, 0);
-        for n in 0..7 {
-            disk.write(&writer.append(&[entry(n + 1, 1, 4096)]).expect("room"));
-        }
-        writer.set_tail(32 << 10);
         let skipped = writer.append(&[entry(8, 2, 8192)]).expect("room");
         assert_eq!(skipped.position, 64 << 10, "placed at the next lap");
         disk.write(&skipped);
