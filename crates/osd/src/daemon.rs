@@ -78,7 +78,7 @@ pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MA
 pub const TICK: Duration = Duration::from_millis(100);
 /// How long a replica whose copy replay found damaged does not campaign, in ticks: several
 /// election timeouts, for the others to elect one of them ([`MultiRaft::hold_back`]).
-const HELD_BACK_TICKS: usize = 5 * basalt_replication::multi_raft::ELECTION_TICKS;
+pub const HELD_BACK_TICKS: usize = 5 * basalt_replication::multi_raft::ELECTION_TICKS;
 /// How long a quorum's confirmation of a PG's leadership lets its leader serve reads
 /// without asking again: half the time a follower refuses to vote after hearing from its
 /// leader ([`basalt_replication::multi_raft::ELECTION_TICKS`] ticks), see

@@ -34,7 +34,9 @@
 //!   never serves a damaged copy (reads there are dropped, a snapshot is not fetched from
 //!   it) and repairs it as the OSD does: a leader hands leadership over, a follower asks
 //!   its leader for a snapshot ([`MultiRaft::request_snapshot`]) and installs it however
-//!   recent its log. A copy never repaired differs from the others at the end.
+//!   recent its log; restarted, it is held back from campaigning for a while
+//!   ([`MultiRaft::hold_back`]), as an OSD whose replay met damage. A copy never repaired
+//!   differs from the others at the end.
 //! - **Membership**: every OSD hosts every PG, which starts on the first few; now and then a
 //!   PG's target members change (as the monitors' map would when OSDs go out or come in)
 //!   and its leader moves the voters there ([`MultiRaft::reconfigure`]).
@@ -480,6 +482,11 @@ impl Cluster {
             osd.applied.insert(pg, state);
             raft.create_group(pg, &members, group)
                 .expect("a restored group starts");
+            if osd.damaged.contains_key(&pg) {
+                // As an OSD whose replay met the damage: the others elect one of them
+                // first if they can.
+                raft.hold_back(pg, basalt_osd::daemon::HELD_BACK_TICKS);
+            }
         }
         osd.raft = Some(raft);
         osd.restart_at = None;
