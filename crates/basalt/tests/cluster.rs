@@ -499,6 +499,46 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
     qemu_io_ok(&uri, true, &["read -P 0x77 8M 1M", "read -P 0x44 12M 1M"]);
 
+    // Damage replay meets while the other replicas are down, so that no repair can be
+    // done: the OSD cuts a checkpoint past it at once, which marks it; restarted with the
+    // others, replay no longer goes through it, and the checkpoint's marks have the copy
+    // rebuilt.
+    qemu_io_ok(&uri, false, &["write -P 0x22 10M 1M"]);
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x22);
+    for n in 0..3 {
+        cluster.kill_osd(n);
+    }
+    let count =
+        |cluster: &ClusterProcesses, what: &str| cluster.log_text("osd.1").matches(what).count();
+    let asked = "checkpoint written as asked";
+    let checkpoints_before = count(&cluster, asked);
+    cluster.start_osd(1);
+    wait_for(
+        "a checkpoint past the damage",
+        Duration::from_secs(60),
+        || count(&cluster, asked) > checkpoints_before,
+    );
+    cluster.kill_osd(1);
+    let repairs_before = count(&cluster, " repaired pg=");
+    for n in [0, 2, 1] {
+        cluster.start_osd(n);
+    }
+    wait_for(
+        "the copy the checkpoint marks damaged rebuilt",
+        Duration::from_secs(90),
+        || count(&cluster, " repaired pg=") > repairs_before,
+    );
+    let log = cluster.log_text("osd.1");
+    assert!(
+        log.contains("the checkpoint marks data it reads damaged, not rebuilt yet"),
+        "{log}"
+    );
+    cluster.wait_clean(Duration::from_secs(60));
+    let pgs = scrub(&cluster, true);
+    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    qemu_io_ok(&uri, true, &["read -P 0x22 10M 1M"]);
+
     // Damage to a batch's header (the OSD's own records of what the batch holds): the
     // OSD refuses to start rather than drop what followed it.
     qemu_io_ok(

@@ -76,8 +76,9 @@ const RETAINED_ENTRIES: usize = 4096;
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
-/// How long a replica whose copy replay found damaged does not campaign, in ticks: several
-/// election timeouts, for the others to elect one of them ([`MultiRaft::hold_back`]).
+/// How long a replica whose copy replay found damaged does not campaign, in ticks with a
+/// quorum within reach: several election timeouts, for the others to elect one of them
+/// ([`MultiRaft::hold_back`]).
 pub const HELD_BACK_TICKS: usize = 5 * basalt_replication::multi_raft::ELECTION_TICKS;
 /// How long a quorum's confirmation of a PG's leadership lets its leader serve reads
 /// without asking again: half the time a follower refuses to vote after hearing from its
@@ -490,6 +491,8 @@ struct CheckpointMark {
     sequence: u64,
     replay_position: u64,
     tail: (u64, Lsn),
+    /// It was asked for (see [`Reclaim::asked`]).
+    asked: bool,
 }
 
 /// The state of log reuse.
@@ -867,6 +870,14 @@ impl Core {
                             free = self.log.free_bytes(),
                             "checkpoint written"
                         );
+                        if checkpoint.asked {
+                            tracing::info!(
+                                sequence = checkpoint.sequence,
+                                replay = checkpoint.replay_position,
+                                "checkpoint written as asked: replay starts past damaged data \
+                                 or the data a repair replaced"
+                            );
+                        }
                         if checkpoint.tail.0 > self.log.tail_position() {
                             self.reclaim.progress_at = std::time::Instant::now();
                         }
@@ -1884,7 +1895,7 @@ impl Core {
             return;
         }
         let checkpoint = self.cut_checkpoint();
-        self.reclaim.asked = false;
+        let asked = std::mem::take(&mut self.reclaim.asked);
         for repair in self.repairs.values_mut() {
             repair.covered |= repair.installed.is_some();
         }
@@ -1892,6 +1903,7 @@ impl Core {
             sequence: checkpoint.sequence,
             replay_position: checkpoint.replay_position,
             tail: (checkpoint.tail_position, checkpoint.tail_lsn),
+            asked,
         };
         self.reclaim.writing = true;
         let write = self
@@ -2138,6 +2150,42 @@ impl Core {
     /// Moves each repair on: a replica that leads hands leadership over, a follower asks
     /// its leader for a snapshot (installing it ends the repair, in
     /// [`Core::snapshot_installed`]); one that takes too long is given up.
+    /// At start: has the copies rebuilt of the PGs whose index or raft log reads blocks
+    /// marked damaged, by replay (data of a write damaged at rest, `replayed`: the PGs with
+    /// the LSN of the batch) or by the checkpoint (damage found before the restart and not
+    /// rebuilt yet). A checkpoint follows at once, so that replay does not meet the damage
+    /// again: it then marks those blocks.
+    fn repair_damage_at_start(&mut self, replayed: &BTreeMap<PgId, Lsn>) {
+        let sums = self.log.block_sums();
+        let pgs: Vec<PgId> = self.raft.pgs().collect();
+        for pg in pgs {
+            let retained = self
+                .raft
+                .storage(pg)
+                .map_or(&[][..], basalt_replication::PgStorage::retained);
+            if !reclaim::reads_poisoned(&sums, self.objects.get(&pg), retained) {
+                continue;
+            }
+            let what = match replayed.get(&pg) {
+                Some(lsn) => {
+                    let lsn = lsn.0;
+                    format!("replay found data in the batch of lsn {lsn} damaged at rest")
+                }
+                None => "the checkpoint marks data it reads damaged, not rebuilt yet".to_string(),
+            };
+            self.damaged(pg, what, None);
+            if !self.repairs.contains_key(&pg) {
+                // No other replica to rebuild from: counted here, since no repair counts it.
+                self.counters.checksum_error();
+            } else if replayed.contains_key(&pg) {
+                // Its log may end in entries no other replica took, whose payloads it
+                // cannot send: the others elect one of them first if they can.
+                self.raft.hold_back(pg, HELD_BACK_TICKS);
+            }
+        }
+        self.reclaim.asked |= !replayed.is_empty();
+    }
+
     fn advance_repairs(&mut self) {
         let now = std::time::Instant::now();
         let pgs: Vec<PgId> = self.repairs.keys().copied().collect();
@@ -3200,17 +3248,25 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let superblock = prepare_device(&path, config.device_size_bytes).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
-    // Client data replay found damaged at rest: marked so (reads of it fail), and the
-    // copies of its PGs are rebuilt from the other replicas once the OSD runs.
-    let damaged_at_rest: Vec<(basalt_store::batch::Entry, u64, Lsn)> = opened
+    // Client data replay found damaged at rest, by PG, with its batch's LSN: marked so
+    // (reads of it fail), and the copies of its PGs are rebuilt from the other replicas
+    // once the OSD runs; so are those of PGs whose data the checkpoint marks damaged.
+    let damaged_at_rest: BTreeMap<PgId, Lsn> = opened
         .replayed
         .batches
         .iter()
         .flat_map(|batch| {
-            let damaged = batch.damaged_entries.iter().map(|&at| &batch.entries[at]);
-            damaged.map(|(entry, offset)| (entry.clone(), *offset, batch.lsn))
+            let pgs = batch
+                .damaged_entries
+                .iter()
+                .map(|&at| batch.entries[at].0.pg);
+            pgs.map(|pg| (pg, batch.lsn))
         })
         .collect();
+    let poisoned_before = opened
+        .checkpoint
+        .as_ref()
+        .is_some_and(|checkpoint| !checkpoint.poisoned_blocks.is_empty());
     let RestoredPgs {
         groups,
         objects: restored_objects,
@@ -3692,26 +3748,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         repairs: BTreeMap::new(),
     };
     core.adopt_map(Arc::new(map));
-    for (entry, offset, lsn) in damaged_at_rest {
-        let pg = entry.pg;
-        // Data nothing reads any more (overwritten, or moved by the cleaner) needs no
-        // rebuild: its blocks stay marked until they are reused.
-        if !core.raft.hosts(pg)
-            || reclaim::live_payload(&entry, offset, &core.raft, &core.objects).is_none()
-        {
-            continue;
-        }
-        let lsn = lsn.0;
-        let what = format!("replay found data in the batch of lsn {lsn} damaged at rest");
-        core.damaged(pg, what, None);
-        if core.repairs.contains_key(&pg) {
-            // Its log may end in entries no other replica took, whose payloads it cannot
-            // send: the others elect one of them first if they can.
-            core.raft.hold_back(pg, HELD_BACK_TICKS);
-        } else {
-            // No other replica to rebuild from: counted here, since no repair counts it.
-            core.counters.checksum_error();
-        }
+    if poisoned_before || !damaged_at_rest.is_empty() {
+        core.repair_damage_at_start(&damaged_at_rest);
     }
     core.refresh_live_bytes();
     core.refresh_retained_bytes();

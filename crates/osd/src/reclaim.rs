@@ -502,7 +502,7 @@ fn block_damaged(sums: &BlockSums, at: u64, chunk: &[u8], unknown_is_damaged: bo
 
 /// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the
 /// object index, or a raft entry kept for followers.
-pub fn live_payload(
+fn live_payload(
     entry: &Entry,
     data_offset: u64,
     raft: &MultiRaft,
@@ -536,6 +536,39 @@ pub fn live_payload(
         raft_entry,
         damaged_blocks: Vec::new(),
     })
+}
+
+/// Whether a PG's object index (`objects`) or its raft entries kept in memory (`retained`)
+/// read a block marked poisoned in `sums`: data found damaged whose copy is to be rebuilt.
+pub fn reads_poisoned(
+    sums: &BlockSums,
+    objects: Option<&PgObjects>,
+    retained: &[RaftEntry],
+) -> bool {
+    let block = BLOCK_SIZE as u64;
+    let poisoned = |device: u64, len: u64| {
+        let first = device - device % block;
+        (first..device + len)
+            .step_by(BLOCK_SIZE)
+            .any(|at| sums.is_poisoned(at))
+    };
+    let indexed = objects.is_some_and(|objects| {
+        objects.keys().into_iter().any(|key| {
+            let extents = objects.extents(key);
+            extents
+                .iter()
+                .any(|&(_, len, device)| poisoned(device, len))
+        })
+    });
+    indexed
+        || retained.iter().any(|entry| {
+            PayloadRef::decode(&entry.data).is_some_and(|reference| {
+                poisoned(
+                    reference.device_offset_bytes,
+                    u64::from(reference.len_bytes),
+                )
+            })
+        })
 }
 
 /// Applies a durable move: the index and the raft entry follow the payload to `to` where
@@ -721,6 +754,51 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A PG reads poisoned blocks when an extent of its index or a payload its kept raft
+    /// entries refer to covers one, however partially; not when they lie elsewhere.
+    #[test]
+    fn a_pg_reads_poisoned_blocks_through_its_index_or_its_raft_entries() {
+        let ring = Ring {
+            start_bytes: 8192,
+            len_bytes: 1 << 20,
+        };
+        let sums = BlockSums::new(ring);
+        let object = basalt_common::ObjectKey {
+            image: basalt_common::ImageId(1),
+            number: 0,
+        };
+        let mut objects = PgObjects::new();
+        // A write's second half: it starts in the middle of the block at 16 KiB.
+        objects.insert_extent(object, 0, 6144, 16384 + 2048);
+        let reference = PayloadRef {
+            object,
+            offset_bytes: 0,
+            len_bytes: 4096,
+            device_offset_bytes: 65536,
+        };
+        let retained = [RaftEntry {
+            data: reference.encode().into(),
+            ..RaftEntry::default()
+        }];
+        let reads = |sums: &BlockSums| {
+            (
+                reads_poisoned(sums, Some(&objects), &[]),
+                reads_poisoned(sums, None, &retained),
+            )
+        };
+        assert_eq!(reads(&sums), (false, false));
+        sums.poison(8192);
+        sums.poison(69632);
+        assert_eq!(reads(&sums), (false, false), "blocks next to them");
+        sums.poison(16384);
+        assert_eq!(reads(&sums), (true, false));
+        let sums = BlockSums::new(ring);
+        sums.poison(20480);
+        assert_eq!(reads(&sums), (true, false), "the extent's last block");
+        sums.poison(65536);
+        assert_eq!(reads(&sums), (true, true));
     }
 
     #[test]

@@ -163,8 +163,11 @@ struct Group {
     asked: BTreeMap<Vec<u8>, (u64, Instant)>,
     /// Numbers the lease renewals.
     renewals: u64,
-    /// Ticks for which it does not campaign (see [`MultiRaft::hold_back`]).
+    /// Ticks with a quorum within reach for which it does not campaign yet (see
+    /// [`MultiRaft::hold_back`]).
     held_back: usize,
+    /// While held back: the tick (of `ticks`) at which each other replica was last heard.
+    heard: BTreeMap<u64, usize>,
 }
 
 /// Where a read stands when it starts ([`MultiRaft::read`]).
@@ -464,6 +467,24 @@ impl MultiRaft {
         raft.set_randomized_election_timeout(low + (z % (high - low) as u64) as usize);
     }
 
+    /// Whether the voters this replica heard from within an election timeout make a quorum
+    /// with it (in both halves of a joint configuration).
+    fn quorum_heard(group: &Group) -> bool {
+        let me = group.node.raft.id;
+        let recent = |id: &u64| {
+            *id == me
+                || group
+                    .heard
+                    .get(id)
+                    .is_some_and(|at| group.ticks - at <= ELECTION_TICKS)
+        };
+        let conf = group.node.raft.prs().conf().to_conf_state();
+        let majority = |ids: &[u64]| {
+            ids.is_empty() || 2 * ids.iter().filter(|id| recent(id)).count() > ids.len()
+        };
+        majority(&conf.voters) && majority(&conf.voters_outgoing)
+    }
+
     /// Hosts a replica of `pg` with these members, from its durable state after a restart
     /// (or empty for a new replica).
     ///
@@ -519,6 +540,7 @@ impl MultiRaft {
             asked: BTreeMap::new(),
             renewals: 0,
             held_back: 0,
+            heard: BTreeMap::new(),
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
@@ -836,9 +858,16 @@ impl MultiRaft {
     pub fn tick(&mut self) {
         for group in self.groups.values_mut() {
             group.ticks = group.ticks.saturating_add(1);
-            // A replica held back does not count towards its election timeout.
             if group.held_back > 0 && group.node.raft.state != StateRole::Leader {
-                group.held_back -= 1;
+                // Held back: its election timer runs (it votes once its leader is silent
+                // for that long, as any follower), but it does not campaign.
+                group.node.raft.election_elapsed += 1;
+                if Self::quorum_heard(group) {
+                    group.held_back -= 1;
+                }
+                if group.held_back == 0 {
+                    group.heard.clear();
+                }
             } else {
                 group.node.tick();
             }
@@ -846,11 +875,13 @@ impl MultiRaft {
         }
     }
 
-    /// Keeps this replica of `pg` from campaigning for the next `ticks` ticks (while it
-    /// does not lead): its copy is damaged where the other replicas may not hold the
-    /// entries (payloads of its log it cannot read back), so that, elected, it could send
-    /// them to no one and would keep the PG for good. The others elect one of them
-    /// meanwhile if they can (it still votes and follows); if they cannot (its vote is
+    /// Keeps this replica of `pg` from campaigning (while it does not lead) until it has
+    /// heard from enough other voters to make a quorum with it for `ticks` ticks: its copy
+    /// is damaged where the other replicas may not hold the entries (payloads of its log
+    /// it cannot read back), so that, elected, it could send them to no one and would keep
+    /// the PG for good. The others elect one of them meanwhile if they can (it votes and
+    /// follows as any follower, and counts only ticks in which they could, so that it
+    /// waits for them through a restart of the whole cluster); if they cannot (its vote is
     /// needed and its log is ahead of theirs), it campaigns once the ticks are out.
     pub fn hold_back(&mut self, pg: PgId, ticks: usize) {
         if let Some(group) = self.groups.get_mut(&pg) {
@@ -867,6 +898,9 @@ impl MultiRaft {
             return;
         }
         if let Some(group) = self.groups.get_mut(&pg) {
+            if group.held_back > 0 {
+                group.heard.insert(message.from, group.ticks);
+            }
             if message.get_msg_type() == MessageType::MsgHeartbeat {
                 // A leader commits no further than a follower's log reaches; raft-rs stops
                 // the process on a heartbeat that does.
@@ -1734,46 +1768,50 @@ mod tests {
         fresh
     }
 
-    /// A replica held back does not campaign for as long as it is held. Here the leader
-    /// wrote an entry no other replica took, then every replica restarted: held back, the
-    /// one with the longest log waits (else it would be elected, holding an entry whose
-    /// payload it cannot send when its copy is damaged), the two others elect one of them,
-    /// and that entry is replaced by the new leader's. Once the ticks are out, it may
-    /// campaign again.
+    /// A replica held back does not campaign until it has heard from a quorum for as long
+    /// as it is held. Here the leader wrote an entry no other replica took, then every
+    /// replica restarted, the one with the longest log first: held back, it waits alone
+    /// (else it would be elected, holding an entry whose payload it cannot send when its
+    /// copy is damaged); the two others, once up, elect one of them, and that entry is
+    /// replaced by the new leader's. Still held, it votes when its leader falls silent. Once
+    /// it has heard from another voter for its ticks, it campaigns if no one else can win.
     #[test]
-    fn a_replica_held_back_does_not_campaign_and_the_others_elect_without_it() {
-        let (mut trio, quiet) = Trio::with_entries(2);
-        trio.replicas[quiet]
+    fn a_replica_held_back_waits_for_the_others_to_elect_one_of_them() {
+        let (mut trio, held) = Trio::with_entries(2);
+        trio.replicas[held]
             .propose(PG, b"only here".to_vec())
             .expect("leader");
         trio.settle_where(|_, _, _| false);
-        let longest = trio.replicas[quiet].last_index(PG).expect("hosted");
+        let longest = trio.replicas[held].last_index(PG).expect("hosted");
         let term_at = |raft: &MultiRaft, index| raft.storage(PG).expect("hosted").term(index);
-        let old_term = term_at(&trio.replicas[quiet], longest).expect("term");
+        let old_term = term_at(&trio.replicas[held], longest).expect("term");
         for n in 0..3 {
             trio.replicas[n] = restarted(&trio.replicas[n], n, 40 + n as u64);
         }
-        assert_eq!(trio.replicas[quiet].last_index(PG), Some(longest));
-        trio.replicas[quiet].hold_back(PG, 12 * ELECTION_TICKS);
-        let asked = |sent: &[(usize, Message)]| {
+        assert_eq!(trio.replicas[held].last_index(PG), Some(longest));
+        trio.replicas[held].hold_back(PG, 15 * ELECTION_TICKS);
+        let campaigned = |sent: &[(usize, Message)], who: usize| {
             sent.iter().any(|(from, message)| {
                 let kind = message.get_msg_type();
                 let campaign = [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote];
-                *from == quiet && campaign.contains(&kind)
+                *from == who && campaign.contains(&kind)
             })
         };
-        // Alone in ticking, for long, it still does not campaign.
-        for _ in 0..4 * ELECTION_TICKS {
-            trio.replicas[quiet].tick();
-            assert!(!asked(&trio.settle()), "the quiet replica asked for votes");
+        // Alone, for longer than it is held, it does not campaign.
+        for _ in 0..20 * ELECTION_TICKS {
+            trio.replicas[held].tick();
+            assert!(!campaigned(&trio.settle(), held), "campaigned alone");
         }
-        let others: Vec<usize> = (0..3).filter(|n| *n != quiet).collect();
+        let others: Vec<usize> = (0..3).filter(|n| *n != held).collect();
         let mut leader = None;
         for _ in 0..10 * ELECTION_TICKS {
             for n in 0..3 {
                 trio.replicas[n].tick();
             }
-            assert!(!asked(&trio.settle()), "the quiet replica asked for votes");
+            assert!(
+                !campaigned(&trio.settle(), held),
+                "campaigned with the others up"
+            );
             leader = others
                 .iter()
                 .copied()
@@ -1783,27 +1821,60 @@ mod tests {
             }
         }
         let leader = leader.expect("the others elect one of them");
+        let third = 3 - held - leader;
         trio.replicas[leader]
             .propose(PG, b"after".to_vec())
             .expect("leader");
         trio.settle();
         let last = trio.replicas[leader].last_index(PG);
-        assert_eq!(trio.replicas[quiet].last_index(PG), last);
+        assert_eq!(trio.replicas[held].last_index(PG), last);
         assert!(last.is_some_and(|last| last >= longest), "{last:?}");
-        let replaced = term_at(&trio.replicas[quiet], longest).expect("term");
+        let replaced = term_at(&trio.replicas[held], longest).expect("term");
         assert!(replaced > old_term, "the entry only it held is still there");
         assert_eq!(Ok(replaced), term_at(&trio.replicas[leader], longest));
-        assert_eq!(
-            trio.replicas[quiet].committed(PG),
-            trio.replicas[leader].committed(PG)
-        );
-        // The others gone, it campaigns once its ticks are out.
-        let mut campaigned = false;
-        for _ in 0..12 * ELECTION_TICKS {
-            trio.replicas[quiet].tick();
-            campaigned |= asked(&trio.settle_where(|from, _, _| from == quiet));
+
+        // The leader gone, the third is elected with the held one's vote, in the time an
+        // election takes.
+        let without =
+            |gone: usize| move |from: usize, to: usize, _: &Message| from != gone && to != gone;
+        let mut elected = false;
+        for _ in 0..3 * ELECTION_TICKS {
+            trio.replicas[held].tick();
+            trio.replicas[third].tick();
+            assert!(
+                !campaigned(&trio.settle_where(without(leader)), held),
+                "campaigned held"
+            );
+            elected = trio.replicas[third].read_barrier(PG).is_some();
+            if elected {
+                break;
+            }
         }
-        assert!(campaigned, "held back for good");
+        assert!(elected, "the held replica's vote was not given");
+
+        // The third's last entry reaches the held one only, and the third is gone; the
+        // first leader comes back behind them: it cannot be elected without the held one,
+        // which campaigns once it has heard from it for its ticks, and is elected.
+        trio.replicas[third]
+            .propose(PG, b"last".to_vec())
+            .expect("leader");
+        trio.settle_where(|_, to, _| to == held);
+        trio.replicas[leader] = restarted(&trio.replicas[leader], leader, 77);
+        let mut ticks = 0;
+        while trio.replicas[held].read_barrier(PG).is_none() {
+            ticks += 1;
+            assert!(
+                ticks < 25 * ELECTION_TICKS,
+                "the held replica never took over"
+            );
+            trio.replicas[held].tick();
+            trio.replicas[leader].tick();
+            trio.settle_where(without(third));
+        }
+        assert!(
+            ticks > 2 * ELECTION_TICKS,
+            "elected after {ticks} ticks, while held"
+        );
     }
 
     /// Messages no replica sends are refused before raft-rs sees them: each of these
