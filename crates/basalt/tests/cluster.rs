@@ -521,7 +521,8 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     );
     cluster.kill_osd(1);
     let repairs_before = count(&cluster, " repaired pg=");
-    for n in [0, 2, 1] {
+    // (The damaged one first: if its log reads the damage, it waits for the others.)
+    for n in [1, 0, 2] {
         cluster.start_osd(n);
     }
     wait_for(

@@ -2153,17 +2153,16 @@ impl Core {
     /// At start: has the copies rebuilt of the PGs whose index or raft log reads blocks
     /// marked damaged, by replay (data of a write damaged at rest, `replayed`: the PGs with
     /// the LSN of the batch) or by the checkpoint (damage found before the restart and not
-    /// rebuilt yet). A checkpoint follows at once, so that replay does not meet the damage
-    /// again: it then marks those blocks.
+    /// rebuilt yet). A checkpoint follows at once after replay met damage, so that replay
+    /// does not meet it again: the checkpoint keeps those blocks marked.
     fn repair_damage_at_start(&mut self, replayed: &BTreeMap<PgId, Lsn>) {
         let sums = self.log.block_sums();
         let pgs: Vec<PgId> = self.raft.pgs().collect();
         for pg in pgs {
-            let retained = self
-                .raft
-                .storage(pg)
-                .map_or(&[][..], basalt_replication::PgStorage::retained);
-            if !reclaim::reads_poisoned(&sums, self.objects.get(&pg), retained) {
+            let storage = self.raft.storage(pg);
+            let retained = storage.map_or(&[][..], basalt_replication::PgStorage::retained);
+            let (indexed, logged) = reclaim::reads_poisoned(&sums, self.objects.get(&pg), retained);
+            if !indexed && !logged {
                 continue;
             }
             let what = match replayed.get(&pg) {
@@ -2177,7 +2176,7 @@ impl Core {
             if !self.repairs.contains_key(&pg) {
                 // No other replica to rebuild from: counted here, since no repair counts it.
                 self.counters.checksum_error();
-            } else if replayed.contains_key(&pg) {
+            } else if logged {
                 // Its log may end in entries no other replica took, whose payloads it
                 // cannot send: the others elect one of them first if they can.
                 self.raft.hold_back(pg, HELD_BACK_TICKS);

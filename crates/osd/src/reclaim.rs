@@ -538,13 +538,14 @@ fn live_payload(
     })
 }
 
-/// Whether a PG's object index (`objects`) or its raft entries kept in memory (`retained`)
-/// read a block marked poisoned in `sums`: data found damaged whose copy is to be rebuilt.
+/// What of a PG reads blocks marked poisoned in `sums` (data found damaged, whose copy is
+/// to be rebuilt): its object index (`objects`), its raft entries kept in memory
+/// (`retained`: entries this replica may be the only one to hold), each `true` if so.
 pub fn reads_poisoned(
     sums: &BlockSums,
     objects: Option<&PgObjects>,
     retained: &[RaftEntry],
-) -> bool {
+) -> (bool, bool) {
     let block = BLOCK_SIZE as u64;
     let poisoned = |device: u64, len: u64| {
         let first = device - device % block;
@@ -560,15 +561,15 @@ pub fn reads_poisoned(
                 .any(|&(_, len, device)| poisoned(device, len))
         })
     });
-    indexed
-        || retained.iter().any(|entry| {
-            PayloadRef::decode(&entry.data).is_some_and(|reference| {
-                poisoned(
-                    reference.device_offset_bytes,
-                    u64::from(reference.len_bytes),
-                )
-            })
+    let logged = retained.iter().any(|entry| {
+        PayloadRef::decode(&entry.data).is_some_and(|reference| {
+            poisoned(
+                reference.device_offset_bytes,
+                u64::from(reference.len_bytes),
+            )
         })
+    });
+    (indexed, logged)
 }
 
 /// Applies a durable move: the index and the raft entry follow the payload to `to` where
@@ -764,14 +765,14 @@ mod tests {
             start_bytes: 8192,
             len_bytes: 1 << 20,
         };
-        let sums = BlockSums::new(ring);
         let object = basalt_common::ObjectKey {
             image: basalt_common::ImageId(1),
             number: 0,
         };
         let mut objects = PgObjects::new();
-        // A write's second half: it starts in the middle of the block at 16 KiB.
-        objects.insert_extent(object, 0, 6144, 16384 + 2048);
+        // A write's second half: it starts in the middle of the block at 16 KiB and ends
+        // in the middle of the next.
+        objects.insert_extent(object, 0, 4096, 16384 + 2048);
         let reference = PayloadRef {
             object,
             offset_bytes: 0,
@@ -782,23 +783,22 @@ mod tests {
             data: reference.encode().into(),
             ..RaftEntry::default()
         }];
-        let reads = |sums: &BlockSums| {
-            (
-                reads_poisoned(sums, Some(&objects), &[]),
-                reads_poisoned(sums, None, &retained),
-            )
+        let reads = |poisoned: &[u64]| {
+            let sums = BlockSums::new(ring);
+            for at in poisoned {
+                sums.poison(*at);
+            }
+            reads_poisoned(&sums, Some(&objects), &retained)
         };
-        assert_eq!(reads(&sums), (false, false));
-        sums.poison(8192);
-        sums.poison(69632);
-        assert_eq!(reads(&sums), (false, false), "blocks next to them");
-        sums.poison(16384);
-        assert_eq!(reads(&sums), (true, false));
-        let sums = BlockSums::new(ring);
-        sums.poison(20480);
-        assert_eq!(reads(&sums), (true, false), "the extent's last block");
-        sums.poison(65536);
-        assert_eq!(reads(&sums), (true, true));
+        assert_eq!(reads(&[]), (false, false));
+        assert_eq!(
+            reads(&[8192, 12288, 24576, 61440, 69632]),
+            (false, false),
+            "next to them"
+        );
+        assert_eq!(reads(&[16384]), (true, false), "the extent's first block");
+        assert_eq!(reads(&[20480]), (true, false), "the extent's last block");
+        assert_eq!(reads(&[65536]), (false, true), "the raft entry's payload");
     }
 
     #[test]
