@@ -2174,8 +2174,11 @@ impl Core {
             };
             self.damaged(pg, what, None);
             if !self.repairs.contains_key(&pg) {
-                // No other replica to rebuild from: counted here, since no repair counts it.
-                self.counters.checksum_error();
+                // No other replica to rebuild from: damage replay found is counted here,
+                // since no repair counts it (what the checkpoint marks was counted before).
+                if replayed.contains_key(&pg) {
+                    self.counters.checksum_error();
+                }
             } else if logged {
                 // Its log may end in entries no other replica took, whose payloads it
                 // cannot send: the others elect one of them first if they can.
