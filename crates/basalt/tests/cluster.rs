@@ -503,7 +503,12 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     // done: the OSD cuts a checkpoint past it at once, which marks it; restarted with the
     // others, replay no longer goes through it, and the checkpoint's marks have the copy
     // rebuilt.
-    qemu_io_ok(&uri, false, &["write -P 0x22 10M 1M"]);
+    // (A write after it: damage in the last batch of a log is taken for a torn write.)
+    qemu_io_ok(
+        &uri,
+        false,
+        &["write -P 0x22 10M 1M", "write -P 0x23 11M 1M"],
+    );
     cluster.wait_replicas_equal(Duration::from_secs(60));
     flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x22);
     for n in 0..3 {
@@ -538,7 +543,7 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     cluster.wait_clean(Duration::from_secs(60));
     let pgs = scrub(&cluster, true);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
-    qemu_io_ok(&uri, true, &["read -P 0x22 10M 1M"]);
+    qemu_io_ok(&uri, true, &["read -P 0x22 10M 1M", "read -P 0x23 11M 1M"]);
 
     // Damage to a batch's header (the OSD's own records of what the batch holds): the
     // OSD refuses to start rather than drop what followed it.

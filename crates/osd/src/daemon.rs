@@ -76,6 +76,10 @@ const RETAINED_ENTRIES: usize = 4096;
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
+/// How long a replica under repair leads its PG before it steps down, if no other replica
+/// took the PG over by then ([`MultiRaft::step_down`]): a hand-over takes less than an
+/// election timeout.
+const STEP_DOWN_AFTER: Duration = Duration::from_secs(5);
 /// How long a replica whose copy replay found damaged does not campaign, in ticks with a
 /// quorum within reach: several election timeouts, for the others to elect one of them
 /// ([`MultiRaft::hold_back`]).
@@ -223,6 +227,8 @@ struct Repair {
     covered: bool,
     /// The replica leadership is being handed to (logged once, not at every tick).
     heir: Option<OsdId>,
+    /// Since when this replica has led the PG during the repair (see [`STEP_DOWN_AFTER`]).
+    leading_since: Option<std::time::Instant>,
 }
 
 impl Repair {
@@ -235,6 +241,7 @@ impl Repair {
             installed: None,
             covered: false,
             heir: None,
+            leading_since: None,
         }
     }
 }
@@ -2235,7 +2242,18 @@ impl Core {
                 self.end_repair(pg, Err(late));
                 continue;
             }
-            if self.raft.is_leader(pg) {
+            if !self.raft.is_leader(pg) {
+                repair.leading_since = None;
+            } else if now.duration_since(*repair.leading_since.get_or_insert(now)) > STEP_DOWN_AFTER
+            {
+                // No replica took the PG over in time: none may hold entries at the end of
+                // this one's log that it cannot send (damaged, and never replicated).
+                if self.raft.step_down(pg, HELD_BACK_TICKS) {
+                    tracing::warn!(%pg, "leadership was not handed over in time: this replica steps down and waits for the others to elect one of them");
+                }
+                (repair.leading_since, repair.heir) = (None, None);
+                continue;
+            } else {
                 let heir = self.raft.hand_over(pg, &repair.avoid);
                 match heir {
                     Some(heir) if repair.heir != Some(heir) => {

@@ -467,6 +467,27 @@ impl MultiRaft {
         raft.set_randomized_election_timeout(low + (z % (high - low) as u64) as usize);
     }
 
+    /// Makes this replica, if it leads `pg`, a follower in the same term, held back from
+    /// campaigning ([`MultiRaft::hold_back`] with `ticks`); whether it led. For a leader
+    /// whose copy is damaged and that no other replica took over from: its log may end in
+    /// entries no other replica holds, whose payloads it cannot send, so that no follower
+    /// can catch up to take over. The others elect one of them instead once their election
+    /// timeouts run out (the leases it gave expire first), and replace those entries, which
+    /// were never committed.
+    pub fn step_down(&mut self, pg: PgId, ticks: usize) -> bool {
+        let Some(group) = self.groups.get_mut(&pg) else {
+            return false;
+        };
+        if group.node.raft.state != StateRole::Leader {
+            return false;
+        }
+        let term = group.node.raft.term;
+        group.node.raft.become_follower(term, raft::INVALID_ID);
+        group.lease = None;
+        group.held_back = ticks;
+        true
+    }
+
     /// Whether the voters this replica heard from within an election timeout make a quorum
     /// with it (in both halves of a joint configuration).
     fn quorum_heard(group: &Group) -> bool {
@@ -1874,6 +1895,54 @@ mod tests {
         assert!(
             ticks > 2 * ELECTION_TICKS,
             "elected after {ticks} ticks, while held"
+        );
+    }
+
+    /// A leader that steps down, its last entry on no other replica, becomes a follower
+    /// that does not campaign: the two others elect one of them, and its entry is replaced.
+    #[test]
+    fn a_leader_that_steps_down_lets_the_others_elect_one_of_them() {
+        let (mut trio, old) = Trio::with_entries(2);
+        trio.replicas[old]
+            .propose(PG, b"only here".to_vec())
+            .expect("leader");
+        trio.settle_where(|_, _, _| false);
+        let last = trio.replicas[old].last_index(PG).expect("hosted");
+        let old_term = trio.replicas[old].term(PG).expect("hosted");
+        assert!(trio.replicas[old].step_down(PG, 5 * ELECTION_TICKS));
+        assert!(!trio.replicas[old].is_leader(PG));
+        assert!(
+            !trio.replicas[old].step_down(PG, 5 * ELECTION_TICKS),
+            "a follower"
+        );
+        let mut leader = None;
+        for _ in 0..10 * ELECTION_TICKS {
+            for raft in &mut trio.replicas {
+                raft.tick();
+            }
+            let sent = trio.settle();
+            assert!(
+                !sent.iter().any(|(from, message)| *from == old
+                    && [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote]
+                        .contains(&message.get_msg_type())),
+                "the replica that stepped down campaigned"
+            );
+            leader = (0..3).find(|n| trio.replicas[*n].read_barrier(PG).is_some());
+            if leader.is_some() {
+                break;
+            }
+        }
+        let leader = leader.expect("a leader");
+        assert_ne!(leader, old);
+        trio.replicas[leader]
+            .propose(PG, b"after".to_vec())
+            .expect("leader");
+        trio.settle();
+        let term_at = |raft: &MultiRaft| raft.storage(PG).expect("hosted").term(last);
+        assert!(term_at(&trio.replicas[old]).is_ok_and(|term| term > old_term));
+        assert_eq!(
+            term_at(&trio.replicas[old]),
+            term_at(&trio.replicas[leader])
         );
     }
 
