@@ -45,6 +45,14 @@ pub const MAX_BATCH_BYTES: u64 = (BLOCK_SIZE + DATA_SIZE_MAX) as u64;
 /// [`crate::reclaim::step_limit`].
 pub const FLOOR_BYTES: u64 = 2 * MAX_BATCH_BYTES + BLOCK_SIZE as u64;
 
+/// How long the writer waits after a batch with entries before it writes an empty batch
+/// after it, if nothing else came. Replay tells a batch damaged at rest from one torn by a
+/// crash by the intact batch after it (a torn batch is always the last): without one, the
+/// last batch of a log idle since, damaged, would be taken for torn and its entries
+/// (acknowledged writes, votes) dropped. So only batches written within this time before a
+/// crash are in doubt.
+const FENCE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Bytes zeroed per write while formatting.
 const FORMAT_CHUNK_BYTES: usize = 1 << 20;
 
@@ -799,6 +807,30 @@ async fn on_blocking_pool<T: Send + 'static>(
         .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
 }
 
+/// Writes an empty batch after the last (see [`FENCE_AFTER`]); why not, if it failed.
+async fn write_fence(
+    engine: &FileEngine,
+    writer: &mut LogWriter,
+    counters: &Counters,
+) -> Result<(), String> {
+    let placed = writer
+        .append(&[])
+        .map_err(|error| format!("placing an empty batch: {error}"))?;
+    let device_bytes = placed.bytes.len() as u64;
+    counters
+        .head_position
+        .store(placed.position + device_bytes, Ordering::Relaxed);
+    engine
+        .write(placed.offset_bytes, DmaBuf::from_slice(&placed.bytes), true)
+        .await
+        .map_err(|error| format!("batch {} at {}: {error}", placed.lsn.0, placed.offset_bytes))?;
+    counters.batches.fetch_add(1, Ordering::Relaxed);
+    counters
+        .device_bytes
+        .fetch_add(device_bytes, Ordering::Relaxed);
+    Ok(())
+}
+
 /// Takes from the front of `waiting` as many whole appends as one batch holds (each fits
 /// alone: submit checks), only relocations if `relocations_only`.
 fn take_group(waiting: &mut VecDeque<Append>, relocations_only: bool) -> Vec<Append> {
@@ -849,7 +881,27 @@ async fn write_loop(
     let mut waiting: VecDeque<Append> = VecDeque::new();
     let mut failed: Option<String> = None;
     let mut short_of_room = false;
+    // Whether the last batch written holds no entry (see `FENCE_AFTER`): not known of the
+    // log replayed.
+    let mut fenced = false;
     loop {
+        if waiting.is_empty() && !fenced && failed.is_none() && !short_of_room {
+            match tokio::time::timeout(FENCE_AFTER, appends.recv()).await {
+                Ok(Some(append)) => waiting.push_back(append),
+                Ok(None) => return,
+                Err(_) => {
+                    writer.set_tail(counters.tail_position.load(Ordering::Relaxed));
+                    fenced = true;
+                    if fits(&[], &writer, floor_bytes)
+                        && let Err(reason) = write_fence(&engine, &mut writer, &counters).await
+                    {
+                        tracing::error!(%reason, "log write failed; the log device refuses further writes");
+                        failed = Some(reason);
+                    }
+                    continue;
+                }
+            }
+        }
         if waiting.is_empty() {
             match appends.recv().await {
                 Some(append) => waiting.push_back(append),
@@ -964,6 +1016,7 @@ async fn write_loop(
         counters
             .device_bytes
             .fetch_add(device_bytes, Ordering::Relaxed);
+        fenced = entries.is_empty();
         let mut offsets = placed.data_offsets_bytes.into_iter();
         for (done, count, data) in callers {
             counters.appends.fetch_add(1, Ordering::Relaxed);

@@ -576,3 +576,38 @@ async fn replay_spares_damaged_client_data_and_nothing_else() {
     assert!(error.contains("the log is damaged"), "{error}");
     std::fs::remove_file(&path).expect("remove");
 }
+
+/// The writer puts an empty batch after the last one once nothing else came for a while,
+/// so that damage at rest to the last batch of a log idle since is told from a torn write:
+/// its client data is spared, not dropped with the batch.
+#[tokio::test(flavor = "current_thread")]
+async fn an_idle_log_ends_in_an_empty_batch_so_its_last_batch_is_not_taken_for_torn() {
+    use basalt_store::object_op::kind;
+    use std::os::unix::fs::FileExt;
+    let (path, device) = formatted_device("fenced", 32 << 20, 10).await;
+    let mut write = entry(1, 1, 0x44);
+    write.kind = kind::WRITE;
+    let placed = device.submit(vec![write]).await.expect("room");
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    drop(device);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open");
+    let at = placed.data_offsets_bytes[0] + 11;
+    file.write_all_at(&[!0x44], at).expect("write");
+    drop(file);
+    let opened = LogDevice::open(&path).await.expect("opens");
+    let batches = &opened.replayed.batches;
+    assert_eq!(batches.len(), 2, "the write's batch, then an empty one");
+    assert_eq!(batches[0].damaged_entries, vec![0]);
+    assert!(batches[1].entries.is_empty());
+    assert!(
+        opened
+            .device
+            .block_sums()
+            .is_poisoned(placed.data_offsets_bytes[0])
+    );
+    drop(opened);
+    std::fs::remove_file(&path).expect("remove");
+}
