@@ -76,9 +76,9 @@ const RETAINED_ENTRIES: usize = 4096;
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
-/// How long a replica under repair leads its PG before it steps down, if no other replica
-/// took the PG over by then ([`MultiRaft::step_down`]): a hand-over takes less than an
-/// election timeout.
+/// How long a replica under repair of damage in its raft log leads its PG before it steps
+/// down, once, if no other replica took the PG over by then ([`MultiRaft::step_down`]): a
+/// hand-over takes less than an election timeout.
 const STEP_DOWN_AFTER: Duration = Duration::from_secs(5);
 /// How long a replica whose copy replay found damaged does not campaign, in ticks with a
 /// quorum within reach: several election timeouts, for the others to elect one of them
@@ -229,6 +229,9 @@ struct Repair {
     heir: Option<OsdId>,
     /// Since when this replica has led the PG during the repair (see [`STEP_DOWN_AFTER`]).
     leading_since: Option<std::time::Instant>,
+    /// The damage is in payloads of its raft log (which it cannot send): leading, it steps
+    /// down once if no other replica took the PG over in time.
+    log_damaged: bool,
 }
 
 impl Repair {
@@ -242,6 +245,7 @@ impl Repair {
             covered: false,
             heir: None,
             leading_since: None,
+            log_damaged: false,
         }
     }
 }
@@ -769,6 +773,7 @@ impl Core {
                         let pg = pool.pg_of(object);
                         tracing::warn!(%pg, "entries held back from a follower: a payload among them is damaged here");
                         self.damaged(pg, mismatch, None);
+                        self.log_damaged(pg);
                     }
                     None => {
                         tracing::error!(image = object.image.0, %mismatch, "a damaged payload of an image no longer in the map");
@@ -2190,9 +2195,17 @@ impl Core {
                 // Its log may end in entries no other replica took, whose payloads it
                 // cannot send: the others elect one of them first if they can.
                 self.raft.hold_back(pg, HELD_BACK_TICKS);
+                self.log_damaged(pg);
             }
         }
         self.reclaim.asked |= !replayed.is_empty();
+    }
+
+    /// Notes that the repair of `pg` is of damage in payloads of its raft log.
+    fn log_damaged(&mut self, pg: PgId) {
+        if let Some(repair) = self.repairs.get_mut(&pg) {
+            repair.log_damaged = true;
+        }
     }
 
     fn advance_repairs(&mut self) {
@@ -2244,14 +2257,16 @@ impl Core {
             }
             if !self.raft.is_leader(pg) {
                 repair.leading_since = None;
-            } else if now.duration_since(*repair.leading_since.get_or_insert(now)) > STEP_DOWN_AFTER
+            } else if repair.log_damaged
+                && now.duration_since(*repair.leading_since.get_or_insert(now)) > STEP_DOWN_AFTER
             {
                 // No replica took the PG over in time: none may hold entries at the end of
                 // this one's log that it cannot send (damaged, and never replicated).
                 if self.raft.step_down(pg, HELD_BACK_TICKS) {
                     tracing::warn!(%pg, "leadership was not handed over in time: this replica steps down and waits for the others to elect one of them");
                 }
-                (repair.leading_since, repair.heir) = (None, None);
+                // Once: if the others cannot elect one of them, it leads again.
+                (repair.leading_since, repair.heir, repair.log_damaged) = (None, None, false);
                 continue;
             } else {
                 let heir = self.raft.hand_over(pg, &repair.avoid);
@@ -3239,6 +3254,7 @@ pub struct Running {
     core: tokio::task::JoinHandle<Result<(), OsdError>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _server: Server,
+    log: Arc<LogDevice>,
 }
 
 impl Running {
@@ -3246,7 +3262,14 @@ impl Running {
     pub async fn wait(mut self, shutdown: impl Future<Output = ()>) -> Result<(), OsdError> {
         tokio::select! {
             result = &mut self.core => result.map_err(|error| OsdError::Internal(error.to_string()))?,
-            () = shutdown => Ok(()),
+            () = shutdown => {
+                // An empty batch after the last (see `log_device::FENCE_AFTER`), so that
+                // damage to the last batch while the OSD is down is not taken for a torn
+                // write at the restart.
+                let fence = self.log.submit(Vec::new());
+                let _ = tokio::time::timeout(Duration::from_secs(2), fence).await;
+                Ok(())
+            }
         }
     }
 }
@@ -3306,6 +3329,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     drop(opened.replayed);
     drop(opened.checkpoint);
     let log = Arc::new(opened.device);
+    let running_log = log.clone();
     let engine = Arc::new(
         FileEngine::open(&path, &crate::log_device::engine_options()).map_err(|error| {
             OsdError::Io {
@@ -3852,6 +3876,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         core,
         tasks,
         _server: server,
+        log: running_log,
     })
 }
 

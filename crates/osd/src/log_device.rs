@@ -179,7 +179,8 @@ pub struct LogStats {
 }
 
 impl LogStats {
-    /// Device bytes per data byte (1.0 is the ideal; a lone 4 KiB append costs 2.0).
+    /// Device bytes per data byte (1.0 is the ideal; a lone 4 KiB append costs 2.0, and 3.0
+    /// with the empty batch written after it when nothing follows it within a second).
     pub fn write_amplification(&self) -> f64 {
         if self.data_bytes == 0 {
             0.0
@@ -201,6 +202,9 @@ struct Counters {
     /// The writer may reuse the ring before this position: the tail the checkpoints
     /// freed, or the first position a read in flight still needs if that is lower.
     tail_position: AtomicU64,
+    /// Milliseconds of quiet after which the writer puts an empty batch after the last
+    /// (see [`FENCE_AFTER`]); 0 for never.
+    fence_after_ms: AtomicU64,
 }
 
 /// What the writer may reuse: the tail the checkpoints freed, held back by reads in flight.
@@ -439,6 +443,9 @@ impl LogDevice {
         let (queue, appends) = mpsc::unbounded_channel();
         let counters = Arc::new(Counters::default());
         counters
+            .fence_after_ms
+            .store(FENCE_AFTER.as_millis() as u64, Ordering::Relaxed);
+        counters
             .head_position
             .store(replayed.next_position, Ordering::Relaxed);
         counters.tail_position.store(tail, Ordering::Relaxed);
@@ -667,6 +674,13 @@ impl LogDevice {
         self.sums.clone()
     }
 
+    /// Sets how long a quiet log waits before the writer puts an empty batch after the
+    /// last ([`FENCE_AFTER`] by default); `None`: never (tests that count batches).
+    pub fn set_fence_after(&self, after: Option<std::time::Duration>) {
+        let ms = after.map_or(0, |after| after.as_millis().max(1) as u64);
+        self.counters.fence_after_ms.store(ms, Ordering::Relaxed);
+    }
+
     /// What has been written so far.
     pub fn stats(&self) -> LogStats {
         let c = &self.counters;
@@ -885,18 +899,24 @@ async fn write_loop(
     // log replayed.
     let mut fenced = false;
     loop {
-        if waiting.is_empty() && !fenced && failed.is_none() && !short_of_room {
-            match tokio::time::timeout(FENCE_AFTER, appends.recv()).await {
+        let fence_after = counters.fence_after_ms.load(Ordering::Relaxed);
+        if waiting.is_empty() && !fenced && failed.is_none() && fence_after > 0 {
+            let quiet = std::time::Duration::from_millis(fence_after);
+            match tokio::time::timeout(quiet, appends.recv()).await {
                 Ok(Some(append)) => waiting.push_back(append),
                 Ok(None) => return,
                 Err(_) => {
+                    if counters.fence_after_ms.load(Ordering::Relaxed) == 0 {
+                        continue;
+                    }
                     writer.set_tail(counters.tail_position.load(Ordering::Relaxed));
-                    fenced = true;
-                    if fits(&[], &writer, floor_bytes)
-                        && let Err(reason) = write_fence(&engine, &mut writer, &counters).await
-                    {
-                        tracing::error!(%reason, "log write failed; the log device refuses further writes");
-                        failed = Some(reason);
+                    // Without room (the floor is the cleaner's), tried again after a while.
+                    if fits(&[], &writer, floor_bytes) {
+                        fenced = true;
+                        if let Err(reason) = write_fence(&engine, &mut writer, &counters).await {
+                            tracing::error!(%reason, "log write failed; the log device refuses further writes");
+                            failed = Some(reason);
+                        }
                     }
                     continue;
                 }
