@@ -3266,8 +3266,7 @@ impl Running {
                 // An empty batch after the last (see `log_device::FENCE_AFTER`), so that
                 // damage to the last batch while the OSD is down is not taken for a torn
                 // write at the restart.
-                let fence = self.log.submit(Vec::new());
-                let _ = tokio::time::timeout(Duration::from_secs(2), fence).await;
+                let _ = tokio::time::timeout(Duration::from_secs(2), self.log.close()).await;
                 Ok(())
             }
         }

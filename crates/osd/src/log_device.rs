@@ -674,6 +674,15 @@ impl LogDevice {
         self.sums.clone()
     }
 
+    /// Puts an empty batch after the last, for an orderly stop: the batch before it is then
+    /// known to have been written whole, so that damage to it while the OSD is down is not
+    /// taken for a torn write at the restart (see [`FENCE_AFTER`]).
+    pub fn close(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Appended, LogDeviceError>> + use<> {
+        self.submit(Vec::new())
+    }
+
     /// Sets how long a quiet log waits before the writer puts an empty batch after the
     /// last ([`FENCE_AFTER`] by default); `None`: never (tests that count batches).
     pub fn set_fence_after(&self, after: Option<std::time::Duration>) {

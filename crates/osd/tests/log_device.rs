@@ -615,3 +615,34 @@ async fn an_idle_log_ends_in_an_empty_batch_so_its_last_batch_is_not_taken_for_t
     drop(opened);
     std::fs::remove_file(&path).expect("remove");
 }
+
+/// A device closed for an orderly stop ends in an empty batch: damage to its last batch
+/// while it is down is told from a torn write, with no pause before the stop.
+#[tokio::test(flavor = "current_thread")]
+async fn a_closed_log_ends_in_an_empty_batch() {
+    use basalt_store::object_op::kind;
+    use std::os::unix::fs::FileExt;
+    let (path, device) = formatted_device("closed", 32 << 20, 11).await;
+    let mut write = entry(1, 1, 0x55);
+    write.kind = kind::WRITE;
+    let placed = device.submit(vec![write]).await.expect("room");
+    device.close().await.expect("closed");
+    drop(device);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open");
+    file.write_all_at(&[!0x55], placed.data_offsets_bytes[0] + 5)
+        .expect("write");
+    drop(file);
+    let opened = LogDevice::open(&path).await.expect("opens");
+    let damaged: Vec<Vec<usize>> = opened
+        .replayed
+        .batches
+        .iter()
+        .map(|batch| batch.damaged_entries.clone())
+        .collect();
+    assert_eq!(damaged, [vec![0], vec![]], "spared, not dropped as torn");
+    drop(opened);
+    std::fs::remove_file(&path).expect("remove");
+}
