@@ -77,9 +77,9 @@ pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MA
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
 /// How long a replica under repair of damage in its raft log leads its PG before it steps
-/// down, once, if no other replica took the PG over by then ([`MultiRaft::step_down`]): a
+/// down (each time it is elected), if no other replica took the PG over by then ([`MultiRaft::step_down`]): a
 /// hand-over takes less than an election timeout.
-const STEP_DOWN_AFTER: Duration = Duration::from_secs(5);
+pub const STEP_DOWN_AFTER: Duration = Duration::from_secs(5);
 /// How long a replica whose copy replay found damaged does not campaign, in ticks with a
 /// quorum within reach: several election timeouts, for the others to elect one of them
 /// ([`MultiRaft::hold_back`]).
@@ -230,7 +230,7 @@ struct Repair {
     /// Since when this replica has led the PG during the repair (see [`STEP_DOWN_AFTER`]).
     leading_since: Option<std::time::Instant>,
     /// The damage is in payloads of its raft log (which it cannot send): leading, it steps
-    /// down once if no other replica took the PG over in time.
+    /// down whenever no other replica took the PG over in time.
     log_damaged: bool,
 }
 
@@ -2265,8 +2265,8 @@ impl Core {
                 if self.raft.step_down(pg, HELD_BACK_TICKS) {
                     tracing::warn!(%pg, "leadership was not handed over in time: this replica steps down and waits for the others to elect one of them");
                 }
-                // Once: if the others cannot elect one of them, it leads again.
-                (repair.leading_since, repair.heir, repair.log_damaged) = (None, None, false);
+                // Again if it is elected again: the others could not elect one of them.
+                (repair.leading_since, repair.heir) = (None, None);
                 continue;
             } else {
                 let heir = self.raft.hand_over(pg, &repair.avoid);

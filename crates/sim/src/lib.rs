@@ -35,8 +35,11 @@
 //!   it) and repairs it as the OSD does: a leader hands leadership over, a follower asks
 //!   its leader for a snapshot ([`MultiRaft::request_snapshot`]) and installs it however
 //!   recent its log; restarted, it is held back from campaigning for a while
-//!   ([`MultiRaft::hold_back`]), as an OSD whose replay met damage. A copy never repaired
-//!   differs from the others at the end.
+//!   ([`MultiRaft::hold_back`]), as an OSD whose replay met damage. Half the damage is to
+//!   the payload of the last write of a raft log not applied yet: the replica cannot send
+//!   it (its hydrate fails, as the OSD's does on a block failing its checksum), so that,
+//!   leading, it hands over or steps down ([`MultiRaft::step_down`]) as the OSD's repairs
+//!   do. A copy never repaired differs from the others at the end.
 //! - **Membership**: every OSD hosts every PG, which starts on the first few; now and then a
 //!   PG's target members change (as the monitors' map would when OSDs go out or come in)
 //!   and its leader moves the voters there ([`MultiRaft::reconfigure`]).
@@ -47,19 +50,27 @@
 //! --seed N` replays it.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use basalt_common::{Lsn, OsdId, PgId, PoolId};
 use basalt_osd::reclaim::{self, Durable, Retention};
 use basalt_osd::{pg_log, snapshot};
 use basalt_replication::multi_raft::ELECTION_TICKS;
-use basalt_replication::{Action, HardState, MultiRaft, RaftEntry, RaftMessage, ReadStart};
+use basalt_replication::{
+    Action, HardState, MultiRaft, PayloadUnavailable, RaftEntry, RaftMessage, ReadStart,
+};
 use basalt_store::batch::{Entry, META_SIZE};
 use basalt_store::checkpoint::Checkpoint;
 use basalt_store::log::ReplayedBatch;
 
 /// Simulation steps per raft tick.
 const STEPS_PER_TICK: u64 = 10;
+/// How long a replica under repair of damage in its raft log leads before it steps down
+/// (the OSD's `STEP_DOWN_AFTER`), in steps.
+const STEP_DOWN_STEPS: u64 = basalt_osd::daemon::STEP_DOWN_AFTER.as_millis() as u64
+    / basalt_osd::daemon::TICK.as_millis() as u64
+    * STEPS_PER_TICK;
 /// A simulation step on the clock that measures leases (a tick is 100 ms, as in the OSD).
 const STEP: Duration = Duration::from_millis(10);
 /// Ticks after which a leader counts a snapshot failed if its follower has not fetched any
@@ -166,6 +177,10 @@ pub struct Outcome {
     pub snapshots: u64,
     /// Copies damaged.
     pub damaged: u64,
+    /// Of those, damage to the payload of an entry of a raft log not applied yet.
+    pub log_damaged: u64,
+    /// Damaged leaders that stepped down, no other replica having taken the PG over.
+    pub step_downs: u64,
     /// Damaged copies replaced by a snapshot of the leader's.
     pub repairs: u64,
 }
@@ -297,6 +312,12 @@ struct SimOsd {
     /// the write again after a restart reads the same damaged payload) until a snapshot's
     /// install replaces it, with the index of the write lost.
     damaged: BTreeMap<PgId, u64>,
+    /// The data of entries of its raft logs whose payloads are damaged on the device (they
+    /// cannot be sent: the OSD's hydrate fails), by PG, until a snapshot's install.
+    unreadable: Arc<Mutex<BTreeMap<Vec<u8>, PgId>>>,
+    /// PGs whose damage is in their raft log and that may still step down once, as the
+    /// OSD's repairs do, with the step from which this replica has led them.
+    may_step_down: BTreeMap<PgId, Option<u64>>,
     /// Which hard states each PG's persists write (the OSD's rule).
     hard_states: BTreeMap<PgId, pg_log::HardStates>,
     in_flight: VecDeque<(u64, Record)>,
@@ -306,6 +327,18 @@ struct SimOsd {
     restart_at: Option<u64>,
     /// The step until which this OSD is paused.
     paused_until: Option<u64>,
+}
+
+/// A snapshot's install replaced an OSD's damaged copy of `pg`: its payloads (`unreadable`)
+/// and its steps down (`may_step_down`) are forgotten.
+fn repaired(
+    unreadable: &Mutex<BTreeMap<Vec<u8>, PgId>>,
+    may_step_down: &mut BTreeMap<PgId, Option<u64>>,
+    pg: PgId,
+) {
+    let mut unreadable = unreadable.lock().expect("not poisoned");
+    unreadable.retain(|_, of| *of != pg);
+    may_step_down.remove(&pg);
 }
 
 impl SimOsd {
@@ -404,6 +437,8 @@ impl Cluster {
                 installing: BTreeMap::new(),
                 snapshots_sent: BTreeMap::new(),
                 damaged: BTreeMap::new(),
+                unreadable: Arc::new(Mutex::new(BTreeMap::new())),
+                may_step_down: BTreeMap::new(),
                 hard_states: BTreeMap::new(),
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
@@ -464,6 +499,15 @@ impl Cluster {
         let mut raft = MultiRaft::new(osd.id, seed);
         // As the OSDs run it.
         raft.set_lazy_commit(true);
+        // Entries whose payloads are damaged here cannot be sent.
+        let unreadable = osd.unreadable.clone();
+        raft.set_hydrate(Arc::new(move |data: &[u8]| {
+            let unreadable = unreadable.lock().expect("not poisoned");
+            match unreadable.contains_key(data) {
+                true => Err(PayloadUnavailable),
+                false => Ok(None),
+            }
+        }));
         raft.set_lease(Some(
             STEP * STEPS_PER_TICK as u32 * ELECTION_TICKS as u32 / 2,
         ));
@@ -522,6 +566,7 @@ impl Cluster {
                 record.then_send.clear();
                 if record.snapshot.is_some() && osd.damaged.remove(&record.pg).is_some() {
                     self.outcome.repairs += 1;
+                    repaired(&osd.unreadable, &mut osd.may_step_down, record.pg);
                 }
                 osd.durable.push(record);
             }
@@ -862,12 +907,33 @@ impl Cluster {
         let victim = voters[self.rng.below(voters.len() as u64) as usize];
         let pick = self.rng.next();
         let osd = &mut self.osds[victim.0 as usize];
+        let Some(raft) = osd.raft.as_ref() else {
+            return;
+        };
+        if pick >> 63 == 1 {
+            // The payload of the last write of its raft log not applied yet: it cannot be
+            // sent (another replica may hold the only other copies, or none may), and once
+            // applied, what it maps is damaged.
+            let applied = osd.applied_index.get(&pg).copied().unwrap_or(0);
+            let Some(entry) = raft.storage(pg).and_then(|storage| {
+                let retained = storage.retained().iter().rev();
+                retained
+                    .filter(|entry| entry.index > applied)
+                    .find(|entry| write_id(&entry.data).is_some())
+            }) else {
+                return;
+            };
+            osd.damaged.insert(pg, entry.index);
+            let mut unreadable = osd.unreadable.lock().expect("not poisoned");
+            unreadable.insert(entry.data.to_vec(), pg);
+            osd.may_step_down.insert(pg, None);
+            self.outcome.damaged += 1;
+            self.outcome.log_damaged += 1;
+            return;
+        }
         let Some(state) = osd.applied.get_mut(&pg).filter(|state| !state.is_empty()) else {
             return;
         };
-        if osd.raft.is_none() {
-            return;
-        }
         let removed = state.remove((pick % state.len() as u64) as usize);
         osd.damaged.insert(pg, removed.0);
         self.outcome.damaged += 1;
@@ -876,6 +942,7 @@ impl Cluster {
     /// Moves each damaged copy's repair on, as the OSD does: a leader hands leadership
     /// over, a follower that knows a leader asks it for a snapshot.
     fn advance_repairs(&mut self) {
+        let now = self.now;
         for osd in &mut self.osds {
             if osd.paused_until.is_some() {
                 continue;
@@ -883,11 +950,29 @@ impl Cluster {
             let Some(raft) = osd.raft.as_mut() else {
                 continue;
             };
-            for &pg in osd.damaged.keys() {
+            let pgs: Vec<PgId> = osd.damaged.keys().copied().collect();
+            for pg in pgs {
                 if raft.requesting_snapshot(pg) || osd.installing.contains_key(&pg) {
                     continue;
                 }
-                if raft.is_leader(pg) {
+                let leading = raft.is_leader(pg);
+                if let Some(since) = osd.may_step_down.get_mut(&pg) {
+                    // Damage in its raft log: leading too long, it steps down once.
+                    let since = match leading {
+                        true => *since.get_or_insert(now),
+                        false => {
+                            *since = None;
+                            now
+                        }
+                    };
+                    if now - since > STEP_DOWN_STEPS {
+                        osd.may_step_down.insert(pg, None);
+                        raft.step_down(pg, basalt_osd::daemon::HELD_BACK_TICKS);
+                        self.outcome.step_downs += 1;
+                        continue;
+                    }
+                }
+                if leading {
                     raft.hand_over(pg, &[osd.id]);
                 } else if raft.leader(pg).is_some() {
                     // Fails while this replica's last entry is of an older term: asked
@@ -1030,6 +1115,7 @@ impl Cluster {
                     osd.installing.remove(&pg);
                     if osd.damaged.remove(&pg).is_some() {
                         self.outcome.repairs += 1;
+                        repaired(&osd.unreadable, &mut osd.may_step_down, pg);
                     }
                     osd.applied.insert(pg, installed.state.clone());
                     osd.applied_index.insert(pg, installed.index);

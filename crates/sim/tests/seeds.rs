@@ -14,6 +14,7 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     let (mut reads, mut lease_reads) = (0, 0);
     let (mut checkpoint_restarts, mut snapshots) = (0, 0);
     let (mut damaged, mut repairs) = (0, 0);
+    let (mut log_damaged, mut step_downs) = (0, 0);
     for seed in 0..seeds {
         // Shown if the run panics (inside raft-rs, say) instead of failing with its seed.
         eprintln!("seed {seed}");
@@ -29,6 +30,8 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         snapshots += outcome.snapshots;
         damaged += outcome.damaged;
         repairs += outcome.repairs;
+        log_damaged += outcome.log_damaged;
+        step_downs += outcome.step_downs;
     }
     assert!(
         acknowledged > seeds * 100,
@@ -55,5 +58,12 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     assert!(
         damaged > seeds && repairs > seeds,
         "the runs must damage copies and repair them: {damaged} damaged, {repairs} repaired"
+    );
+    // Some of it in payloads of raft logs, which their replicas cannot send: damaged
+    // leaders hand over or step down.
+    assert!(
+        log_damaged > seeds / 4 && step_downs > 0,
+        "the runs must damage payloads of raft logs, and damaged leaders step down: \
+         {log_damaged} damaged, {step_downs} steps down"
     );
 }
