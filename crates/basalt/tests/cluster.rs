@@ -315,17 +315,6 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     cluster.wait_clean(Duration::from_secs(60));
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M", "write -P 0x33 4M 3M"]);
-    let scrub = |cluster: &ClusterProcesses, expect_success: bool| {
-        let output = cluster.cli(&["pg", "scrub", "--json"]);
-        assert_eq!(
-            output.status.success(),
-            expect_success,
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let pgs: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
-        pgs.as_array().expect("a list").clone()
-    };
     let pgs = scrub(&cluster, true);
     assert_eq!(pgs.len(), 8);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
@@ -482,22 +471,11 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     // Restarted, the OSD replays its log, finds the damaged data with intact batches after
     // it, marks it damaged, goes on, and has its copy rebuilt from another replica.
     cluster.kill_osd(1);
-    let repairs_before = cluster.log_text("osd.1").matches(" repaired pg=").count();
+    let repairs_before = repairs_of_osd_1(&cluster);
     cluster.start_osd(1);
-    wait_for(
-        "the copy damaged at rest rebuilt",
-        Duration::from_secs(90),
-        || cluster.log_text("osd.1").matches(" repaired pg=").count() > repairs_before,
-    );
-    let log = cluster.log_text("osd.1");
-    assert!(
-        log.contains("replay found data in the batch of lsn") && log.contains("damaged at rest"),
-        "{log}"
-    );
-    cluster.wait_clean(Duration::from_secs(60));
-    let pgs = scrub(&cluster, true);
-    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
-    qemu_io_ok(&uri, true, &["read -P 0x77 8M 1M", "read -P 0x44 12M 1M"]);
+    let why = ["replay found data in the batch of lsn", "damaged at rest"];
+    let reads = ["read -P 0x77 8M 1M", "read -P 0x44 12M 1M"];
+    expect_osd_1_rebuilt(&cluster, repairs_before, &why, (&uri, &reads));
 
     // Damage replay meets while the other replicas are down, so that no repair can be
     // done: the OSD cuts a checkpoint past it at once, which marks it; restarted with the
@@ -514,36 +492,26 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     for n in 0..3 {
         cluster.kill_osd(n);
     }
-    let count =
-        |cluster: &ClusterProcesses, what: &str| cluster.log_text("osd.1").matches(what).count();
-    let asked = "checkpoint written as asked";
-    let checkpoints_before = count(&cluster, asked);
+    let asked = |cluster: &ClusterProcesses| {
+        let log = cluster.log_text("osd.1");
+        log.matches("checkpoint written as asked").count()
+    };
+    let checkpoints_before = asked(&cluster);
     cluster.start_osd(1);
     wait_for(
         "a checkpoint past the damage",
         Duration::from_secs(60),
-        || count(&cluster, asked) > checkpoints_before,
+        || asked(&cluster) > checkpoints_before,
     );
     cluster.kill_osd(1);
-    let repairs_before = count(&cluster, " repaired pg=");
+    let repairs_before = repairs_of_osd_1(&cluster);
     // (The damaged one first: if its log reads the damage, it waits for the others.)
     for n in [1, 0, 2] {
         cluster.start_osd(n);
     }
-    wait_for(
-        "the copy the checkpoint marks damaged rebuilt",
-        Duration::from_secs(90),
-        || count(&cluster, " repaired pg=") > repairs_before,
-    );
-    let log = cluster.log_text("osd.1");
-    assert!(
-        log.contains("the checkpoint marks data it reads damaged, not rebuilt yet"),
-        "{log}"
-    );
-    cluster.wait_clean(Duration::from_secs(60));
-    let pgs = scrub(&cluster, true);
-    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
-    qemu_io_ok(&uri, true, &["read -P 0x22 10M 1M", "read -P 0x23 11M 1M"]);
+    let why = ["the checkpoint marks data it reads damaged, not rebuilt yet"];
+    let reads = ["read -P 0x22 10M 1M", "read -P 0x23 11M 1M"];
+    expect_osd_1_rebuilt(&cluster, repairs_before, &why, (&uri, &reads));
 
     // Damage to a batch's header (the OSD's own records of what the batch holds): the
     // OSD refuses to start rather than drop what followed it.
@@ -566,6 +534,45 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         stderr.contains("the log is damaged") && stderr.contains("basalt osd out"),
         "{stderr}"
     );
+}
+
+/// Every PG's scrub verdict (`basalt pg scrub --json`), which must succeed or fail as
+/// `expect_success` says.
+fn scrub(cluster: &ClusterProcesses, expect_success: bool) -> Vec<serde_json::Value> {
+    let output = cluster.cli(&["pg", "scrub", "--json"]);
+    assert_eq!(
+        output.status.success(),
+        expect_success,
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let pgs: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    pgs.as_array().expect("a list").clone()
+}
+
+/// The copies osd process 1 has rebuilt, as its log counts them.
+fn repairs_of_osd_1(cluster: &ClusterProcesses) -> usize {
+    cluster.log_text("osd.1").matches(" repaired pg=").count()
+}
+
+/// Waits for osd process 1 to rebuild a copy (more than `before`), then checks that its
+/// log says each of `why`, that the cluster goes clean and every PG scrubs consistent, and
+/// that the qemu-io `reads` pass through `uri`.
+fn expect_osd_1_rebuilt(
+    cluster: &ClusterProcesses,
+    before: usize,
+    why: &[&str],
+    (uri, reads): (&str, &[&str]),
+) {
+    wait_for("osd.1's copy rebuilt", Duration::from_secs(90), || {
+        repairs_of_osd_1(cluster) > before
+    });
+    let log = cluster.log_text("osd.1");
+    assert!(why.iter().all(|line| log.contains(line)), "{why:?}: {log}");
+    cluster.wait_clean(Duration::from_secs(60));
+    let pgs = scrub(cluster, true);
+    assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
+    qemu_io_ok(uri, true, reads);
 }
 
 /// A follower catching up is never sent a payload that is damaged on its leader: the

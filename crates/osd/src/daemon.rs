@@ -77,8 +77,8 @@ pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MA
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
 /// How long a replica under repair of damage in its raft log leads its PG before it steps
-/// down (each time it is elected), if no other replica took the PG over by then ([`MultiRaft::step_down`]): a
-/// hand-over takes less than an election timeout.
+/// down (each time it is elected), if no other replica took the PG over by then
+/// ([`MultiRaft::step_down`]): a hand-over takes less than an election timeout.
 pub const STEP_DOWN_AFTER: Duration = Duration::from_secs(5);
 /// How long a replica whose copy replay found damaged does not campaign, in ticks with a
 /// quorum within reach: several election timeouts, for the others to elect one of them
@@ -2159,9 +2159,6 @@ impl Core {
         }
     }
 
-    /// Moves each repair on: a replica that leads hands leadership over, a follower asks
-    /// its leader for a snapshot (installing it ends the repair, in
-    /// [`Core::snapshot_installed`]); one that takes too long is given up.
     /// At start: has the copies rebuilt of the PGs whose index or raft log reads blocks
     /// marked damaged, by replay (data of a write damaged at rest, `replayed`: the PGs with
     /// the LSN of the batch) or by the checkpoint (damage found before the restart and not
@@ -2208,6 +2205,10 @@ impl Core {
         }
     }
 
+    /// Moves each repair on: a replica that leads hands leadership over (and steps down if
+    /// that takes too long and its raft log is damaged), a follower asks its leader for a
+    /// snapshot (installing it ends the repair, in [`Core::snapshot_installed`]); one that
+    /// takes too long is given up.
     fn advance_repairs(&mut self) {
         let now = std::time::Instant::now();
         let pgs: Vec<PgId> = self.repairs.keys().copied().collect();

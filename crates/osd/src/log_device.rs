@@ -795,10 +795,7 @@ async fn read_log(
                 let trim = |entry: &mut Entry, offset, damaged| {
                     if damaged {
                         // Which of its blocks changed is unknown: reads of any fail.
-                        let len = entry.data.len() as u64;
-                        for at in (offset..offset + len).step_by(BLOCK_SIZE) {
-                            sums.poison(at);
-                        }
+                        sums.poison_range(offset, entry.data.len() as u64);
                     } else {
                         sums.record(offset, &entry.data);
                     }
@@ -810,7 +807,7 @@ async fn read_log(
             }
             // The cleaner reads durable batches and keeps the payloads it may move; it
             // takes a damaged batch too and decides what its damage means.
-            None => read_durable(read, ring, (start, lsn), (limit, durable_end), |_, _| {}),
+            None => read_durable(read, ring, (start, lsn), (limit, durable_end)),
         }
     })
     .await
@@ -828,30 +825,6 @@ async fn on_blocking_pool<T: Send + 'static>(
     tokio::task::spawn_blocking(move || task(&mut |offset, len| pread(&file, offset, len)))
         .await
         .map_err(|error| std::io::Error::other(format!("read task failed: {error}")))?
-}
-
-/// Writes an empty batch after the last (see [`FENCE_AFTER`]); why not, if it failed.
-async fn write_fence(
-    engine: &FileEngine,
-    writer: &mut LogWriter,
-    counters: &Counters,
-) -> Result<(), String> {
-    let placed = writer
-        .append(&[])
-        .map_err(|error| format!("placing an empty batch: {error}"))?;
-    let device_bytes = placed.bytes.len() as u64;
-    counters
-        .head_position
-        .store(placed.position + device_bytes, Ordering::Relaxed);
-    engine
-        .write(placed.offset_bytes, DmaBuf::from_slice(&placed.bytes), true)
-        .await
-        .map_err(|error| format!("batch {} at {}: {error}", placed.lsn.0, placed.offset_bytes))?;
-    counters.batches.fetch_add(1, Ordering::Relaxed);
-    counters
-        .device_bytes
-        .fetch_add(device_bytes, Ordering::Relaxed);
-    Ok(())
 }
 
 /// Takes from the front of `waiting` as many whole appends as one batch holds (each fits
@@ -915,19 +888,19 @@ async fn write_loop(
                 Ok(Some(append)) => waiting.push_back(append),
                 Ok(None) => return,
                 Err(_) => {
-                    if counters.fence_after_ms.load(Ordering::Relaxed) == 0 {
+                    // Quiet: an empty append of its own, written as any other, if still
+                    // wanted (the interval may have been turned off while the writer waited)
+                    // and with room (the floor is the cleaner's; else tried again later).
+                    writer.set_tail(counters.tail_position.load(Ordering::Relaxed));
+                    let wanted = counters.fence_after_ms.load(Ordering::Relaxed) > 0;
+                    if !wanted || !fits(&[], &writer, floor_bytes) {
                         continue;
                     }
-                    writer.set_tail(counters.tail_position.load(Ordering::Relaxed));
-                    // Without room (the floor is the cleaner's), tried again after a while.
-                    if fits(&[], &writer, floor_bytes) {
-                        fenced = true;
-                        if let Err(reason) = write_fence(&engine, &mut writer, &counters).await {
-                            tracing::error!(%reason, "log write failed; the log device refuses further writes");
-                            failed = Some(reason);
-                        }
-                    }
-                    continue;
+                    waiting.push_back(Append {
+                        entries: Vec::new(),
+                        relocation: false,
+                        done: oneshot::channel().0,
+                    });
                 }
             }
         }

@@ -546,27 +546,18 @@ pub fn reads_poisoned(
     objects: Option<&PgObjects>,
     retained: &[RaftEntry],
 ) -> (bool, bool) {
-    let block = BLOCK_SIZE as u64;
-    let poisoned = |device: u64, len: u64| {
-        let first = device - device % block;
-        (first..device + len)
-            .step_by(BLOCK_SIZE)
-            .any(|at| sums.is_poisoned(at))
-    };
     let indexed = objects.is_some_and(|objects| {
         objects.keys().into_iter().any(|key| {
             let extents = objects.extents(key);
             extents
                 .iter()
-                .any(|&(_, len, device)| poisoned(device, len))
+                .any(|&(_, len, device)| sums.any_poisoned(device, len))
         })
     });
     let logged = retained.iter().any(|entry| {
         PayloadRef::decode(&entry.data).is_some_and(|reference| {
-            poisoned(
-                reference.device_offset_bytes,
-                u64::from(reference.len_bytes),
-            )
+            let len = u64::from(reference.len_bytes);
+            sums.any_poisoned(reference.device_offset_bytes, len)
         })
     });
     (indexed, logged)
@@ -657,14 +648,7 @@ mod tests {
         let from = 2 * MAX_BATCH_BYTES;
         let durable_end = last.position;
         let limit = step_limit(ring, from);
-        let found = read_durable(
-            read,
-            ring,
-            (from, last.lsn),
-            (limit, durable_end),
-            |_, _| {},
-        )
-        .expect("read");
+        let found = read_durable(read, ring, (from, last.lsn), (limit, durable_end)).expect("read");
         assert!(found.batches.is_empty());
         assert_eq!(
             (found.next_position, found.next_lsn),
@@ -721,7 +705,7 @@ mod tests {
             for &(from, lsn) in in_ring {
                 let step = |(from, lsn)| {
                     let limit = step_limit(ring, from).min(durable_end);
-                    let found = read_durable(read, ring, (from, lsn), (limit, durable_end), |_, _| {})
+                    let found = read_durable(read, ring, (from, lsn), (limit, durable_end))
                         .expect("read");
                     (limit, found)
                 };

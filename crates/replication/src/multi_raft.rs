@@ -1417,6 +1417,30 @@ mod tests {
             }
             panic!("no leader");
         }
+
+        /// Ticks every replica until one leads and has committed an entry of its term,
+        /// asserting that `quiet` never campaigns and is not the one; the leader.
+        fn elect_without(&mut self, quiet: usize) -> usize {
+            for _ in 0..10 * ELECTION_TICKS {
+                for raft in &mut self.replicas {
+                    raft.tick();
+                }
+                assert!(!campaigned(&self.settle(), quiet), "{quiet} campaigned");
+                if let Some(leader) = (0..3).find(|n| self.replicas[*n].read_barrier(PG).is_some())
+                {
+                    assert_ne!(leader, quiet);
+                    return leader;
+                }
+            }
+            panic!("no leader");
+        }
+    }
+
+    /// Whether replica `who` asked for votes (or pre-votes) among the messages `sent`.
+    fn campaigned(sent: &[(usize, Message)], who: usize) -> bool {
+        let campaign = [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote];
+        sent.iter()
+            .any(|(from, message)| *from == who && campaign.contains(&message.get_msg_type()))
     }
 
     /// Heartbeats and their answers travel as beats: each rebuilds exactly the message raft
@@ -1811,37 +1835,13 @@ mod tests {
         }
         assert_eq!(trio.replicas[held].last_index(PG), Some(longest));
         trio.replicas[held].hold_back(PG, 15 * ELECTION_TICKS);
-        let campaigned = |sent: &[(usize, Message)], who: usize| {
-            sent.iter().any(|(from, message)| {
-                let kind = message.get_msg_type();
-                let campaign = [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote];
-                *from == who && campaign.contains(&kind)
-            })
-        };
         // Alone, for longer than it is held, it does not campaign.
         for _ in 0..20 * ELECTION_TICKS {
             trio.replicas[held].tick();
             assert!(!campaigned(&trio.settle(), held), "campaigned alone");
         }
-        let others: Vec<usize> = (0..3).filter(|n| *n != held).collect();
-        let mut leader = None;
-        for _ in 0..10 * ELECTION_TICKS {
-            for n in 0..3 {
-                trio.replicas[n].tick();
-            }
-            assert!(
-                !campaigned(&trio.settle(), held),
-                "campaigned with the others up"
-            );
-            leader = others
-                .iter()
-                .copied()
-                .find(|n| trio.replicas[*n].read_barrier(PG).is_some());
-            if leader.is_some() {
-                break;
-            }
-        }
-        let leader = leader.expect("the others elect one of them");
+        // The others up: they elect one of them.
+        let leader = trio.elect_without(held);
         let third = 3 - held - leader;
         trio.replicas[leader]
             .propose(PG, b"after".to_vec())
@@ -1915,25 +1915,7 @@ mod tests {
             !trio.replicas[old].step_down(PG, 5 * ELECTION_TICKS),
             "a follower"
         );
-        let mut leader = None;
-        for _ in 0..10 * ELECTION_TICKS {
-            for raft in &mut trio.replicas {
-                raft.tick();
-            }
-            let sent = trio.settle();
-            assert!(
-                !sent.iter().any(|(from, message)| *from == old
-                    && [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote]
-                        .contains(&message.get_msg_type())),
-                "the replica that stepped down campaigned"
-            );
-            leader = (0..3).find(|n| trio.replicas[*n].read_barrier(PG).is_some());
-            if leader.is_some() {
-                break;
-            }
-        }
-        let leader = leader.expect("a leader");
-        assert_ne!(leader, old);
+        let leader = trio.elect_without(old);
         trio.replicas[leader]
             .propose(PG, b"after".to_vec())
             .expect("leader");

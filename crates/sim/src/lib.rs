@@ -315,8 +315,8 @@ struct SimOsd {
     /// The data of entries of its raft logs whose payloads are damaged on the device (they
     /// cannot be sent: the OSD's hydrate fails), by PG, until a snapshot's install.
     unreadable: Arc<Mutex<BTreeMap<Vec<u8>, PgId>>>,
-    /// PGs whose damage is in their raft log and that may still step down once, as the
-    /// OSD's repairs do, with the step from which this replica has led them.
+    /// PGs whose damage is in their raft log, which step down when they have led too long,
+    /// as the OSD's repairs do, with the step from which this replica has led them.
     may_step_down: BTreeMap<PgId, Option<u64>>,
     /// Which hard states each PG's persists write (the OSD's rule).
     hard_states: BTreeMap<PgId, pg_log::HardStates>,
@@ -957,16 +957,11 @@ impl Cluster {
                 }
                 let leading = raft.is_leader(pg);
                 if let Some(since) = osd.may_step_down.get_mut(&pg) {
-                    // Damage in its raft log: leading too long, it steps down once.
-                    let since = match leading {
-                        true => *since.get_or_insert(now),
-                        false => {
-                            *since = None;
-                            now
-                        }
-                    };
-                    if now - since > STEP_DOWN_STEPS {
-                        osd.may_step_down.insert(pg, None);
+                    // Damage in its raft log: leading too long, it steps down.
+                    if !leading {
+                        *since = None;
+                    } else if now - *since.get_or_insert(now) > STEP_DOWN_STEPS {
+                        *since = None;
                         raft.step_down(pg, basalt_osd::daemon::HELD_BACK_TICKS);
                         self.outcome.step_downs += 1;
                         continue;

@@ -118,6 +118,18 @@ impl BlockSums {
         self.value(device_offset_bytes) & POISONED != 0
     }
 
+    /// Poisons every block the device range `(offset, len)` touches.
+    pub fn poison_range(&self, offset: u64, len: u64) {
+        for at in blocks(offset, len) {
+            self.poison(at);
+        }
+    }
+
+    /// Whether any block the device range `(offset, len)` touches is poisoned.
+    pub fn any_poisoned(&self, offset: u64, len: u64) -> bool {
+        blocks(offset, len).any(|at| self.is_poisoned(at))
+    }
+
     /// Checks `data` read at `device_offset_bytes` (a block boundary; whole blocks, or an
     /// entry's data, taken as zero-padded like [`BlockSums::record`]) against the checksums
     /// written: the first block that differs, if any. Blocks of unknown checksum pass.
@@ -196,11 +208,15 @@ impl BlockSums {
             }
         }
         for (start, count) in poisoned {
-            for i in 0..u64::from(*count) {
-                self.poison(start + i * BLOCK_SIZE as u64);
-            }
+            self.poison_range(*start, u64::from(*count) * BLOCK_SIZE as u64);
         }
     }
+}
+
+/// The device offsets of the blocks the range `(offset, len)` touches.
+fn blocks(offset: u64, len: u64) -> impl Iterator<Item = u64> {
+    let block = BLOCK_SIZE as u64;
+    (offset - offset % block..offset + len).step_by(BLOCK_SIZE)
 }
 
 /// The checksum of a block holding `chunk` (at most a block), zero-padded.

@@ -260,13 +260,15 @@ pub fn replay<E>(
     first_lsn: Lsn,
     limit_position: u64,
 ) -> Result<Replayed, E> {
-    replay_trimmed(
+    let from = (start_position, first_lsn);
+    let keep = |_: &mut Entry, _, _| {};
+    read_log(
         read,
         ring,
-        start_position,
-        first_lsn,
+        from,
         limit_position,
-        |_, _| {},
+        keep,
+        Reading::Replay(None),
     )
 }
 
@@ -320,36 +322,17 @@ fn read_batch<E>(
     }))
 }
 
-/// [`replay`], with `trim` applied to each entry, with the device offset of its data, once
-/// its batch is verified: a caller that needs only where the data lies drops it there, so
-/// replay holds metadata, not the log.
-pub fn replay_trimmed<E>(
-    read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
-    ring: Ring,
-    start_position: u64,
-    first_lsn: Lsn,
-    limit_position: u64,
-    trim: impl FnMut(&mut Entry, u64),
-) -> Result<Replayed, E> {
-    let from = (start_position, first_lsn);
-    let trim = untold(trim);
-    read_log(
-        read,
-        ring,
-        from,
-        limit_position,
-        trim,
-        Reading::Replay(None),
-    )
-}
-
-/// [`replay_trimmed`], going on past data damaged at rest: a batch whose header is intact
-/// but some of whose entries' data fails its checksum, while the batch after it is intact
-/// (so it was written whole: see [`Damage`]), is taken when `spare` says the caller can do
-/// without the data of each of those entries (it knows where the data lay and marks it
-/// damaged), with them named in [`ReplayedBatch::damaged_entries`]. `trim` is told, with
-/// each entry and the device offset of its data, whether that data is damaged. Any other
-/// damage ends replay as in [`replay`]; a torn last batch is still the end of the log.
+/// [`replay`], going on past data damaged at rest, with `trim` applied to each entry once
+/// its batch is verified: told the device offset of the entry's data and whether that data
+/// is damaged, a caller that needs only where the data lies drops it there, so that replay
+/// holds metadata, not the log.
+///
+/// A batch whose header is intact but some of whose entries' data fails its checksum, while
+/// the batch after it is intact (so it was written whole: see [`Damage`]), is taken when
+/// `spare` says the caller can do without the data of each of those entries (it knows where
+/// the data lay and marks it damaged), with them named in
+/// [`ReplayedBatch::damaged_entries`]. Any other damage ends replay as in [`replay`]; a
+/// torn last batch is still the end of the log.
 pub fn replay_sparing<E>(
     read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
@@ -368,11 +351,6 @@ pub fn replay_sparing<E>(
     )
 }
 
-/// A trim that is not told whether an entry's data is damaged.
-fn untold(mut trim: impl FnMut(&mut Entry, u64)) -> impl FnMut(&mut Entry, u64, bool) {
-    move |entry, offset, _| trim(entry, offset)
-}
-
 /// How [`read_log`] takes a batch that fails its checks.
 #[derive(Clone, Copy)]
 enum Reading<'a> {
@@ -384,7 +362,7 @@ enum Reading<'a> {
     Durable(u64),
 }
 
-/// [`replay_trimmed`] over batches known to be durable (before the writer's durable end,
+/// [`replay`] over batches known to be durable (before the writer's durable end,
 /// as the cleaner reads them): a batch whose header is intact but some of whose entries'
 /// data fails its checksum was damaged after it was written, not torn. It is taken, with
 /// those entries named in [`ReplayedBatch::damaged_entries`], so that the caller can tell
@@ -400,16 +378,15 @@ pub fn read_durable<E>(
     ring: Ring,
     (start_position, first_lsn): (u64, Lsn),
     (limit_position, durable_end): (u64, u64),
-    trim: impl FnMut(&mut Entry, u64),
 ) -> Result<Replayed, E> {
     let from = (start_position, first_lsn);
-    let trim = untold(trim);
+    let keep = |_: &mut Entry, _, _| {};
     read_log(
         read,
         ring,
         from,
         limit_position,
-        trim,
+        keep,
         Reading::Durable(durable_end),
     )
 }
@@ -472,27 +449,13 @@ fn read_log<E>(
                 }
                 None => {
                     if let Err(error) = &found {
-                        // Damaged data to spare, here or where the writer may have put
-                        // the batch instead (the next lap).
-                        let mut spared = None;
-                        if let Some(spare) = spare {
-                            let here = matches!(error, BatchError::DataChecksum { .. });
-                            let there = !position.is_multiple_of(ring.len_bytes)
-                                && next_lap < limit_position;
-                            for (at, may) in [(position, here), (next_lap, there)] {
-                                if may && spared.is_none() {
-                                    let batch = (at, lsn);
-                                    spared = spared_batch(
-                                        &mut read,
-                                        ring,
-                                        batch,
-                                        limit_position,
-                                        spare,
-                                    )?
-                                    .map(|found| (at, found));
-                                }
+                        let spared = match spare {
+                            Some(spare) => {
+                                let at = (position, lsn);
+                                spared_batch(&mut read, ring, at, limit_position, spare)?
                             }
-                        }
+                            None => None,
+                        };
                         match spared {
                             Some((at, batch)) => (position, found) = (at, Ok(batch)),
                             None => break Some(error.clone()),
@@ -529,23 +492,38 @@ fn read_log<E>(
     })
 }
 
-/// The batch of LSN `lsn` at `position`, whose header is intact but some of whose
-/// entries' data fails its checksum, if it was written whole (the batch after it is intact:
-/// [`damage_at`]) and `spare` holds for each of those entries.
+/// The batch of LSN `lsn` expected at `position`, or where the writer may have put it
+/// instead ([`places`]), whose header is intact but some of whose entries' data fails its
+/// checksum, if it was written whole (the batch after it is intact: [`damage_at`]) and
+/// `spare` holds for each of those entries; with where it lies.
 fn spared_batch<E>(
     read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     (position, lsn): (u64, Lsn),
     limit: u64,
     spare: &dyn Fn(&Entry) -> bool,
-) -> Result<Option<FoundBatch>, E> {
-    let Ok(batch) = read_batch(read, ring, (position, lsn), limit, true)? else {
-        return Ok(None);
-    };
-    let (_, entries, _, damaged) = &batch;
-    let spared = damaged.iter().all(|&at| spare(&entries[at]))
-        && damage_at(read, ring, position, lsn, limit).is_some();
-    Ok(spared.then_some(batch))
+) -> Result<Option<(u64, FoundBatch)>, E> {
+    for at in places(ring, position, limit) {
+        let Ok(batch) = read_batch(read, ring, (at, lsn), limit, true)? else {
+            continue;
+        };
+        let (_, entries, _, damaged) = &batch;
+        if damaged.iter().all(|&entry| spare(&entries[entry]))
+            && damage_at(read, ring, at, lsn, limit).is_some()
+        {
+            return Ok(Some((at, batch)));
+        }
+    }
+    Ok(None)
+}
+
+/// Where the batch of the LSN expected at `position` may lie, below `limit`: there, and at
+/// the start of the next lap if the writer may have skipped there (it does when a batch
+/// does not fit in the rest of a lap).
+fn places(ring: Ring, position: u64, limit: u64) -> impl Iterator<Item = u64> {
+    let next_lap = ring.next_lap(position);
+    let skip_possible = !position.is_multiple_of(ring.len_bytes) && next_lap < limit;
+    std::iter::once(position).chain(skip_possible.then_some(next_lap))
 }
 
 /// A batch of the log that was written whole and damaged since, with its place: where the
@@ -589,21 +567,15 @@ pub fn read_damaged<E>(
     }))
 }
 
-/// The damage of the batch of LSN `lsn` at `position`, or at the start of the next lap if
-/// the writer may have skipped there ([`damage_at`]).
+/// The damage of the batch of LSN `lsn` expected at `position`, or where the writer may
+/// have put it instead ([`places`], [`damage_at`]).
 fn find_damage<E>(
     read: &mut impl FnMut(u64, usize) -> Result<Vec<u8>, E>,
     ring: Ring,
     (position, lsn): (u64, Lsn),
     limit: u64,
 ) -> Option<Damage> {
-    let skipped = ring.next_lap(position);
-    let skip_possible = !position.is_multiple_of(ring.len_bytes) && skipped < limit;
-    damage_at(read, ring, position, lsn, limit).or_else(|| {
-        skip_possible
-            .then(|| damage_at(read, ring, skipped, lsn, limit))
-            .flatten()
-    })
+    places(ring, position, limit).find_map(|at| damage_at(read, ring, at, lsn, limit))
 }
 
 /// The damage of the batch of LSN `lsn` at `position`, which failed its checks, if the
@@ -728,7 +700,7 @@ mod tests {
         /// Reads as the cleaner does ([`read_durable`]), from `start` (with `first`).
         fn read_durable(&self, (start, first): (u64, Lsn), limits: (u64, u64)) -> Replayed {
             let read = |offset, len| self.read(offset, len);
-            read_durable(read, self.ring(), (start, first), limits, |_, _| {})
+            read_durable(read, self.ring(), (start, first), limits)
                 .expect("memory reads do not fail")
         }
 
