@@ -26,6 +26,8 @@ if ((${#missing[@]})); then
   $sudo apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${missing[@]}" | sort -u) >/dev/null
 fi
 
+# The suite's scratch files (OSD devices, fio files) need about 1 GiB besides the build.
+echo "test.sh: free space: $(df -h --output=avail . | tail -1 | tr -d ' ')" >&2
 echo "test.sh: cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "test.sh: cargo clippy" >&2

@@ -17,6 +17,7 @@
 //! listen = "127.0.0.1:0"
 //! host = "node1"
 //! device_size = "4GiB"
+//! sparse_device = false
 //! metrics_addr = "127.0.0.1:9481"
 //! max_moves = 4
 //! scrub_interval_seconds = 604800
@@ -79,6 +80,7 @@ pub struct OsdSection {
     host: Option<String>,
     weight: Option<f64>,
     device_size: Option<String>,
+    sparse_device: Option<bool>,
     metrics_addr: Option<SocketAddr>,
     max_moves: Option<usize>,
     poll_us: Option<u64>,
@@ -202,6 +204,11 @@ pub struct OsdArgs {
     /// Size of the device file created on first start.
     #[arg(long)]
     pub device_size: Option<ByteSize>,
+    /// Create the device file sparse: a hole instead of zeroes written over it, so it takes
+    /// space only as the log first reaches it (quick to create; those first writes are
+    /// slower). For test and development clusters.
+    #[arg(long)]
+    pub sparse_device: bool,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
@@ -260,6 +267,11 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             .or(section.data_dir)
             .context("--data-dir is required")?,
         device_size_bytes: device_size,
+        device_fill: if args.sparse_device || section.sparse_device == Some(true) {
+            basalt_osd::log_device::Fill::Sparse
+        } else {
+            basalt_osd::log_device::Fill::Zeroes
+        },
         mons: resolve_mons(&mons)?,
         listen: args
             .listen

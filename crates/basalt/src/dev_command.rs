@@ -50,6 +50,10 @@ pub struct DevArgs {
     /// Size of each OSD's device file (when it is created).
     #[arg(long, default_value = "4GiB")]
     pub osd_size: ByteSize,
+    /// Create the OSDs' device files sparse (`basalt osd --sparse-device`): quick, and they
+    /// take space only as written, but the first writes to each part are slower.
+    #[arg(long)]
+    pub sparse_osds: bool,
     /// PGs of the pool (when it is created).
     #[arg(long, default_value_t = 32)]
     pub pg_count: u32,
@@ -168,18 +172,22 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         ],
     )?;
     for n in 0..args.osds {
+        let mut osd_args = vec![
+            "osd".into(),
+            "--data-dir".into(),
+            dir.join(format!("osd.{n}")).display().to_string(),
+            "--mon".into(),
+            mon_address.to_string(),
+            "--device-size".into(),
+            args.osd_size.0.to_string(),
+        ];
+        if args.sparse_osds {
+            osd_args.push("--sparse-device".into());
+        }
         children.spawn(
             &format!("osd {n}"),
             &dir.join(format!("osd.{n}.log")),
-            &[
-                "osd".into(),
-                "--data-dir".into(),
-                dir.join(format!("osd.{n}")).display().to_string(),
-                "--mon".into(),
-                mon_address.to_string(),
-                "--device-size".into(),
-                args.osd_size.0.to_string(),
-            ],
+            &osd_args,
         )?;
     }
     let mon = MonClient::new(vec![mon_address]);

@@ -27,6 +27,7 @@ fn start_dev(
             "64MiB",
             "--osd-size",
             "256MiB",
+            "--sparse-osds",
             "--pg-count",
             "8",
             "--nbd-port",

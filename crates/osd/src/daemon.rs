@@ -54,7 +54,7 @@ use basalt_wire::tcp::{Client, Handler, Server};
 use basalt_wire::{Message, ObjectRange, Status};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::log_device::{Appended, LogDevice, LogDeviceError, LogStats, ReadPin};
+use crate::log_device::{Appended, Fill, LogDevice, LogDeviceError, LogStats, ReadPin};
 use crate::pg_log::{self, RestoredPgs};
 use crate::reclaim::{self, Durable, Move, Retention};
 use crate::scrub::DigestPlan;
@@ -110,6 +110,8 @@ pub struct OsdConfig {
     pub data_dir: PathBuf,
     /// The size of a device file created on first start.
     pub device_size_bytes: u64,
+    /// How a device file created on first start is filled (see [`Fill`]).
+    pub device_fill: Fill,
     /// The monitors.
     pub mons: Vec<SocketAddr>,
     /// Where to listen for clients and peers.
@@ -3225,12 +3227,12 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Creates and formats the device file if it does not exist yet; returns the superblock.
-async fn prepare_device(path: &Path, size_bytes: u64) -> Result<Superblock, OsdError> {
+async fn prepare_device(path: &Path, size_bytes: u64, fill: Fill) -> Result<Superblock, OsdError> {
     if !path.exists() {
         let file = std::fs::File::create(path).map_err(io_error(path))?;
         file.set_len(size_bytes).map_err(io_error(path))?;
         drop(file);
-        LogDevice::format(path, random_uuid().map_err(io_error(path))?).await?;
+        LogDevice::format_as(path, random_uuid().map_err(io_error(path))?, fill).await?;
         tracing::info!(path = %path.display(), size_bytes, "formatted a new osd device");
     }
     use std::io::Read;
@@ -3288,7 +3290,7 @@ impl Drop for Running {
 pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     std::fs::create_dir_all(&config.data_dir).map_err(io_error(&config.data_dir))?;
     let path = config.data_dir.join(DEVICE_FILE);
-    let superblock = prepare_device(&path, config.device_size_bytes).await?;
+    let superblock = prepare_device(&path, config.device_size_bytes, config.device_fill).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
     // Client data replay found damaged at rest, by PG, with its batch's LSN: marked so

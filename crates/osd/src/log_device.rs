@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use basalt_common::Lsn;
-use basalt_io::{DmaBuf, FileEngine, OpenOptions};
+use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenOptions};
 use basalt_store::batch::{self, BLOCK_SIZE, DATA_SIZE_MAX, ENTRY_COUNT_MAX, Entry};
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{Checkpoint, CheckpointError};
@@ -55,6 +55,17 @@ const FENCE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Bytes zeroed per write while formatting.
 const FORMAT_CHUNK_BYTES: usize = 1 << 20;
+
+/// How formatting leaves a device's log region: zeroes either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// Zeroes written over it: the space is allocated once, so the log's writes later
+    /// overwrite in place and a sync need not record new extents (the default).
+    Zeroes,
+    /// A hole punched over it: quick, and a file takes space only as the log first reaches
+    /// it (those first writes cost the allocation). For test and development clusters.
+    Sparse,
+}
 
 /// Kind of a log entry that moves live data out of the ring's tail (local to one replica,
 /// never replicated; replay skips it, see `docs/internals/store.md`). Meta as a write's;
@@ -350,6 +361,11 @@ impl LogDevice {
     /// can be read as log or checkpoint (and the ring is allocated space, overwritten in
     /// place from then on).
     pub async fn format(path: &Path, uuid: [u8; 16]) -> Result<(), LogDeviceError> {
+        Self::format_as(path, uuid, Fill::Zeroes).await
+    }
+
+    /// [`LogDevice::format`], the log region filled as `fill` says.
+    pub async fn format_as(path: &Path, uuid: [u8; 16], fill: Fill) -> Result<(), LogDeviceError> {
         let engine = open_engine(path)?;
         let superblock = layout(engine.size_bytes(), uuid);
         let size = superblock.log_end_bytes;
@@ -363,6 +379,13 @@ impl LogDevice {
             });
         }
         let mut offset = BLOCK_SIZE as u64;
+        if fill == Fill::Sparse {
+            engine
+                .allocate(AllocateMode::PunchHole, offset, size - offset)
+                .await
+                .map_err(io_error(path))?;
+            offset = size;
+        }
         let mut zeroes = DmaBuf::zeroed(FORMAT_CHUNK_BYTES);
         while offset < size {
             let len = (size - offset).min(FORMAT_CHUNK_BYTES as u64) as usize;

@@ -646,3 +646,43 @@ async fn a_closed_log_ends_in_an_empty_batch() {
     drop(opened);
     std::fs::remove_file(&path).expect("remove");
 }
+
+/// Both fills leave nothing of a device's earlier life: over a file full of other bytes, a
+/// sparse format takes back its space (the file holds little more than its superblock)
+/// and one with zeroes keeps all of it allocated; either opens as an empty log that takes
+/// writes and replays them.
+#[tokio::test(flavor = "current_thread")]
+async fn a_sparse_format_gives_the_space_back_and_a_zeroed_one_keeps_it() {
+    use basalt_osd::log_device::Fill;
+    use std::os::unix::fs::MetadataExt;
+    const LEN: u64 = 32 << 20;
+    for fill in [Fill::Sparse, Fill::Zeroes] {
+        let path = device_file(&format!("{fill:?}"), 0);
+        std::fs::write(&path, vec![0xab; LEN as usize]).expect("old bytes");
+        LogDevice::format_as(&path, [4; 16], fill)
+            .await
+            .expect("format");
+        let allocated = std::fs::metadata(&path).expect("metadata").blocks() * 512;
+        match fill {
+            Fill::Sparse => assert!(allocated < 1 << 20, "{allocated} bytes allocated"),
+            Fill::Zeroes => assert!(allocated >= LEN, "{allocated} bytes allocated"),
+        }
+        let bytes = std::fs::read(&path).expect("read");
+        assert!(
+            bytes[4096..].iter().all(|&b| b == 0),
+            "{fill:?}: not zeroes"
+        );
+
+        let opened = LogDevice::open(&path).await.expect("open");
+        assert!(opened.replayed.batches.is_empty(), "{fill:?}");
+        opened
+            .device
+            .submit(vec![entry(0, 1, 7)])
+            .await
+            .expect("durable");
+        drop(opened);
+        let reopened = LogDevice::open(&path).await.expect("reopen");
+        assert_eq!(replayed_entries(&reopened), [&entry(0, 1, 7)], "{fill:?}");
+        std::fs::remove_file(path).expect("remove");
+    }
+}

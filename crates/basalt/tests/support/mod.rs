@@ -437,7 +437,8 @@ impl ClusterProcesses {
             }
             None => basalt(),
         };
-        command.arg("osd");
+        // Sparse devices: the suite's OSDs take disk space only as their logs reach it.
+        command.args(["osd", "--sparse-device"]);
         if !self.osd_extra[n].iter().any(|arg| arg == "--device-size") {
             command.args(["--device-size", "256MiB"]);
         }
