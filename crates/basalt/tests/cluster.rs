@@ -66,6 +66,66 @@ fn fio_verifies_through_an_image_while_the_busiest_leader_is_killed() {
     fio(&uri, &args(&verify));
 }
 
+/// An OSD stopped in order (SIGTERM) while writes go on first hands the PGs it leads over
+/// to the others, so that no write waits for an election (nor fails: requests it is still
+/// given are sent on to another replica); then it stops taking writes and ends its log in
+/// an empty batch: its last batch of data is known to be whole at the restart, so that
+/// damage to it while the OSD is down is found, not taken for a torn write.
+#[test]
+fn an_osd_stopped_in_order_ends_its_log_in_an_empty_batch() {
+    let dir = ScratchDir::new("cluster-stop");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "64MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    let fio_run = std::thread::spawn(move || {
+        let job = [
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=4",
+            "--size=64M",
+            "--time_based",
+            "--runtime=5",
+        ];
+        fio(&uri, &job)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!fio_run.is_finished(), "fio ended before the stop");
+    let stopped = cluster.osd_process(cluster.busiest_leader());
+    let name = format!("osd.{stopped}");
+    cluster.stop_osd(stopped);
+    let report = fio_run.join().expect("fio thread");
+    let writes = &report["jobs"][0]["write"];
+    assert!(writes["total_ios"].as_u64() > Some(100), "{writes:#}");
+    let stall_ns = writes["clat_ns"]["max"].as_f64().expect("clat max");
+    eprintln!(
+        "longest write while {name} stopped: {:.3} s",
+        stall_ns / 1e9
+    );
+    // (An election takes a second at least.)
+    assert!(stall_ns < 0.5e9, "a write waited {:.3} s", stall_ns / 1e9);
+    assert!(cluster.log_text(&name).contains("no pg led here any more"));
+
+    let device = dir.join(&name).join("osd.log");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let batches = runtime.block_on(async {
+        let opened = basalt_osd::log_device::LogDevice::open(&device)
+            .await
+            .expect("the stopped osd's log opens");
+        opened.replayed.batches
+    });
+    let sizes: Vec<usize> = batches.iter().map(|batch| batch.entries.len()).collect();
+    assert!(
+        sizes.iter().filter(|&&entries| entries > 0).count() > 10,
+        "the osd wrote while it ran: {sizes:?}"
+    );
+    assert_eq!(sizes.last(), Some(&0), "batches' entries: {sizes:?}");
+}
+
 #[test]
 fn data_survives_a_crash_of_every_process() {
     let dir = ScratchDir::new("cluster-crash");

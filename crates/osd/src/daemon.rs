@@ -76,6 +76,13 @@ const RETAINED_ENTRIES: usize = 4096;
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
+/// How long an orderly stop waits for the PGs led here to be handed over to other replicas
+/// ([`MultiRaft::give_up_leadership`]); raft gives a hand-over up after an election
+/// timeout, so this leaves room for a second try.
+pub const STOP_HAND_OVER: Duration = Duration::from_secs(3);
+/// An orderly stop in which no hand-over succeeds for this long gives up waiting: the
+/// others are likely stopping too (a whole cluster stopped at once), and refuse.
+const STOP_STALLED: Duration = Duration::from_millis(1500);
 /// How long a replica under repair of damage in its raft log leads its PG before it steps
 /// down (each time it is elected), if no other replica took the PG over by then
 /// ([`MultiRaft::step_down`]): a hand-over takes less than an election timeout.
@@ -445,6 +452,8 @@ enum Event {
         object: ObjectKey,
         mismatch: Mismatch,
     },
+    /// An orderly stop: hand the PGs led here over, then answer `done`.
+    Stop { done: oneshot::Sender<()> },
     /// A snapshot chunk is durable: its runs lie at these device offsets.
     SnapshotWritten {
         pg: PgId,
@@ -667,6 +676,19 @@ struct Core {
     max_moves: usize,
     /// Repairs asked of this replica, by PG.
     repairs: BTreeMap<PgId, Repair>,
+    /// An orderly stop under way ([`Event::Stop`]).
+    stopping: Option<Stopping>,
+}
+
+/// An orderly stop under way: the PGs led here are being handed over.
+struct Stopping {
+    /// When it stops waiting for them.
+    until: std::time::Instant,
+    /// PGs still led here, and when that count last went down (or the stop began).
+    led: usize,
+    progress_at: std::time::Instant,
+    /// Told when none is led here any more, or the wait is over.
+    done: oneshot::Sender<()>,
 }
 
 impl Core {
@@ -728,8 +750,47 @@ impl Core {
         }
     }
 
+    /// Hands over the PGs led here while an orderly stop is under way, and tells the stop
+    /// once none is led here (or the time is out).
+    fn advance_stop(&mut self) {
+        let Some(stopping) = &mut self.stopping else {
+            return;
+        };
+        let led = self.raft.give_up_leadership();
+        let now = std::time::Instant::now();
+        if led < stopping.led {
+            stopping.led = led;
+            stopping.progress_at = now;
+        }
+        if led > 0 && now < stopping.until && now - stopping.progress_at < STOP_STALLED {
+            return;
+        }
+        if led > 0 {
+            tracing::warn!(
+                led,
+                "stopping while leading pgs that no other replica took over in time"
+            );
+        } else {
+            tracing::info!("no pg led here any more; stopping");
+        }
+        if let Some(stopping) = self.stopping.take() {
+            let _ = stopping.done.send(());
+        }
+    }
+
     fn handle(&mut self, event: Event) -> Result<(), OsdError> {
         match event {
+            Event::Stop { done } => {
+                tracing::info!("stopping: handing over the pgs led here");
+                let now = std::time::Instant::now();
+                self.stopping = Some(Stopping {
+                    until: now + STOP_HAND_OVER,
+                    led: usize::MAX,
+                    progress_at: now,
+                    done,
+                });
+                self.advance_stop();
+            }
             Event::Request { message, reply } => self.request(message, reply),
             Event::Raft { pg, message } => self.raft_message(pg, message),
             Event::Beats { from, to, beats } => {
@@ -3255,6 +3316,7 @@ pub struct Running {
     /// Where it serves metrics.
     pub metrics_address: Option<SocketAddr>,
     core: tokio::task::JoinHandle<Result<(), OsdError>>,
+    events: mpsc::UnboundedSender<Event>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _server: Server,
     log: Arc<LogDevice>,
@@ -3266,9 +3328,19 @@ impl Running {
         tokio::select! {
             result = &mut self.core => result.map_err(|error| OsdError::Internal(error.to_string()))?,
             () = shutdown => {
-                // An empty batch after the last (see `log_device::FENCE_AFTER`), so that
-                // damage to the last batch while the OSD is down is not taken for a torn
-                // write at the restart.
+                // The PGs led here go to other replicas first, so that clients are sent
+                // there at once.
+                let (done, handed_over) = oneshot::channel();
+                if self.events.send(Event::Stop { done }).is_ok() {
+                    let wait = STOP_HAND_OVER + Duration::from_secs(1);
+                    let _ = tokio::time::timeout(wait, handed_over).await;
+                }
+                // Then the core, so that nothing more is appended; then an empty batch
+                // after the last (see `log_device::FENCE_AFTER`), so that damage to the
+                // last batch while the OSD is down is not taken for a torn write at the
+                // restart.
+                self.core.abort();
+                let _ = (&mut self.core).await;
                 let _ = tokio::time::timeout(Duration::from_secs(2), self.log.close()).await;
                 Ok(())
             }
@@ -3385,15 +3457,16 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                         })
                         .is_err()
                     {
-                        return Some(reply(Status::Io {
-                            message: "the osd is stopping".to_string(),
-                        }));
+                        // Stopping: the client tries another replica.
+                        return Some(reply(Status::NotLeader { leader: None }));
                     }
-                    Some(answer.await.unwrap_or_else(|_| {
-                        reply(Status::Io {
-                            message: "the osd dropped the request".to_string(),
-                        })
-                    }))
+                    // Unanswered (the OSD stopped meanwhile): the client tries another
+                    // replica, as when a connection drops.
+                    Some(
+                        answer
+                            .await
+                            .unwrap_or_else(|_| reply(Status::NotLeader { leader: None })),
+                    )
                 }
             }
         })
@@ -3792,6 +3865,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         membership_checks: std::collections::HashSet::new(),
         max_moves: config.max_moves.max(1),
         repairs: BTreeMap::new(),
+        stopping: None,
     };
     core.adopt_map(Arc::new(map));
     if poisoned_before || !damaged_at_rest.is_empty() {
@@ -3862,6 +3936,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 }
             }
             core.drive()?;
+            core.advance_stop();
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();
@@ -3870,12 +3945,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             }
         }
     });
-    drop(events);
     Ok(Running {
         id,
         address,
         metrics_address,
         core,
+        events,
         tasks,
         _server: server,
         log: running_log,

@@ -697,13 +697,15 @@ impl LogDevice {
         self.sums.clone()
     }
 
-    /// Puts an empty batch after the last, for an orderly stop: the batch before it is then
-    /// known to have been written whole, so that damage to it while the OSD is down is not
-    /// taken for a torn write at the restart (see [`FENCE_AFTER`]).
-    pub fn close(
-        &self,
-    ) -> impl std::future::Future<Output = Result<Appended, LogDeviceError>> + use<> {
-        self.submit(Vec::new())
+    /// Puts an empty batch after the last, for an orderly stop once nothing else appends:
+    /// the batch before it is then known to have been written whole, so that damage to it
+    /// while the OSD is down is not taken for a torn write at the restart (see
+    /// [`FENCE_AFTER`]).
+    pub async fn close(&self) -> Result<Appended, LogDeviceError> {
+        // An empty append shares its batch with appends queued before it: one waits for
+        // those, and then one goes alone.
+        self.submit(Vec::new()).await?;
+        self.submit(Vec::new()).await
     }
 
     /// Sets how long a quiet log waits before the writer puts an empty batch after the

@@ -146,7 +146,8 @@ pub enum ProposeError {
 struct Group {
     node: RawNode<PgStorage>,
     /// A snapshot handed out to be persisted: (the ready's number, its index). Raft counts
-    /// it applied only once it is durable.
+    /// it applied only once it is durable, and the replica does not campaign meanwhile (see
+    /// [`MultiRaft::tick`]).
     snapshot_persisting: Option<(u64, u64)>,
     /// Ticks since this replica was created (or restored): it grants no votes for the
     /// first [`ELECTION_TICKS`] of them (see [`MultiRaft::set_lease`]).
@@ -339,6 +340,9 @@ pub struct MultiRaft {
     /// How long a quorum's confirmation lets a leader serve reads on its own, if at all
     /// (see [`MultiRaft::set_lease`]).
     lease: Option<Duration>,
+    /// An orderly stop is under way: this replica takes no leadership any more (see
+    /// [`MultiRaft::give_up_leadership`]).
+    stopping: bool,
 }
 
 fn raft_id(osd: OsdId) -> u64 {
@@ -400,7 +404,30 @@ impl MultiRaft {
             hydrate: None,
             lazy_commit: false,
             lease: None,
+            stopping: false,
         }
+    }
+
+    /// For an orderly stop: from now on this replica takes no leadership (it campaigns for
+    /// none and refuses hand-overs; it still votes and follows), and it hands each PG it
+    /// leads to the caught-up voter with the most of the log, so that clients are sent on
+    /// at once instead of waiting out an election timeout. Call it again to retry the
+    /// hand-overs given up (raft gives one up after an election timeout); returns how many
+    /// PGs it still leads.
+    pub fn give_up_leadership(&mut self) -> usize {
+        self.stopping = true;
+        let mut led = 0;
+        for group in self.groups.values_mut() {
+            if group.node.raft.state != StateRole::Leader {
+                continue;
+            }
+            led += 1;
+            if group.node.raft.lead_transferee.is_none() {
+                let me = group.node.raft.id;
+                Self::hand_to(group, |id| id != me);
+            }
+        }
+        led
     }
 
     /// Lets leaders serve reads for `lease` after a quorum confirmed their leadership,
@@ -877,17 +904,26 @@ impl MultiRaft {
 
     /// Advances every group's logical clock by one tick.
     pub fn tick(&mut self) {
+        let stopping = self.stopping;
         for group in self.groups.values_mut() {
             group.ticks = group.ticks.saturating_add(1);
-            if group.held_back > 0 && group.node.raft.state != StateRole::Leader {
-                // Held back: its election timer runs (it votes once its leader is silent
-                // for that long, as any follower), but it does not campaign.
+            let installing = group.snapshot_persisting.is_some();
+            if (group.held_back > 0 || installing || stopping)
+                && group.node.raft.state != StateRole::Leader
+            {
+                // Held back, stopping, or installing a snapshot (its state is not there
+                // yet, and raft-rs, which has the snapshot in its log but counts it
+                // unapplied, would stop the process on a campaign): its election timer
+                // runs (it votes once its leader is silent for that long, as any
+                // follower), but it does not campaign.
                 group.node.raft.election_elapsed += 1;
-                if Self::quorum_heard(group) {
-                    group.held_back -= 1;
-                }
-                if group.held_back == 0 {
-                    group.heard.clear();
+                if group.held_back > 0 {
+                    if Self::quorum_heard(group) {
+                        group.held_back -= 1;
+                    }
+                    if group.held_back == 0 {
+                        group.heard.clear();
+                    }
                 }
             } else {
                 group.node.tick();
@@ -978,6 +1014,15 @@ impl MultiRaft {
                     SnapshotStatus::Finish
                 };
                 group.node.report_snapshot(message.from, status);
+                return;
+            }
+            if message.get_msg_type() == MessageType::MsgTimeoutNow
+                && (group.snapshot_persisting.is_some() || self.stopping)
+            {
+                // A hand-over to a replica installing a snapshot or stopping: it does not
+                // campaign (see `tick`); the leader's transfer times out and it goes on
+                // leading.
+                tracing::debug!(%pg, "hand-over refused while stopping or installing a snapshot");
                 return;
             }
             let asks_vote = matches!(
@@ -1403,6 +1448,31 @@ mod tests {
             (trio, leader)
         }
 
+        /// Three replicas, one of which (lagging) missed 20 entries that its leader then
+        /// compacted; healed, the leader sends it a snapshot, which is lost (not
+        /// delivered). Returns them, the leader, the lagging one and the snapshot.
+        fn with_a_snapshot_sent() -> (Self, usize, usize, Message) {
+            let mut trio = Self::new();
+            let leader = trio.elect();
+            let lagging = (leader + 1) % 3;
+            let cut = |from: usize, to: usize, _: &Message| from != lagging && to != lagging;
+            for n in 0..20u8 {
+                trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+                trio.settle_where(cut);
+            }
+            let committed = trio.replicas[leader].committed(PG).expect("hosted");
+            trio.replicas[leader].compact(PG, committed);
+            let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
+            for _ in 0..4 * ELECTION_TICKS {
+                trio.replicas[leader].tick();
+                let sent = trio.settle_where(|_, _, m| !is_snapshot(m));
+                if let Some((_, snapshot)) = sent.into_iter().find(|(_, m)| is_snapshot(m)) {
+                    return (trio, leader, lagging, snapshot);
+                }
+            }
+            panic!("no snapshot sent");
+        }
+
         /// Ticks until a replica leads and has committed an entry of its term.
         fn elect(&mut self) -> usize {
             for _ in 0..10 * ELECTION_TICKS {
@@ -1502,31 +1572,8 @@ mod tests {
     /// the one being sent alone; a refusal of that one sends raft back to probing.
     #[test]
     fn a_late_snapshot_refusal_is_ignored() {
-        let mut trio = Trio::new();
-        let leader = trio.elect();
-        let lagging = (leader + 1) % 3;
-        let cut = |from: usize, to: usize, _: &Message| from != lagging && to != lagging;
-        for n in 0..20u8 {
-            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
-            trio.settle_where(cut);
-        }
-        let committed = trio.replicas[leader].committed(PG).expect("hosted");
-        trio.replicas[leader].compact(PG, committed);
-        // Healed, the leader sends a snapshot, which is lost.
-        let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
-        let mut index = None;
-        for _ in 0..4 * ELECTION_TICKS {
-            trio.replicas[leader].tick();
-            let sent = trio.settle_where(|_, _, m| !is_snapshot(m));
-            index = index.or_else(|| {
-                sent.iter()
-                    .find_map(|(_, m)| MultiRaft::snapshot_of(m).map(|(index, _)| index))
-            });
-            if index.is_some() {
-                break;
-            }
-        }
-        let index = index.expect("a snapshot was sent");
+        let (mut trio, leader, lagging, snapshot) = Trio::with_a_snapshot_sent();
+        let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
         let follower = OsdId(lagging as u32);
         assert!(trio.replicas[leader].sending_snapshot(PG, follower));
         let late = trio.replicas[lagging].snapshot_refusal(OsdId(leader as u32), index - 1);
@@ -1538,6 +1585,107 @@ mod tests {
         let refusal = trio.replicas[lagging].snapshot_refusal(OsdId(leader as u32), index);
         trio.replicas[leader].step(PG, refusal);
         assert!(!trio.replicas[leader].sending_snapshot(PG, follower));
+    }
+
+    /// A replica installing a snapshot (handed out to persist, not yet durable) neither
+    /// campaigns when its leader falls silent nor takes a hand-over: raft-rs has the
+    /// snapshot in its log but counts it unapplied, and would stop the process (found by
+    /// the simulation, seed 104192: a hand-over reached a replica just sent a snapshot).
+    /// Durable, the snapshot lets it campaign again.
+    #[test]
+    fn a_replica_installing_a_snapshot_does_not_campaign() {
+        let (mut trio, leader, lagging, snapshot) = Trio::with_a_snapshot_sent();
+        let installing = &mut trio.replicas[lagging];
+        installing.step(PG, snapshot);
+        let mut actions = Vec::new();
+        installing.collect(&mut actions);
+        let number = actions
+            .iter()
+            .find_map(|action| match action {
+                Action::Persist {
+                    number,
+                    snapshot: Some(_),
+                    ..
+                } => Some(*number),
+                _ => None,
+            })
+            .expect("the snapshot to persist");
+        let term = installing.term(PG).expect("hosted");
+        let mut hand_over = Message::default();
+        hand_over.set_msg_type(MessageType::MsgTimeoutNow);
+        hand_over.from = raft_id(OsdId(leader as u32));
+        hand_over.to = raft_id(OsdId(lagging as u32));
+        hand_over.term = term;
+        installing.step(PG, hand_over);
+        let campaigns = |raft: &mut MultiRaft, ticks: usize| {
+            let mut actions = Vec::new();
+            for _ in 0..ticks {
+                raft.tick();
+                raft.collect(&mut actions);
+            }
+            let campaign = [MessageType::MsgRequestVote, MessageType::MsgRequestPreVote];
+            actions.iter().any(|action| match action {
+                Action::Send { message, .. } => campaign.contains(&message.get_msg_type()),
+                Action::Persist { then_send, .. } => then_send
+                    .iter()
+                    .any(|(_, message)| campaign.contains(&message.get_msg_type())),
+                _ => false,
+            })
+        };
+        // Its leader silent, it does not campaign while the snapshot persists.
+        assert!(!campaigns(installing, 4 * ELECTION_TICKS), "campaigned");
+        assert_eq!(installing.term(PG), Some(term));
+        installing.on_persisted(PG, number);
+        assert!(
+            campaigns(installing, 4 * ELECTION_TICKS),
+            "never campaigned"
+        );
+    }
+
+    /// A replica stopping in order hands its leadership over at once, then neither
+    /// campaigns nor takes a hand-over back, while it still votes: the two others elect
+    /// one of them when that leader falls silent.
+    #[test]
+    fn a_replica_giving_up_leadership_hands_over_and_takes_none_back() {
+        let (mut trio, leader) = Trio::with_entries(3);
+        assert_eq!(trio.replicas[leader].give_up_leadership(), 1);
+        trio.settle();
+        assert!(!trio.replicas[leader].is_leader(PG));
+        let heir = (0..3)
+            .find(|n| trio.replicas[*n].is_leader(PG))
+            .expect("a replica took over");
+        assert_eq!(trio.replicas[leader].give_up_leadership(), 0);
+        // Handed back, it refuses.
+        let third = 3 - leader - heir;
+        let back = trio.replicas[heir].hand_over(PG, &[OsdId(third as u32)]);
+        assert_eq!(back, Some(OsdId(leader as u32)));
+        trio.settle();
+        assert!(!trio.replicas[leader].is_leader(PG));
+        // The heir falls silent: the stopping one does not campaign (alone, however long
+        // it waits), and the third is elected with its vote.
+        let without_heir = |from: usize, to: usize, _: &Message| from != heir && to != heir;
+        for _ in 0..3 * ELECTION_TICKS {
+            trio.replicas[leader].tick();
+            let sent = trio.settle_where(without_heir);
+            assert!(
+                !campaigned(&sent, leader),
+                "the stopping replica campaigned"
+            );
+        }
+        for _ in 0..10 * ELECTION_TICKS {
+            for n in [leader, third] {
+                trio.replicas[n].tick();
+            }
+            let sent = trio.settle_where(without_heir);
+            assert!(
+                !campaigned(&sent, leader),
+                "the stopping replica campaigned"
+            );
+            if trio.replicas[third].is_leader(PG) {
+                return;
+            }
+        }
+        panic!("no leader elected without the heir");
     }
 
     /// A follower that asks for a snapshot (a repair) takes no more entries until it has

@@ -485,6 +485,31 @@ impl ClusterProcesses {
             .expect("an osd with that id")
     }
 
+    /// Stops OSD process `n` in order (SIGTERM); it must exit cleanly within 30 s.
+    pub fn stop_osd(&mut self, n: usize) {
+        let name = format!("osd.{n}");
+        let Some(mut child) = self.osds[n].0.take() else {
+            return;
+        };
+        run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                let _ = child.kill();
+                panic!("{name} still running 30 s after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            status.success(),
+            "{name} exited with {status}: {}",
+            self.log_text(&name)
+        );
+    }
+
     pub fn kill_osd(&mut self, n: usize) {
         if let Some(mut child) = self.osds[n].0.take() {
             let _ = child.kill();
