@@ -70,7 +70,8 @@ fn fio_verifies_through_an_image_while_the_busiest_leader_is_killed() {
 /// to the others, so that no write waits for an election (nor fails: requests it is still
 /// given are sent on to another replica); then it stops taking writes and ends its log in
 /// an empty batch: its last batch of data is known to be whole at the restart, so that
-/// damage to it while the OSD is down is found, not taken for a torn write.
+/// damage to it while the OSD is down is found, not taken for a torn write. Last, it has
+/// the monitors mark it down, without waiting for their grace.
 #[test]
 fn an_osd_stopped_in_order_ends_its_log_in_an_empty_batch() {
     let dir = ScratchDir::new("cluster-stop");
@@ -92,9 +93,20 @@ fn an_osd_stopped_in_order_ends_its_log_in_an_empty_batch() {
     });
     std::thread::sleep(Duration::from_secs(2));
     assert!(!fio_run.is_finished(), "fio ended before the stop");
-    let stopped = cluster.osd_process(cluster.busiest_leader());
+    let busiest = cluster.busiest_leader();
+    let stopped = cluster.osd_process(busiest);
     let name = format!("osd.{stopped}");
     cluster.stop_osd(stopped);
+    // Marked down by the monitors at once (their grace is 3 s).
+    let osds = cluster.cli_json(&["osd", "ls"]);
+    let down: Vec<&serde_json::Value> = osds
+        .as_array()
+        .expect("osds")
+        .iter()
+        .filter(|osd| osd["up"] == false)
+        .map(|osd| &osd["id"])
+        .collect();
+    assert_eq!(down, [&json!(busiest)], "{osds:#}");
     let report = fio_run.join().expect("fio thread");
     let writes = &report["jobs"][0]["write"];
     assert!(writes["total_ios"].as_u64() > Some(100), "{writes:#}");

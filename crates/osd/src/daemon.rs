@@ -37,7 +37,7 @@ use std::time::Duration;
 use basalt_common::{Lsn, ObjectKey, OsdId, PgId};
 use basalt_io::{DmaBuf, FileEngine};
 use basalt_mon::MonClient;
-use basalt_mon::map::ClusterMap;
+use basalt_mon::map::{ClusterMap, Command};
 use basalt_mon::protocol::{MonReply, MonRequest, OsdReport, PgScrub};
 use basalt_replication::{
     Action, EntryType, MultiRaft, PayloadUnavailable, ProposeError, RaftMessage, ReadStart,
@@ -3317,6 +3317,9 @@ pub struct Running {
     pub metrics_address: Option<SocketAddr>,
     core: tokio::task::JoinHandle<Result<(), OsdError>>,
     events: mpsc::UnboundedSender<Event>,
+    /// Its heartbeats to the monitors.
+    heartbeat: tokio::task::JoinHandle<()>,
+    mon: Arc<MonClient>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _server: Server,
     log: Arc<LogDevice>,
@@ -3342,6 +3345,16 @@ impl Running {
                 self.core.abort();
                 let _ = (&mut self.core).await;
                 let _ = tokio::time::timeout(Duration::from_secs(2), self.log.close()).await;
+                // Last, the monitors mark it down at once, not after the grace (its
+                // heartbeats stopped first: one would mark it up again).
+                self.heartbeat.abort();
+                let _ = (&mut self.heartbeat).await;
+                let down = Command::OsdDown { id: self.id };
+                match tokio::time::timeout(Duration::from_secs(1), self.mon.command(down)).await {
+                    Ok(Ok(_)) => tracing::info!("marked down"),
+                    Ok(Err(error)) => tracing::warn!(%error, "not marked down; the monitors will after the grace"),
+                    Err(_) => tracing::warn!("no monitor answered; marked down after the grace"),
+                }
                 Ok(())
             }
         }
@@ -3351,6 +3364,7 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.core.abort();
+        self.heartbeat.abort();
         for task in &self.tasks {
             task.abort();
         }
@@ -3539,7 +3553,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let heartbeat_report = report.clone();
     let heartbeat_mon = mon.clone();
     let heartbeat_now = report_now.clone();
-    tasks.push(tokio::spawn(async move {
+    let heartbeat = tokio::spawn(async move {
         let mut interval = tokio::time::interval(HEARTBEAT_INTERVAL);
         loop {
             tokio::select! {
@@ -3559,12 +3573,13 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 Err(error) => tracing::warn!(%error, "heartbeat failed"),
             }
         }
-    }));
+    });
     let subscription_events = events.clone();
     let mut epoch = map.epoch;
+    let subscription_mon = mon.clone();
     tasks.push(tokio::spawn(async move {
         loop {
-            match mon.map_after(epoch, MAP_WAIT).await {
+            match subscription_mon.map_after(epoch, MAP_WAIT).await {
                 Ok(Some(map)) => {
                     epoch = map.epoch;
                     if subscription_events.send(Event::Map(Arc::new(map))).is_err() {
@@ -3951,6 +3966,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         metrics_address,
         core,
         events,
+        heartbeat,
+        mon,
         tasks,
         _server: server,
         log: running_log,
