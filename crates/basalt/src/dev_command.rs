@@ -112,22 +112,32 @@ impl Children {
 
 impl Drop for Children {
     fn drop(&mut self) {
-        for (_, child) in &mut self.0 {
-            let _ = std::process::Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for (_, child) in &mut self.0 {
-            while Instant::now() < deadline {
-                if matches!(child.try_wait(), Ok(Some(_))) {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
+        // The monitor last: OSDs stopping hand their PGs over (a few seconds at most when
+        // all stop) and have the monitor mark them down.
+        let (mons, others): (Vec<_>, Vec<_>) =
+            self.0.drain(..).partition(|(name, _)| name == "mon");
+        stop(others, Duration::from_secs(10));
+        stop(mons, Duration::from_secs(5));
+    }
+}
+
+/// Stops `children`: SIGTERM, then SIGKILL to those still running after `within`.
+fn stop(mut children: Vec<(String, Child)>, within: Duration) {
+    for (_, child) in &mut children {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+    }
+    let deadline = Instant::now() + within;
+    for (_, child) in &mut children {
+        while Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                break;
             }
-            let _ = child.kill();
-            let _ = child.wait();
+            std::thread::sleep(Duration::from_millis(20));
         }
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 

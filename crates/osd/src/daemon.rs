@@ -3474,13 +3474,17 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                         // Stopping: the client tries another replica.
                         return Some(reply(Status::NotLeader { leader: None }));
                     }
-                    // Unanswered (the OSD stopped meanwhile): the client tries another
-                    // replica, as when a connection drops.
-                    Some(
-                        answer
-                            .await
-                            .unwrap_or_else(|_| reply(Status::NotLeader { leader: None })),
-                    )
+                    Some(answer.await.unwrap_or_else(|_| {
+                        if events.is_closed() {
+                            // The OSD stopped meanwhile: the client tries another replica,
+                            // as when a connection drops.
+                            reply(Status::NotLeader { leader: None })
+                        } else {
+                            reply(Status::Io {
+                                message: "the osd dropped the request".to_string(),
+                            })
+                        }
+                    }))
                 }
             }
         })
@@ -3950,8 +3954,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     }
                 }
             }
-            core.drive()?;
             core.advance_stop();
+            core.drive()?;
             core.abort_installs_short_of_room();
             core.maybe_clean();
             core.maybe_checkpoint();

@@ -380,11 +380,16 @@ impl LogDevice {
         }
         let mut offset = BLOCK_SIZE as u64;
         if fill == Fill::Sparse {
-            engine
+            match engine
                 .allocate(AllocateMode::PunchHole, offset, size - offset)
                 .await
-                .map_err(io_error(path))?;
-            offset = size;
+            {
+                Ok(()) => offset = size,
+                // Zeroes written instead where holes cannot be punched.
+                Err(error) => {
+                    tracing::warn!(path = %path.display(), %error, "no hole punched; zeroes written instead")
+                }
+            }
         }
         let mut zeroes = DmaBuf::zeroed(FORMAT_CHUNK_BYTES);
         while offset < size {

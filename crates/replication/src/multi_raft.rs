@@ -159,6 +159,10 @@ struct Group {
     /// for the rest of that term (a hand-off's vote request skips the followers' lease, and
     /// may arrive late, after raft gave the hand-off up).
     handed_on: Option<u64>,
+    /// The raft id of the last voter this replica handed leadership to: while it leads, a
+    /// hand-over again goes to another caught-up voter if there is one (the last may have
+    /// refused, being stopping or installing a snapshot, and raft gave the hand-over up).
+    last_heir: Option<u64>,
     /// Read indexes asked and not yet confirmed, by their context given to raft: the term
     /// and the instant they were asked. Renewals sort after reads (their first byte).
     asked: BTreeMap<Vec<u8>, (u64, Instant)>,
@@ -585,6 +589,7 @@ impl MultiRaft {
             ticks: 0,
             lease: None,
             handed_on: None,
+            last_heir: None,
             asked: BTreeMap::new(),
             renewals: 0,
             held_back: 0,
@@ -756,15 +761,21 @@ impl MultiRaft {
         // caught-up one may be among them (the incoming ones waiting for snapshots that
         // the leader's damaged copy cannot give, found by the simulation).
         let conf = raft.prs().conf().to_conf_state();
-        let heir = conf
+        let mut caught_up: Vec<(u64, u64)> = conf
             .voters
             .into_iter()
             .chain(conf.voters_outgoing)
             .filter(|id| eligible(*id))
             .filter_map(|id| Some((id, raft.prs().get(id)?.matched)))
             .filter(|(_, matched)| matched + CAUGHT_UP_SLACK >= last)
-            .max_by_key(|(_, matched)| *matched)
-            .map(|(id, _)| id)?;
+            .collect();
+        caught_up.sort_by_key(|(id, matched)| std::cmp::Reverse((*matched, *id)));
+        let heir = caught_up
+            .iter()
+            .map(|(id, _)| *id)
+            .find(|id| Some(*id) != group.last_heir)
+            .or_else(|| caught_up.first().map(|(id, _)| *id))?;
+        group.last_heir = Some(heir);
         group.lease = None;
         group.handed_on = Some(raft.term);
         group.node.transfer_leader(heir);
@@ -1686,6 +1697,34 @@ mod tests {
             }
         }
         panic!("no leader elected without the heir");
+    }
+
+    /// Two replicas stopping together: the leader's hand-over to the other stopping one is
+    /// refused, and once raft gives it up the next goes to the third, not to the same one
+    /// again (which would leave the PG refusing writes until the stop gives up).
+    #[test]
+    fn a_refused_hand_over_is_tried_next_with_another_voter() {
+        let (mut trio, leader) = Trio::with_entries(3);
+        let others: Vec<usize> = (0..3).filter(|n| *n != leader).collect();
+        // Both caught up: the first hand-over goes to the highest id, made to refuse.
+        let (refusing, third) = (others[1], others[0]);
+        assert_eq!(trio.replicas[refusing].give_up_leadership(), 0);
+        assert_eq!(trio.replicas[leader].give_up_leadership(), 1);
+        trio.settle();
+        assert!(
+            trio.replicas[leader].is_leader(PG),
+            "the hand-over was refused"
+        );
+        for _ in 0..2 * ELECTION_TICKS {
+            trio.replicas[leader].tick();
+            trio.settle();
+            trio.replicas[leader].give_up_leadership();
+            trio.settle();
+            if trio.replicas[third].is_leader(PG) {
+                return;
+            }
+        }
+        panic!("the third never took over");
     }
 
     /// A follower that asks for a snapshot (a repair) takes no more entries until it has
