@@ -10,6 +10,9 @@
 //!   reorder), some are lost, and for a while one OSD may be cut off from the others.
 //! - **Crashes**: an OSD loses all volatile state and restarts later from its durable
 //!   records, as the real OSD replays its log.
+//! - **Orderly stops**: half the crashes are stops as the OSD's SIGTERM: the OSD hands the
+//!   PGs it leads over ([`MultiRaft::give_up_leadership`]; it never campaigns again nor
+//!   takes a hand-over, but votes), until it leads none or its time is out, then crashes.
 //! - **Pauses**: an OSD stops for a while (its clock does not tick, nothing reaches it);
 //!   when it goes on, clients reach it before the messages sent to it meanwhile do.
 //! - **Clients**: write proposals go to the OSD that believes it leads the PG; a write is
@@ -73,6 +76,11 @@ const STEP_DOWN_STEPS: u64 = basalt_osd::daemon::STEP_DOWN_AFTER.as_millis() as 
     * STEPS_PER_TICK;
 /// A simulation step on the clock that measures leases (a tick is 100 ms, as in the OSD).
 const STEP: Duration = Duration::from_millis(10);
+/// How long an orderly stop waits for its hand-overs (the OSD's `STOP_HAND_OVER`), in
+/// steps.
+const STOP_STEPS: u64 = basalt_osd::daemon::STOP_HAND_OVER.as_millis() as u64
+    / basalt_osd::daemon::TICK.as_millis() as u64
+    * STEPS_PER_TICK;
 /// Ticks after which a leader counts a snapshot failed if its follower has not fetched any
 /// of it (the OSD's 30 s).
 const SNAPSHOT_SILENCE_TICKS: u64 = 300;
@@ -183,6 +191,12 @@ pub struct Outcome {
     pub step_downs: u64,
     /// Damaged copies replaced by a snapshot of the leader's.
     pub repairs: u64,
+    /// Orderly stops begun (each ends in a crash, counted in `crashes`).
+    pub stops: u64,
+    /// Of them, stops of an OSD that led PGs then.
+    pub stops_leading: u64,
+    /// Stops that ended with every PG handed over (before their time was out).
+    pub stops_handed_over: u64,
 }
 
 struct Rng(u64);
@@ -327,6 +341,8 @@ struct SimOsd {
     restart_at: Option<u64>,
     /// The step until which this OSD is paused.
     paused_until: Option<u64>,
+    /// An orderly stop under way: the step by which it ends.
+    stopping_until: Option<u64>,
 }
 
 /// A snapshot's install replaced an OSD's damaged copy of `pg`: its payloads (`unreadable`)
@@ -443,6 +459,7 @@ impl Cluster {
                 in_flight: VecDeque::new(),
                 applied: BTreeMap::new(),
                 applied_index: BTreeMap::new(),
+                stopping_until: None,
                 restart_at: None,
                 paused_until: None,
             });
@@ -573,6 +590,7 @@ impl Cluster {
         }
         osd.raft = None;
         osd.paused_until = None;
+        osd.stopping_until = None;
         osd.in_flight.clear();
         osd.hard_states.clear();
         osd.installing.clear();
@@ -583,6 +601,46 @@ impl Cluster {
         self.confirming.retain(|_, read| read.via != id);
         self.waiting.retain(|(_, read)| read.via != id);
         self.outcome.crashes += 1;
+    }
+
+    /// Begins an orderly stop of an OSD (unless one is under way).
+    fn begin_stop(&mut self, index: usize) {
+        let until = self.now + STOP_STEPS;
+        let osd = &mut self.osds[index];
+        if osd.stopping_until.is_some() {
+            return;
+        }
+        let Some(raft) = osd.raft.as_mut() else {
+            return;
+        };
+        osd.stopping_until = Some(until);
+        self.outcome.stops += 1;
+        if raft.give_up_leadership() > 0 {
+            self.outcome.stops_leading += 1;
+        }
+    }
+
+    /// Goes on with the orderly stops under way, at each tick: hand-overs again (raft gives
+    /// one up after an election timeout); the OSD crashes once it leads no PG, or its time
+    /// is out.
+    fn advance_stops(&mut self) {
+        for index in 0..self.osds.len() {
+            let now = self.now;
+            let osd = &mut self.osds[index];
+            let Some(until) = osd.stopping_until else {
+                continue;
+            };
+            let Some(raft) = osd.running() else {
+                continue;
+            };
+            let led = raft.give_up_leadership();
+            if led == 0 || now >= until {
+                if led == 0 {
+                    self.outcome.stops_handed_over += 1;
+                }
+                self.crash(index);
+            }
+        }
     }
 
     fn can_talk(&self, from: OsdId, to: OsdId) -> bool {
@@ -639,7 +697,11 @@ impl Cluster {
                 .collect();
             if !up.is_empty() {
                 let victim = up[self.rng.below(up.len() as u64) as usize];
-                self.crash(victim);
+                if self.rng.chance(0.5) {
+                    self.begin_stop(victim);
+                } else {
+                    self.crash(victim);
+                }
             }
         }
     }
@@ -1335,6 +1397,7 @@ impl Cluster {
             }
             self.watch_snapshots_sent();
             self.advance_repairs();
+            self.advance_stops();
         }
         self.damage();
         self.deliver_messages();

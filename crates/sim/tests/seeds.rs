@@ -15,6 +15,7 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     let (mut checkpoint_restarts, mut snapshots) = (0, 0);
     let (mut damaged, mut repairs) = (0, 0);
     let (mut log_damaged, mut step_downs) = (0, 0);
+    let (mut stops_leading, mut stops_handed_over) = (0, 0);
     for seed in 0..seeds {
         // Shown if the run panics (inside raft-rs, say) instead of failing with its seed.
         eprintln!("seed {seed}");
@@ -32,6 +33,8 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
         repairs += outcome.repairs;
         log_damaged += outcome.log_damaged;
         step_downs += outcome.step_downs;
+        stops_leading += outcome.stops_leading;
+        stops_handed_over += outcome.stops_handed_over;
     }
     assert!(
         acknowledged > seeds * 100,
@@ -61,6 +64,12 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     );
     // Some of it in payloads of raft logs, which their replicas cannot send: damaged
     // leaders hand over or step down.
+    // Orderly stops of OSDs that led PGs, which handed them over.
+    assert!(
+        stops_leading > 0 && stops_handed_over > 0,
+        "the runs must stop osds in order: {stops_leading} stops of leaders, \
+         {stops_handed_over} with every pg handed over"
+    );
     assert!(
         log_damaged > seeds / 4 && step_downs > 0,
         "the runs must damage payloads of raft logs, and damaged leaders step down: \
