@@ -69,18 +69,18 @@ use basalt_store::log::ReplayedBatch;
 
 /// Simulation steps per raft tick.
 const STEPS_PER_TICK: u64 = 10;
+/// Steps of the simulation in `duration` of the OSD's time (counted in its ticks).
+const fn steps_of(duration: Duration) -> u64 {
+    duration.as_millis() as u64 / basalt_osd::daemon::TICK.as_millis() as u64 * STEPS_PER_TICK
+}
 /// How long a replica under repair of damage in its raft log leads before it steps down
 /// (the OSD's `STEP_DOWN_AFTER`), in steps.
-const STEP_DOWN_STEPS: u64 = basalt_osd::daemon::STEP_DOWN_AFTER.as_millis() as u64
-    / basalt_osd::daemon::TICK.as_millis() as u64
-    * STEPS_PER_TICK;
+const STEP_DOWN_STEPS: u64 = steps_of(basalt_osd::daemon::STEP_DOWN_AFTER);
 /// A simulation step on the clock that measures leases (a tick is 100 ms, as in the OSD).
 const STEP: Duration = Duration::from_millis(10);
 /// How long an orderly stop waits for its hand-overs (the OSD's `STOP_HAND_OVER`), in
 /// steps.
-const STOP_STEPS: u64 = basalt_osd::daemon::STOP_HAND_OVER.as_millis() as u64
-    / basalt_osd::daemon::TICK.as_millis() as u64
-    * STEPS_PER_TICK;
+const STOP_STEPS: u64 = steps_of(basalt_osd::daemon::STOP_HAND_OVER);
 /// Ticks after which a leader counts a snapshot failed if its follower has not fetched any
 /// of it (the OSD's 30 s).
 const SNAPSHOT_SILENCE_TICKS: u64 = 300;
@@ -624,8 +624,8 @@ impl Cluster {
     /// one up after an election timeout); the OSD crashes once it leads no PG, or its time
     /// is out.
     fn advance_stops(&mut self) {
+        let now = self.now;
         for index in 0..self.osds.len() {
-            let now = self.now;
             let osd = &mut self.osds[index];
             let Some(until) = osd.stopping_until else {
                 continue;

@@ -170,26 +170,29 @@ impl TargetProcess {
 
     /// SIGTERM, then waits (30 s at most) for a clean exit.
     pub fn stop(mut self) {
-        let pid = self.child.id().to_string();
-        run_ok(Command::new("kill").args(["-TERM", &pid]));
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                break status;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "target still running 30 s after SIGTERM: {}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(
-            status.success(),
-            "target exited with {status}: {}",
-            self.log_text()
-        );
+        let log = &self.log;
+        terminate(&mut self.child, "target", || {
+            std::fs::read_to_string(log).unwrap_or_default()
+        });
     }
+}
+
+/// Stops `child` (`name`) in order: SIGTERM, then waits 30 s at most; it must exit
+/// cleanly (its `log` is shown if not).
+fn terminate(child: &mut std::process::Child, name: &str, log: impl Fn() -> String) {
+    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("{name} still running 30 s after SIGTERM: {}", log());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{name} exited with {status}: {}", log());
 }
 
 impl Drop for TargetProcess {
@@ -488,26 +491,9 @@ impl ClusterProcesses {
     /// Stops OSD process `n` in order (SIGTERM); it must exit cleanly within 30 s.
     pub fn stop_osd(&mut self, n: usize) {
         let name = format!("osd.{n}");
-        let Some(mut child) = self.osds[n].0.take() else {
-            return;
-        };
-        run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                break status;
-            }
-            if started.elapsed() > Duration::from_secs(30) {
-                let _ = child.kill();
-                panic!("{name} still running 30 s after SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(
-            status.success(),
-            "{name} exited with {status}: {}",
-            self.log_text(&name)
-        );
+        if let Some(mut child) = self.osds[n].0.take() {
+            terminate(&mut child, &name, || self.log_text(&name));
+        }
     }
 
     pub fn kill_osd(&mut self, n: usize) {
