@@ -1005,7 +1005,7 @@ impl Core {
             self.raft.step(pg, message);
             return;
         }
-        if requesting && Some(index) < self.raft.last_index(pg) {
+        if self.raft.refuses_snapshot(pg, &message) {
             // Raft would install it and drop the entries after it, which this replica may
             // have acknowledged; the one asked for reaches at least its last entry.
             tracing::info!(%pg, %leader, index, "a snapshot older than the log refused while one is asked for");

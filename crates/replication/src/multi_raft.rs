@@ -727,6 +727,23 @@ impl MultiRaft {
             .map_err(|error| error.to_string())
     }
 
+    /// Whether this replica, having asked for a snapshot of `pg`, must refuse `snapshot`
+    /// (a MsgSnapshot) although raft would install it: it is older than this replica's
+    /// last entry, and raft would drop the entries after it, which the sender may count
+    /// this replica as holding. That can be only if this replica took them in the
+    /// sender's term: it takes no entries while it asks, so its last entry is then of
+    /// that term. One of an older term the sender never counted, nor committed (its log
+    /// ends before it: see [`MultiRaft::step`]), and it goes.
+    pub fn refuses_snapshot(&self, pg: PgId, snapshot: &Message) -> bool {
+        let Some(group) = self.groups.get(&pg) else {
+            return false;
+        };
+        let log = &group.node.raft.raft_log;
+        group.node.raft.pending_request_snapshot != raft::INVALID_INDEX
+            && snapshot.get_snapshot().get_metadata().index < log.last_index()
+            && log.last_term() >= snapshot.term
+    }
+
     /// Whether this replica asked for a snapshot of `pg` ([`MultiRaft::request_snapshot`])
     /// that it has not installed yet.
     pub fn requesting_snapshot(&self, pg: PgId) -> bool {
@@ -973,6 +990,19 @@ impl MultiRaft {
                 // the process on a heartbeat that does.
                 let last = group.node.raft.raft_log.last_index();
                 message.commit = message.commit.min(last);
+            }
+            if message.get_msg_type() == MessageType::MsgAppendResponse
+                && message.request_snapshot != raft::INVALID_INDEX
+            {
+                // A follower asks for a snapshot as recent as its last entry (a repair),
+                // but that entry is past the end of this log: it and those before it down
+                // to this log's end came from an older term's leader and were never
+                // committed. A snapshot at least as recent as this log's end covers all
+                // the follower may keep (it drops the rest, [`MultiRaft::refuses_snapshot`]);
+                // one as recent as the request would wait for writes past it, and an idle
+                // PG would never be repaired.
+                let last = group.node.raft.raft_log.last_index();
+                message.request_snapshot = message.request_snapshot.min(last);
             }
             if message.get_msg_type() == MessageType::MsgAppendResponse && !message.reject {
                 // A follower that asked for a snapshot (`request_snapshot`) and now has
@@ -1472,12 +1502,19 @@ mod tests {
             }
             let committed = trio.replicas[leader].committed(PG).expect("hosted");
             trio.replicas[leader].compact(PG, committed);
+            let snapshot = trio.withheld_snapshot(leader);
+            (trio, leader, lagging, snapshot)
+        }
+
+        /// Ticks `leader` until it sends a snapshot, delivering everything else; the
+        /// snapshot, withheld.
+        fn withheld_snapshot(&mut self, leader: usize) -> Message {
             let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
             for _ in 0..4 * ELECTION_TICKS {
-                trio.replicas[leader].tick();
-                let sent = trio.settle_where(|_, _, m| !is_snapshot(m));
+                self.replicas[leader].tick();
+                let sent = self.settle_where(|_, _, m| !is_snapshot(m));
                 if let Some((_, snapshot)) = sent.into_iter().find(|(_, m)| is_snapshot(m)) {
-                    return (trio, leader, lagging, snapshot);
+                    return snapshot;
                 }
             }
             panic!("no snapshot sent");
@@ -1747,19 +1784,7 @@ mod tests {
             trio.settle_where(|from, _, _| from != asking);
         }
         let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
-        let mut snapshot = None;
-        for _ in 0..4 * ELECTION_TICKS {
-            trio.replicas[leader].tick();
-            for (_, message) in trio.settle_where(|_, _, m| !is_snapshot(m)) {
-                if is_snapshot(&message) && snapshot.is_none() {
-                    snapshot = Some(message);
-                }
-            }
-            if snapshot.is_some() {
-                break;
-            }
-        }
-        let snapshot = snapshot.expect("the leader sent a snapshot");
+        let snapshot = trio.withheld_snapshot(leader);
         let (index, from) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
         assert_eq!(from, OsdId(leader as u32));
         assert!(index > last, "snapshot at {index}, the follower had {last}");
@@ -1802,19 +1827,7 @@ mod tests {
         let asking = (leader + 1) % 3;
         trio.replicas[asking].request_snapshot(PG).expect("asks");
         let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
-        let mut snapshot = None;
-        for _ in 0..4 * ELECTION_TICKS {
-            trio.replicas[leader].tick();
-            snapshot = trio
-                .settle_where(|_, _, m| !is_snapshot(m))
-                .into_iter()
-                .map(|(_, m)| m)
-                .find(is_snapshot);
-            if snapshot.is_some() {
-                break;
-            }
-        }
-        let snapshot = snapshot.expect("a snapshot");
+        let snapshot = trio.withheld_snapshot(leader);
         let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
         assert_eq!(Some(index), trio.replicas[asking].last_index(PG));
         let follower = OsdId(asking as u32);
@@ -1979,9 +1992,14 @@ mod tests {
 
     /// A replica restarted from its durable state: its persisted hard state and entries.
     fn restarted(raft: &MultiRaft, osd: usize, seed: u64) -> MultiRaft {
+        restarted_torn(raft, osd, seed, 0)
+    }
+
+    /// [`restarted`], but its last `torn` entries were not durable (a torn tail).
+    fn restarted_torn(raft: &MultiRaft, osd: usize, seed: u64, torn: u64) -> MultiRaft {
         let storage = raft.storage(PG).expect("hosted");
         let state = storage.initial_state().expect("state");
-        let last = storage.last_index().expect("last");
+        let last = storage.last_index().expect("last") - torn;
         let context = raft::GetEntriesContext::empty(false);
         let entries = storage
             .entries(1, last + 1, None, context)
@@ -1995,6 +2013,59 @@ mod tests {
         let members = [OsdId(0), OsdId(1), OsdId(2)];
         fresh.create_group(PG, &members, restored).expect("group");
         fresh
+    }
+
+    /// A follower asks for a snapshot as recent as its last entries, which the leader of
+    /// their term sent to it alone and lost in a crash (a torn tail). The new leader's log
+    /// ends before them: it serves a snapshot at its end, which the follower installs,
+    /// dropping them, although they are past it; else the repair would wait for writes
+    /// that an idle PG never gets (found by the simulation, seeds 11106, 22528, 42759 and
+    /// 44554). A snapshot of the term of the follower's last entry it still refuses.
+    #[test]
+    fn a_repair_asked_past_a_new_leaders_log_is_served_at_its_end() {
+        let (mut trio, old) = Trio::with_entries(10);
+        let asking = (old + 1) % 3;
+        for n in 0..2u8 {
+            trio.replicas[old]
+                .propose(PG, vec![100 + n])
+                .expect("leader");
+            trio.settle_where(|from, to, _| from == old && to == asking);
+        }
+        let asked_at = trio.replicas[asking].last_index(PG).expect("hosted");
+        assert!(trio.replicas[old].committed(PG) < Some(asked_at));
+        trio.replicas[asking].request_snapshot(PG).expect("asks");
+        trio.settle_where(|_, _, _| false);
+        trio.replicas[old] = restarted_torn(&trio.replicas[old], old, 60, 2);
+        let leader = loop {
+            for raft in &mut trio.replicas {
+                raft.tick();
+            }
+            trio.settle_where(|from, _, _| from != asking);
+            if let Some(leader) = (0..3).find(|n| trio.replicas[*n].read_barrier(PG).is_some()) {
+                break leader;
+            }
+        };
+        assert_ne!(leader, asking);
+        let end = trio.replicas[leader].last_index(PG).expect("hosted");
+        assert!(end < asked_at, "the new leader's log ends at {end}");
+        let snapshot = trio.withheld_snapshot(leader);
+        let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
+        assert_eq!(index, end);
+        let mut same_term = snapshot.clone();
+        same_term.term = trio.replicas[asking].last_log_id(PG).expect("hosted").1;
+        assert!(trio.replicas[asking].refuses_snapshot(PG, &same_term));
+        assert!(!trio.replicas[asking].refuses_snapshot(PG, &snapshot));
+        trio.replicas[asking].step(PG, snapshot);
+        assert!(trio.replicas[asking].has_pending_snapshot(PG));
+        trio.settle();
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        trio.replicas[leader].propose(PG, vec![7]).expect("leader");
+        trio.settle();
+        assert_eq!(
+            trio.replicas[asking].last_log_id(PG),
+            trio.replicas[leader].last_log_id(PG)
+        );
+        assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
     }
 
     /// A replica held back does not campaign until it has heard from a quorum for as long

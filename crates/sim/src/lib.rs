@@ -859,7 +859,7 @@ impl Cluster {
             raft.step(pg, message);
             return;
         }
-        if requesting && Some(snapshot_index) < raft.last_index(pg) {
+        if raft.refuses_snapshot(pg, &message) {
             // Raft would drop the entries after it, which this replica may have
             // acknowledged; the one asked for reaches at least its last entry.
             let from = osd.id;
