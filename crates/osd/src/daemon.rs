@@ -1007,7 +1007,7 @@ impl Core {
         }
         if self.raft.refuses_snapshot(pg, &message) {
             // Raft would install it and drop the entries after it, which this replica may
-            // have acknowledged; the one asked for reaches at least its last entry.
+            // have acknowledged (see `MultiRaft::refuses_snapshot`).
             tracing::info!(%pg, %leader, index, "a snapshot older than the log refused while one is asked for");
             let refusal = self.raft.snapshot_refusal(leader, index);
             self.send(leader, pg, refusal);

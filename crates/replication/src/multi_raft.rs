@@ -519,6 +519,11 @@ impl MultiRaft {
         true
     }
 
+    /// The ticks this replica of `pg` is still held back for ([`MultiRaft::hold_back`]).
+    pub fn held_back(&self, pg: PgId) -> Option<usize> {
+        self.groups.get(&pg).map(|group| group.held_back)
+    }
+
     /// Whether the voters this replica heard from within an election timeout make a quorum
     /// with it (in both halves of a joint configuration).
     fn quorum_heard(group: &Group) -> bool {
@@ -712,7 +717,8 @@ impl MultiRaft {
     }
 
     /// Asks the leader of `pg` for a snapshot at least as recent as this replica's last
-    /// entry, to rebuild this replica's data from the leader's (a repair). Until it is
+    /// entry, or as the leader's log if that ends before it (see [`MultiRaft::step`]), to
+    /// rebuild this replica's data from the leader's (a repair). Until it is
     /// installed, this replica takes no more entries. Fails (try again later) when this
     /// replica leads, knows no leader, already waits for a snapshot, or its last entry is
     /// of an older term than the current one.
@@ -731,9 +737,13 @@ impl MultiRaft {
     /// (a MsgSnapshot) although raft would install it: it is older than this replica's
     /// last entry, and raft would drop the entries after it, which the sender may count
     /// this replica as holding. That can be only if this replica took them in the
-    /// sender's term: it takes no entries while it asks, so its last entry is then of
-    /// that term. One of an older term the sender never counted, nor committed (its log
-    /// ends before it: see [`MultiRaft::step`]), and it goes.
+    /// message's term: it takes no entries while it asks, so its last entry is then of
+    /// that term. If that entry is of an older term, the sender does not count it now
+    /// (its count of each follower starts again with its term), nor did anyone commit
+    /// it: every snapshot a leader sends while a request stands is at or after the
+    /// request, which it caps at the end of its log ([`MultiRaft::step`]), and the
+    /// entries after that end are missing from the log of a leader of a later term. The
+    /// snapshot goes in, and they go, as a conflicting tail would.
     pub fn refuses_snapshot(&self, pg: PgId, snapshot: &Message) -> bool {
         let Some(group) = self.groups.get(&pg) else {
             return false;
@@ -966,7 +976,8 @@ impl MultiRaft {
     /// the PG for good. The others elect one of them meanwhile if they can (it votes and
     /// follows as any follower, and counts only ticks in which they could, so that it
     /// waits for them through a restart of the whole cluster); if they cannot (its vote is
-    /// needed and its log is ahead of theirs), it campaigns once the ticks are out.
+    /// needed and its log is ahead of theirs), it campaigns once the ticks are out, or
+    /// once it has installed a snapshot (its log is then the leader's).
     pub fn hold_back(&mut self, pg: PgId, ticks: usize) {
         if let Some(group) = self.groups.get_mut(&pg) {
             group.held_back = ticks;
@@ -996,7 +1007,7 @@ impl MultiRaft {
             {
                 // A follower asks for a snapshot as recent as its last entry (a repair),
                 // but that entry is past the end of this log: it and those before it down
-                // to this log's end came from an older term's leader and were never
+                // to this log's end came from leaders of older terms and were never
                 // committed. A snapshot at least as recent as this log's end covers all
                 // the follower may keep (it drops the rest, [`MultiRaft::refuses_snapshot`]);
                 // one as recent as the request would wait for writes past it, and an idle
@@ -1323,6 +1334,11 @@ impl MultiRaft {
                 group.snapshot_persisting = None;
                 group.node.advance_apply_to(index);
                 group.node.mut_store().set_applied(index);
+                // Its log now starts at the leader's snapshot: it holds no entries whose
+                // payloads it cannot send, so nothing holds it back any more (held back,
+                // it and another voter held back the same way would wait for each other).
+                group.held_back = 0;
+                group.heard.clear();
             }
         }
     }
@@ -2066,6 +2082,26 @@ mod tests {
             trio.replicas[leader].last_log_id(PG)
         );
         assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
+    }
+
+    /// A replica held back is let go once it has installed a snapshot: its log is then the
+    /// leader's. Else two voters held back would wait for each other for good while the
+    /// third, behind with an older configuration, asked others for votes (found by the
+    /// simulation: seed 1934 with `--faults 4 --osds 5 --pgs 6`).
+    #[test]
+    fn a_replica_held_back_is_let_go_once_it_installs_a_snapshot() {
+        let (mut trio, leader, lagging, snapshot) = Trio::with_a_snapshot_sent();
+        trio.replicas[lagging].hold_back(PG, 1000);
+        trio.replicas[lagging].step(PG, snapshot);
+        trio.settle();
+        assert_eq!(trio.replicas[lagging].held_back(PG), Some(0));
+        // Its leader falls silent: it campaigns.
+        let silent = |from: usize, to: usize, _: &Message| from != leader && to != leader;
+        let campaigns = (0..4 * ELECTION_TICKS).any(|_| {
+            trio.replicas[lagging].tick();
+            campaigned(&trio.settle_where(silent), lagging)
+        });
+        assert!(campaigns, "it never campaigned");
     }
 
     /// A replica held back does not campaign until it has heard from a quorum for as long

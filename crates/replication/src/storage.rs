@@ -292,9 +292,10 @@ impl Storage for PgStorage {
         let (changed, conf) = self.confs.last().expect("never empty");
         let mut index = self.compacted.0.max(*changed);
         if request_index > index && request_index <= self.applied {
-            // A follower asked for one at least as recent as its own last entry (to have
-            // its data rebuilt, `RawNode::request_snapshot`): as of the last entry applied,
-            // whose configuration is the last one recorded.
+            // A follower asked for one at least as recent as its own last entry, or this
+            // log's end if that is before (to have its data rebuilt,
+            // `MultiRaft::request_snapshot`): as of the last entry applied, whose
+            // configuration is the last one recorded.
             index = self.applied;
         }
         if (self.compacted.0 == 0 && request_index == 0) || index < request_index {

@@ -154,6 +154,19 @@ impl SimConfig {
             damage: 0.0003,
         }
     }
+
+    /// A harsher run: `osds` OSDs, `pgs` PGs, and the chances of crashes, partitions,
+    /// pauses, damage and membership changes multiplied by `faults`.
+    pub fn harsher(mut self, osds: u32, pgs: u32, faults: f64) -> Self {
+        self.osds = osds;
+        self.pgs = pgs;
+        self.crash *= faults;
+        self.partition *= faults;
+        self.pause *= faults;
+        self.damage *= faults;
+        self.reconfigure *= faults;
+        self
+    }
 }
 
 /// What a run did.
@@ -861,7 +874,7 @@ impl Cluster {
         }
         if raft.refuses_snapshot(pg, &message) {
             // Raft would drop the entries after it, which this replica may have
-            // acknowledged; the one asked for reaches at least its last entry.
+            // acknowledged (see `MultiRaft::refuses_snapshot`).
             let from = osd.id;
             let refusal = raft.snapshot_refusal(leader, snapshot_index);
             self.send(from, leader, pg, refusal);
@@ -1450,6 +1463,42 @@ impl Cluster {
         })
     }
 
+    /// Each replica's state, one line per replica of each PG (for a failure that
+    /// `BASALT_SIM_STATE` asks to describe).
+    fn state(&self) -> String {
+        let mut out = String::new();
+        for pg in &self.pgs {
+            out += &format!("\npg {pg}: target {:?}", self.targets[pg]);
+            for osd in &self.osds {
+                let Some(raft) = osd.raft.as_ref() else {
+                    out += &format!("\n  {}: down", osd.id);
+                    continue;
+                };
+                out += &format!(
+                    "\n  {}: leader {:?} (leads: {}), term {:?}, last {:?}, committed {:?}, \
+                     applied {:?}, members {:?}, requesting {}, installing {:?}, damaged \
+                     {:?}, paused {}, held back {:?}",
+                    osd.id,
+                    raft.leader(*pg),
+                    raft.is_leader(*pg),
+                    raft.term(*pg),
+                    raft.last_log_id(*pg),
+                    raft.committed(*pg),
+                    osd.applied_index.get(pg),
+                    raft.members(*pg),
+                    raft.requesting_snapshot(*pg),
+                    osd.installing
+                        .get(pg)
+                        .map(|i| (i.leader, i.index, i.stepped)),
+                    osd.damaged.get(pg),
+                    osd.paused_until.is_some(),
+                    raft.held_back(*pg),
+                );
+            }
+        }
+        out
+    }
+
     fn check(&self) -> Result<(), String> {
         if let Some(failure) = &self.failure {
             return Err(failure.clone());
@@ -1531,7 +1580,12 @@ pub fn run(config: &SimConfig) -> Result<Outcome, String> {
                     config.settle_steps
                 )
             });
-            return Err(format!("seed {}: {failure}", config.seed));
+            let state = if std::env::var_os("BASALT_SIM_STATE").is_some() {
+                cluster.state()
+            } else {
+                String::new()
+            };
+            return Err(format!("seed {}: {failure}{state}", config.seed));
         }
         cluster.step();
     }

@@ -1,4 +1,7 @@
-//! `cargo run -p basalt-sim -- --seed N [--steps S]`: replays one simulation run.
+//! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N --pgs N --faults X]`:
+//! replays one simulation run. The last three make a harsher run than CI's seeds
+//! ([`basalt_sim::SimConfig::harsher`]), for sweeps by hand; a failure names the flags
+//! given, to replay it, and `BASALT_SIM_STATE=1` describes every replica then.
 
 use std::process::ExitCode;
 
@@ -8,15 +11,20 @@ fn main() -> ExitCode {
         args.iter()
             .position(|a| a == flag)
             .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse::<u64>().ok())
     };
-    let Some(seed) = value("--seed") else {
-        eprintln!("usage: basalt-sim --seed N [--steps S]");
+    let number = |flag: &str| value(flag).and_then(|v| v.parse::<u64>().ok());
+    let Some(seed) = number("--seed") else {
+        eprintln!("usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X]");
         return ExitCode::FAILURE;
     };
     let mut config = basalt_sim::SimConfig::new(seed);
-    if let Some(steps) = value("--steps") {
+    if let Some(steps) = number("--steps") {
         config.steps = steps;
+    }
+    if let Some(faults) = value("--faults").and_then(|v| v.parse::<f64>().ok()) {
+        let osds = number("--osds").map_or(config.osds, |n| n as u32);
+        let pgs = number("--pgs").map_or(config.pgs, |n| n as u32);
+        config = config.harsher(osds, pgs, faults);
     }
     match basalt_sim::run(&config) {
         Ok(outcome) => {
@@ -24,7 +32,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(failure) => {
-            eprintln!("{failure}");
+            eprintln!("{failure} (flags: {})", args[1..].join(" "));
             ExitCode::FAILURE
         }
     }

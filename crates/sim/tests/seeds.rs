@@ -91,4 +91,12 @@ fn seeds_that_once_failed_pass() {
         basalt_sim::run(&basalt_sim::SimConfig::new(seed))
             .unwrap_or_else(|failure| panic!("seed {seed}: {failure}"));
     }
+    // Harsher runs (`basalt-sim --seed N --osds 5 --pgs 6 --faults 4`). 1934, 11662: two
+    // voters held back after damage waited for each other, one of them long repaired
+    // (see `a_replica_held_back_is_let_go_once_it_installs_a_snapshot`).
+    const HARSHER_ONCE_FAILED: &[u64] = &[1934, 11662];
+    for &seed in HARSHER_ONCE_FAILED {
+        basalt_sim::run(&basalt_sim::SimConfig::new(seed).harsher(5, 6, 4.0))
+            .unwrap_or_else(|failure| panic!("harsher seed {seed}: {failure}"));
+    }
 }
