@@ -3319,6 +3319,8 @@ pub struct Running {
     events: mpsc::UnboundedSender<Event>,
     /// Its heartbeats to the monitors.
     heartbeat: tokio::task::JoinHandle<()>,
+    /// Stops the heartbeats once the one under way, if any, is answered.
+    stop_heartbeats: tokio::sync::watch::Sender<bool>,
     mon: Arc<MonClient>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _server: Server,
@@ -3345,10 +3347,14 @@ impl Running {
                 self.core.abort();
                 let _ = (&mut self.core).await;
                 let _ = tokio::time::timeout(Duration::from_secs(2), self.log.close()).await;
-                // Last, the monitors mark it down at once, not after the grace (its
-                // heartbeats stopped first: one would mark it up again).
-                self.heartbeat.abort();
-                let _ = (&mut self.heartbeat).await;
+                // Last, the monitors mark it down at once, not after the grace. Its
+                // heartbeats stop first, the one under way answered (one the monitors
+                // took after the mark would mark it up again).
+                let _ = self.stop_heartbeats.send(true);
+                let last = tokio::time::timeout(Duration::from_secs(2), &mut self.heartbeat);
+                if last.await.is_err() {
+                    self.heartbeat.abort();
+                }
                 let down = Command::OsdDown { id: self.id };
                 match tokio::time::timeout(Duration::from_secs(1), self.mon.command(down)).await {
                     Ok(Ok(_)) => tracing::info!("marked down"),
@@ -3557,12 +3563,14 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let heartbeat_report = report.clone();
     let heartbeat_mon = mon.clone();
     let heartbeat_now = report_now.clone();
+    let (stop_heartbeats, mut heartbeats_stopped) = tokio::sync::watch::channel(false);
     let heartbeat = tokio::spawn(async move {
         let mut interval = tokio::time::interval(HEARTBEAT_INTERVAL);
         loop {
             tokio::select! {
                 _ = interval.tick() => {}
                 () = heartbeat_now.notified() => {}
+                _ = heartbeats_stopped.changed() => return,
             }
             let report = heartbeat_report
                 .lock()
@@ -3971,6 +3979,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         core,
         events,
         heartbeat,
+        stop_heartbeats,
         mon,
         tasks,
         _server: server,

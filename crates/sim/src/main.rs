@@ -1,7 +1,8 @@
-//! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N --pgs N --faults X]`:
-//! replays one simulation run. The last three make a harsher run than CI's seeds
-//! ([`basalt_sim::SimConfig::harsher`]), for sweeps by hand; a failure names the flags
-//! given, to replay it, and `BASALT_SIM_STATE=1` describes every replica then.
+//! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N --pgs N --faults X]
+//! [--members N]`: replays one simulation run. `--osds`, `--pgs` and `--faults` make a
+//! harsher run than CI's seeds ([`basalt_sim::SimConfig::harsher`]) and `--members` sets
+//! the replicas per PG, for sweeps by hand; a failure names the flags given, to replay it,
+//! and `BASALT_SIM_STATE=1` describes every replica then.
 
 use std::process::ExitCode;
 
@@ -14,7 +15,9 @@ fn main() -> ExitCode {
     };
     let number = |flag: &str| value(flag).and_then(|v| v.parse::<u64>().ok());
     let Some(seed) = number("--seed") else {
-        eprintln!("usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X]");
+        eprintln!(
+            "usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X] [--members N]"
+        );
         return ExitCode::FAILURE;
     };
     let mut config = basalt_sim::SimConfig::new(seed);
@@ -25,6 +28,9 @@ fn main() -> ExitCode {
         let osds = number("--osds").map_or(config.osds, |n| n as u32);
         let pgs = number("--pgs").map_or(config.pgs, |n| n as u32);
         config = config.harsher(osds, pgs, faults);
+    }
+    if let Some(members) = number("--members") {
+        config.members = members as u32;
     }
     match basalt_sim::run(&config) {
         Ok(outcome) => {
