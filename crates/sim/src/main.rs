@@ -1,8 +1,9 @@
 //! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N --pgs N --faults X]
-//! [--members N]`: replays one simulation run. `--osds`, `--pgs` and `--faults` make a
-//! harsher run than CI's seeds ([`basalt_sim::SimConfig::harsher`]) and `--members` sets
-//! the replicas per PG, for sweeps by hand; a failure names the flags given, to replay it,
-//! and `BASALT_SIM_STATE=1` describes every replica then.
+//! [--members N] [--loss P] [--delay D]`: replays one simulation run. `--osds`, `--pgs`
+//! and `--faults` make a harsher run than CI's seeds ([`basalt_sim::SimConfig::harsher`]);
+//! `--members` sets the replicas per PG, `--loss` the chance that a message is lost and
+//! `--delay` the longest delay of one, in steps; for sweeps by hand. A failure names the
+//! flags given, to replay it, and `BASALT_SIM_STATE=1` describes every replica then.
 
 use std::process::ExitCode;
 
@@ -16,7 +17,8 @@ fn main() -> ExitCode {
     let number = |flag: &str| value(flag).and_then(|v| v.parse::<u64>().ok());
     let Some(seed) = number("--seed") else {
         eprintln!(
-            "usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X] [--members N]"
+            "usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X] [--members N] \
+             [--loss P] [--delay D]"
         );
         return ExitCode::FAILURE;
     };
@@ -31,6 +33,12 @@ fn main() -> ExitCode {
     }
     if let Some(members) = number("--members") {
         config.members = members as u32;
+    }
+    if let Some(loss) = value("--loss").and_then(|v| v.parse::<f64>().ok()) {
+        config.loss = loss;
+    }
+    if let Some(delay) = number("--delay") {
+        config.delay_max = delay;
     }
     match basalt_sim::run(&config) {
         Ok(outcome) => {
