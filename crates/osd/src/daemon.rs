@@ -227,7 +227,7 @@ struct Repair {
     avoid: Vec<OsdId>,
     /// Who waits for the answer, since when.
     waiting: Vec<(oneshot::Sender<Message>, std::time::Instant)>,
-    /// When it was asked.
+    /// When it was asked, or last had a snapshot asked for or being installed.
     since: std::time::Instant,
     /// The snapshot is installed (the state after it): the answer waits for a checkpoint
     /// cut after it, so that replay no longer reads the data it replaced.
@@ -2308,6 +2308,9 @@ impl Core {
             // Raft takes no entries while it asks (it would go on asking after the repair
             // were given up), so a repair whose snapshot is on its way lasts until it is in.
             if self.raft.requesting_snapshot(pg) || self.installing.contains_key(&pg) {
+                // REPAIR_TIMEOUT counts from the last time one was on its way (a request
+                // raft dropped when this replica campaigned is asked again).
+                repair.since = now;
                 continue;
             }
             if now.duration_since(repair.since) > REPAIR_TIMEOUT {
