@@ -1250,7 +1250,15 @@ impl Core {
             .snapshots_installed
             .fetch_add(1, Ordering::Relaxed);
         tracing::info!(%pg, index, "snapshot installed");
-        if self.repairs.contains_key(&pg) {
+        let from_avoided = self
+            .repairs
+            .get(&pg)
+            .is_some_and(|repair| leader.is_some_and(|leader| repair.avoid.contains(&leader)));
+        if from_avoided {
+            // A copy in doubt too (a replica `basalt pg repair` found odd as well): the
+            // repair goes on, and asks the next leader.
+            tracing::warn!(%pg, index, "a snapshot from a replica whose copy is in doubt too installed; the repair goes on");
+        } else if self.repairs.contains_key(&pg) {
             // The data it replaced may lie in a damaged batch: a checkpoint now keeps
             // replay from reading it again, which would stop this OSD from starting. The
             // repair is answered once it is written ([`Core::end_covered_repairs`]).
@@ -2304,6 +2312,19 @@ impl Core {
                 let gone = format!("{} no longer hosts pg {pg}", self.id);
                 self.end_repair(pg, Err(gone));
                 continue;
+            }
+            let avoided_leader = self
+                .raft
+                .leader(pg)
+                .filter(|leader| repair.avoid.contains(leader));
+            if let Some(leader) = avoided_leader
+                && !self.installing.contains_key(&pg)
+                && self.raft.cancel_snapshot_request(pg)
+            {
+                // Leadership went, since this replica asked, to one whose copy is in doubt
+                // too: its snapshot would not repair this copy. This replica takes
+                // entries again meanwhile, and asks the next leader.
+                tracing::info!(%pg, %leader, "repair: the snapshot asked for is no longer wanted (the new leader's copy is in doubt too)");
             }
             // Raft takes no entries while it asks (it would go on asking after the repair
             // were given up), so a repair whose snapshot is on its way lasts until it is in.

@@ -754,6 +754,20 @@ impl MultiRaft {
             && log.last_term() >= snapshot.term
     }
 
+    /// Takes back this replica's request for a snapshot of `pg`
+    /// ([`MultiRaft::request_snapshot`]), so that it takes entries again; whether there was
+    /// one. The leader, asked before, may still send the snapshot: raft takes it as any
+    /// (one it does not need moves its commit on), and the answer ends the transfer.
+    pub fn cancel_snapshot_request(&mut self, pg: PgId) -> bool {
+        let Some(group) = self.groups.get_mut(&pg) else {
+            return false;
+        };
+        let raft = &mut group.node.raft;
+        let asked = raft.pending_request_snapshot != raft::INVALID_INDEX;
+        raft.pending_request_snapshot = raft::INVALID_INDEX;
+        asked
+    }
+
     /// Whether this replica asked for a snapshot of `pg` ([`MultiRaft::request_snapshot`])
     /// that it has not installed yet.
     pub fn requesting_snapshot(&self, pg: PgId) -> bool {
@@ -2077,6 +2091,32 @@ mod tests {
         assert!(!trio.replicas[asking].requesting_snapshot(PG));
         trio.replicas[leader].propose(PG, vec![7]).expect("leader");
         trio.settle();
+        assert_eq!(
+            trio.replicas[asking].last_log_id(PG),
+            trio.replicas[leader].last_log_id(PG)
+        );
+        assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
+    }
+
+    /// A replica that takes back its request for a snapshot takes entries again, and its
+    /// leader, which still sends the snapshot asked for, ends the transfer at its answer.
+    #[test]
+    fn a_snapshot_request_taken_back_lets_entries_in_again() {
+        let (mut trio, leader) = Trio::with_entries(10);
+        let asking = (leader + 1) % 3;
+        trio.replicas[asking].request_snapshot(PG).expect("asks");
+        let snapshot = trio.withheld_snapshot(leader);
+        assert!(trio.replicas[asking].cancel_snapshot_request(PG));
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        assert!(!trio.replicas[asking].cancel_snapshot_request(PG));
+        trio.replicas[asking].step(PG, snapshot);
+        for n in 0..2 * HEARTBEAT_TICKS {
+            trio.replicas[leader]
+                .propose(PG, vec![60 + n as u8])
+                .expect("leader");
+            trio.replicas[leader].tick();
+            trio.settle();
+        }
         assert_eq!(
             trio.replicas[asking].last_log_id(PG),
             trio.replicas[leader].last_log_id(PG)
