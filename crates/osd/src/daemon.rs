@@ -212,8 +212,9 @@ pub enum OsdRequest {
 }
 
 /// How long a repair may go without a snapshot asked for or being installed (a leader that
-/// finds no replica to hand leadership to, say) before it is given up; once one is on its
-/// way, the repair lasts until it is installed.
+/// finds no replica to hand leadership to, say) before it is given up; while one is on its
+/// way, the repair goes on (one taken back, when leadership went to a replica whose copy
+/// is in doubt too, counts until then).
 pub const REPAIR_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How long an [`OsdRequest::Repair`] waits for its answer: then it is told the repair is
@@ -236,6 +237,11 @@ struct Repair {
     covered: bool,
     /// The replica leadership is being handed to (logged once, not at every tick).
     heir: Option<OsdId>,
+    /// A replica whose copy is in doubt too that this replica took its snapshot request
+    /// back from: the next snapshot it sends (most likely the one asked for) is refused,
+    /// which ends the leader's sending of it; a later one (this replica fell behind its
+    /// log) is installed, without ending the repair.
+    refuse_from: Option<OsdId>,
     /// Since when this replica has led the PG during the repair (see [`STEP_DOWN_AFTER`]).
     leading_since: Option<std::time::Instant>,
     /// The damage is in payloads of its raft log (which it cannot send): leading, it steps
@@ -252,6 +258,7 @@ impl Repair {
             since: std::time::Instant::now(),
             installed: None,
             covered: false,
+            refuse_from: None,
             heir: None,
             leading_since: None,
             log_damaged: false,
@@ -993,6 +1000,16 @@ impl Core {
             // A newer leader's snapshot replaces an older one's.
             self.abort_install(pg, "a newer leader sent another", false);
         }
+        let refused = self
+            .repairs
+            .get_mut(&pg)
+            .and_then(|repair| repair.refuse_from.take_if(|from| *from == leader));
+        if refused.is_some() {
+            tracing::info!(%pg, %leader, index, "a snapshot no longer wanted refused (the repair's request was taken back)");
+            let refusal = self.raft.snapshot_refusal(leader, index);
+            self.send(leader, pg, refusal);
+            return;
+        }
         // A replica that asked for a snapshot (a repair) fetches it however recent its log.
         let requesting = self.raft.requesting_snapshot(pg);
         let behind = requesting
@@ -1254,15 +1271,18 @@ impl Core {
             .repairs
             .get(&pg)
             .is_some_and(|repair| leader.is_some_and(|leader| repair.avoid.contains(&leader)));
+        if self.repairs.contains_key(&pg) {
+            // The data it replaced may lie in a damaged batch: a checkpoint now keeps
+            // replay from reading it again, which would stop this OSD from starting.
+            self.reclaim.asked = true;
+        }
         if from_avoided {
             // A copy in doubt too (a replica `basalt pg repair` found odd as well): the
             // repair goes on, and asks the next leader.
             tracing::warn!(%pg, index, "a snapshot from a replica whose copy is in doubt too installed; the repair goes on");
         } else if self.repairs.contains_key(&pg) {
-            // The data it replaced may lie in a damaged batch: a checkpoint now keeps
-            // replay from reading it again, which would stop this OSD from starting. The
-            // repair is answered once it is written ([`Core::end_covered_repairs`]).
-            self.reclaim.asked = true;
+            // The repair is answered once the checkpoint is written
+            // ([`Core::end_covered_repairs`]).
             let state = self.replica_state(pg);
             self.repairs
                 .entry(pg)
@@ -2278,7 +2298,8 @@ impl Core {
 
     /// Moves each repair on: a replica that leads hands leadership over (and steps down if
     /// that takes too long and its raft log is damaged), a follower asks its leader for a
-    /// snapshot (installing it ends the repair, in [`Core::snapshot_installed`]); one that
+    /// snapshot (installing one from a replica not avoided ends the repair, in
+    /// [`Core::snapshot_installed`]); one that
     /// takes too long is given up.
     fn advance_repairs(&mut self) {
         let now = std::time::Instant::now();
@@ -2323,11 +2344,14 @@ impl Core {
             {
                 // Leadership went, since this replica asked, to one whose copy is in doubt
                 // too: its snapshot would not repair this copy. This replica takes
-                // entries again meanwhile, and asks the next leader.
+                // entries again once that leader stops sending the snapshot (the next
+                // one it sends is refused), and asks the next leader.
                 tracing::info!(%pg, %leader, "repair: the snapshot asked for is no longer wanted (the new leader's copy is in doubt too)");
+                repair.refuse_from = Some(leader);
             }
             // Raft takes no entries while it asks (it would go on asking after the repair
-            // were given up), so a repair whose snapshot is on its way lasts until it is in.
+            // were given up), so a repair whose snapshot is on its way goes on until it is
+            // in (or taken back, above).
             if self.raft.requesting_snapshot(pg) || self.installing.contains_key(&pg) {
                 // REPAIR_TIMEOUT counts from the last time one was on its way (a request
                 // raft dropped when this replica campaigned is asked again).
@@ -2376,7 +2400,10 @@ impl Core {
                 continue;
             }
             match self.raft.request_snapshot(pg) {
-                Ok(()) => tracing::info!(%pg, "repair: a snapshot asked of the leader"),
+                Ok(()) => {
+                    tracing::info!(%pg, "repair: a snapshot asked of the leader");
+                    repair.refuse_from = None;
+                }
                 Err(error) => tracing::debug!(%pg, %error, "repair: no snapshot asked yet"),
             }
         }

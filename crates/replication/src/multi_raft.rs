@@ -755,9 +755,10 @@ impl MultiRaft {
     }
 
     /// Takes back this replica's request for a snapshot of `pg`
-    /// ([`MultiRaft::request_snapshot`]), so that it takes entries again; whether there was
-    /// one. The leader, asked before, may still send the snapshot: raft takes it as any
-    /// (one it does not need moves its commit on), and the answer ends the transfer.
+    /// ([`MultiRaft::request_snapshot`]); whether there was one. The leader, asked before,
+    /// sends nothing but the snapshot asked for until it hears how that went: this replica
+    /// takes entries again once it has answered it (raft fast-forwards over one it does not
+    /// need) or refused it ([`MultiRaft::snapshot_refusal`]).
     pub fn cancel_snapshot_request(&mut self, pg: PgId) -> bool {
         let Some(group) = self.groups.get_mut(&pg) else {
             return false;
@@ -2098,8 +2099,9 @@ mod tests {
         assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
     }
 
-    /// A replica that takes back its request for a snapshot takes entries again, and its
-    /// leader, which still sends the snapshot asked for, ends the transfer at its answer.
+    /// A replica that takes back its request for a snapshot takes the snapshot asked for,
+    /// which its leader still sends, as one it does not need (it installs none), and
+    /// entries again after its answer.
     #[test]
     fn a_snapshot_request_taken_back_lets_entries_in_again() {
         let (mut trio, leader) = Trio::with_entries(10);
@@ -2110,6 +2112,7 @@ mod tests {
         assert!(!trio.replicas[asking].requesting_snapshot(PG));
         assert!(!trio.replicas[asking].cancel_snapshot_request(PG));
         trio.replicas[asking].step(PG, snapshot);
+        assert!(!trio.replicas[asking].has_pending_snapshot(PG), "installed");
         for n in 0..2 * HEARTBEAT_TICKS {
             trio.replicas[leader]
                 .propose(PG, vec![60 + n as u8])
