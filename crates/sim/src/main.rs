@@ -1,8 +1,10 @@
 //! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N --pgs N --faults X]
-//! [--members N] [--loss P] [--delay D]`: replays one simulation run. `--osds`, `--pgs`
-//! and `--faults` make a harsher run than CI's seeds ([`basalt_sim::SimConfig::harsher`]);
-//! `--members` sets the replicas per PG, `--loss` the chance that a message is lost and
-//! `--delay` the longest delay of one, in steps; for sweeps by hand. A failure names the
+//! [--members N] [--loss P] [--delay D] [--damage P]`: replays one simulation run.
+//! `--osds`, `--pgs` and `--faults` make a harsher run than CI's seeds
+//! ([`basalt_sim::SimConfig::harsher`]); `--members` sets the replicas per PG, `--loss` the
+//! chance that a message is lost, `--delay` the longest delay of one, in steps, and
+//! `--damage` the chance per step of damage to a copy (after `--faults`); for sweeps by
+//! hand. A failure names the
 //! flags given, to replay it, and `BASALT_SIM_STATE=1` describes every replica then.
 
 use std::process::ExitCode;
@@ -18,7 +20,7 @@ fn main() -> ExitCode {
     let Some(seed) = number("--seed") else {
         eprintln!(
             "usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X] [--members N] \
-             [--loss P] [--delay D]"
+             [--loss P] [--delay D] [--damage P]"
         );
         return ExitCode::FAILURE;
     };
@@ -39,6 +41,9 @@ fn main() -> ExitCode {
     }
     if let Some(delay) = number("--delay") {
         config.delay_max = delay;
+    }
+    if let Some(damage) = value("--damage").and_then(|v| v.parse::<f64>().ok()) {
+        config.damage = damage;
     }
     match basalt_sim::run(&config) {
         Ok(outcome) => {
