@@ -127,6 +127,9 @@ pub struct SimConfig {
     pub behind_entries: u64,
     /// Chance per step of damage to a voter's copy of a PG.
     pub damage: f64,
+    /// Halfway through the faults, one OSD is lost for good (it never restarts), and every
+    /// PG's target members leave it, as the monitors' map would once it is marked out.
+    pub lose_osd: bool,
 }
 
 impl SimConfig {
@@ -152,6 +155,7 @@ impl SimConfig {
             retained_entries: 8,
             behind_entries: 16,
             damage: 0.0003,
+            lose_osd: false,
         }
     }
 
@@ -210,6 +214,8 @@ pub struct Outcome {
     pub stops_leading: u64,
     /// Stops that ended with every PG handed over (before their time was out).
     pub stops_handed_over: u64,
+    /// OSDs lost for good ([`SimConfig::lose_osd`]), and the PGs that had to leave them.
+    pub lost: (u64, u64),
 }
 
 struct Rng(u64);
@@ -356,6 +362,8 @@ struct SimOsd {
     paused_until: Option<u64>,
     /// An orderly stop under way: the step by which it ends.
     stopping_until: Option<u64>,
+    /// Lost for good ([`SimConfig::lose_osd`]): it never restarts.
+    lost: bool,
 }
 
 /// A snapshot's install replaced an OSD's damaged copy of `pg`: its payloads (`unreadable`)
@@ -473,6 +481,7 @@ impl Cluster {
                 applied: BTreeMap::new(),
                 applied_index: BTreeMap::new(),
                 stopping_until: None,
+                lost: false,
                 restart_at: None,
                 paused_until: None,
             });
@@ -680,6 +689,9 @@ impl Cluster {
         if !self.faults {
             return;
         }
+        if self.config.lose_osd && self.now == self.config.steps / 2 {
+            self.lose_osd();
+        }
         if self.isolated.is_none() && self.rng.chance(self.config.partition) {
             let cut = OsdId(self.rng.below(u64::from(self.config.osds)) as u32);
             self.isolated = Some((cut, self.now + 500 + self.rng.below(3000)));
@@ -687,13 +699,7 @@ impl Cluster {
         }
         if self.rng.chance(self.config.reconfigure) {
             let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
-            let mut osds: Vec<OsdId> = self.osds.iter().map(|osd| osd.id).collect();
-            let mut target = Vec::new();
-            while target.len() < self.config.members as usize && !osds.is_empty() {
-                target.push(osds.remove(self.rng.below(osds.len() as u64) as usize));
-            }
-            self.targets.insert(pg, target);
-            self.outcome.reconfigurations += 1;
+            self.retarget(pg);
         }
         if self.rng.chance(self.config.pause) {
             let victim = self.rng.below(self.osds.len() as u64) as usize;
@@ -716,6 +722,47 @@ impl Cluster {
                     self.crash(victim);
                 }
             }
+        }
+    }
+
+    /// New target members for `pg`, among the OSDs not lost.
+    fn retarget(&mut self, pg: PgId) {
+        let mut osds: Vec<OsdId> = self
+            .osds
+            .iter()
+            .filter(|osd| !osd.lost)
+            .map(|osd| osd.id)
+            .collect();
+        let mut target = Vec::new();
+        while target.len() < self.config.members as usize && !osds.is_empty() {
+            target.push(osds.remove(self.rng.below(osds.len() as u64) as usize));
+        }
+        self.targets.insert(pg, target);
+        self.outcome.reconfigurations += 1;
+    }
+
+    /// Loses an OSD for good: it crashes and never restarts, and the PGs it was a target
+    /// member of get others.
+    fn lose_osd(&mut self) {
+        let victim = self.rng.below(self.osds.len() as u64) as usize;
+        if self.osds[victim].raft.is_some() {
+            self.crash(victim);
+        }
+        let osd = &mut self.osds[victim];
+        osd.lost = true;
+        osd.restart_at = None;
+        osd.stopping_until = None;
+        let id = osd.id;
+        let pgs: Vec<PgId> = self
+            .targets
+            .iter()
+            .filter(|(_, target)| target.contains(&id))
+            .map(|(pg, _)| *pg)
+            .collect();
+        self.outcome.lost.0 += 1;
+        self.outcome.lost.1 += pgs.len() as u64;
+        for pg in pgs {
+            self.retarget(pg);
         }
     }
 

@@ -1,9 +1,11 @@
 //! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N --pgs N --faults X]
-//! [--members N] [--loss P] [--delay D] [--damage P]`: replays one simulation run.
+//! [--members N] [--loss P] [--delay D] [--damage P] [--lose-osd]`: replays one simulation
+//! run.
 //! `--osds`, `--pgs` and `--faults` make a harsher run than CI's seeds
 //! ([`basalt_sim::SimConfig::harsher`]); `--members` sets the replicas per PG, `--loss` the
 //! chance that a message is lost, `--delay` the longest delay of one, in steps, and
-//! `--damage` the chance per step of damage to a copy (after `--faults`); for sweeps by
+//! `--damage` the chance per step of damage to a copy (after `--faults`), and `--lose-osd`
+//! loses an OSD for good halfway ([`basalt_sim::SimConfig::lose_osd`]); for sweeps by
 //! hand. A failure names the
 //! flags given, to replay it, and `BASALT_SIM_STATE=1` describes every replica then.
 
@@ -20,7 +22,7 @@ fn main() -> ExitCode {
     let Some(seed) = number("--seed") else {
         eprintln!(
             "usage: basalt-sim --seed N [--steps S] [--osds N --pgs N --faults X] [--members N] \
-             [--loss P] [--delay D] [--damage P]"
+             [--loss P] [--delay D] [--damage P] [--lose-osd]"
         );
         return ExitCode::FAILURE;
     };
@@ -45,6 +47,7 @@ fn main() -> ExitCode {
     if let Some(damage) = value("--damage").and_then(|v| v.parse::<f64>().ok()) {
         config.damage = damage;
     }
+    config.lose_osd = args.iter().any(|a| a == "--lose-osd");
     match basalt_sim::run(&config) {
         Ok(outcome) => {
             eprintln!("{outcome:?}");

@@ -77,6 +77,23 @@ fn acknowledged_writes_survive_reads_are_never_stale_and_replicas_agree() {
     );
 }
 
+/// Runs that lose an OSD for good halfway: every PG it was a member of moves to the others
+/// (its leader adds one as a learner, promotes it, and removes the lost one, with a
+/// quorum of the old members), and the rest of the run goes on.
+#[test]
+fn pgs_leave_an_osd_lost_for_good() {
+    let mut moved = 0;
+    for seed in 0..8 {
+        let mut config = basalt_sim::SimConfig::new(seed);
+        config.lose_osd = true;
+        let outcome =
+            basalt_sim::run(&config).unwrap_or_else(|failure| panic!("{failure} (an osd lost)"));
+        assert_eq!(outcome.lost.0, 1, "seed {seed}");
+        moved += outcome.lost.1;
+    }
+    assert!(moved > 8, "PGs had to leave the lost OSDs: {moved}");
+}
+
 /// Seeds that once failed, run again as they are. What a seed exercises drifts as the
 /// simulation changes, so these guard the fixes only as long as it does not.
 #[test]
