@@ -127,8 +127,11 @@ pub struct SimConfig {
     pub behind_entries: u64,
     /// Chance per step of damage to a voter's copy of a PG.
     pub damage: f64,
-    /// Halfway through the faults, one OSD is lost for good (it never restarts), and every
-    /// PG's target members leave it, as the monitors' map would once it is marked out.
+    /// Halfway through the faults (once no copy is damaged), one OSD is lost for good (it
+    /// never restarts), and every PG's target members leave it, as the monitors' map would
+    /// once it is marked out; no copy of a PG is damaged while the lost OSD is still one of
+    /// its voters. Damage with the only other good copy lost is lost data, not a fault the
+    /// replication could survive.
     pub lose_osd: bool,
 }
 
@@ -689,7 +692,13 @@ impl Cluster {
         if !self.faults {
             return;
         }
-        if self.config.lose_osd && self.now == self.config.steps / 2 {
+        // Once no copy is damaged (losing the other copies of a damaged one would be a
+        // second fault).
+        if self.config.lose_osd
+            && self.now >= self.config.steps / 2
+            && self.outcome.lost.0 == 0
+            && self.osds.iter().all(|osd| osd.damaged.is_empty())
+        {
             self.lose_osd();
         }
         if self.isolated.is_none() && self.rng.chance(self.config.partition) {
@@ -1023,6 +1032,30 @@ impl Cluster {
         }
         let pg = self.pgs[self.rng.below(self.pgs.len() as u64) as usize];
         if self.osds.iter().any(|osd| osd.damaged.contains_key(&pg)) {
+            return;
+        }
+        // Nor while a lost OSD is still a voter of the PG anywhere (a second fault: the
+        // lost copy may be the only good one).
+        let lost: Vec<u64> = self
+            .osds
+            .iter()
+            .filter(|osd| osd.lost)
+            .map(|osd| u64::from(osd.id.0))
+            .collect();
+        let degraded = self
+            .osds
+            .iter()
+            .filter_map(|osd| osd.raft.as_ref())
+            .any(|raft| {
+                raft.members(pg).is_some_and(|members| {
+                    members
+                        .voters
+                        .iter()
+                        .chain(&members.voters_outgoing)
+                        .any(|voter| lost.contains(&u64::from(voter.0)))
+                })
+            });
+        if degraded {
             return;
         }
         let voters = &self.targets[&pg];
