@@ -1589,7 +1589,9 @@ impl Cluster {
                 .applied
                 .get(pg)
                 .map_or(&[][..], Vec::as_slice);
-            for osd in &self.osds {
+            // A lost OSD's state went with it (what it held in memory at its last crash
+            // may predate a repair that its durable records hold).
+            for osd in self.osds.iter().filter(|osd| !osd.lost) {
                 let log = osd.applied.get(pg).map_or(&[][..], Vec::as_slice);
                 let n = osd.id;
                 if voters.contains(&n) && log != reference {
