@@ -1267,26 +1267,22 @@ impl Core {
             .snapshots_installed
             .fetch_add(1, Ordering::Relaxed);
         tracing::info!(%pg, index, "snapshot installed");
-        let from_avoided = self
-            .repairs
-            .get(&pg)
-            .is_some_and(|repair| leader.is_some_and(|leader| repair.avoid.contains(&leader)));
-        if self.repairs.contains_key(&pg) {
+        if let Some(repair) = self.repairs.get(&pg) {
             // The data it replaced may lie in a damaged batch: a checkpoint now keeps
             // replay from reading it again, which would stop this OSD from starting.
             self.reclaim.asked = true;
-        }
-        if from_avoided {
-            // A copy in doubt too (a replica `basalt pg repair` found odd as well): the
-            // repair goes on, and asks the next leader.
-            tracing::warn!(%pg, index, "a snapshot from a replica whose copy is in doubt too installed; the repair goes on");
-        } else if self.repairs.contains_key(&pg) {
-            // The repair is answered once the checkpoint is written
-            // ([`Core::end_covered_repairs`]).
-            let state = self.replica_state(pg);
-            self.repairs
-                .entry(pg)
-                .and_modify(|repair| repair.installed = Some(state));
+            if leader.is_some_and(|leader| repair.avoid.contains(&leader)) {
+                // A copy in doubt too (a replica `basalt pg repair` found odd as well):
+                // the repair goes on, and asks the next leader.
+                tracing::warn!(%pg, index, "a snapshot from a replica whose copy is in doubt too installed; the repair goes on");
+            } else {
+                // The repair is answered once the checkpoint is written
+                // ([`Core::end_covered_repairs`]).
+                let state = self.replica_state(pg);
+                if let Some(repair) = self.repairs.get_mut(&pg) {
+                    repair.installed = Some(state);
+                }
+            }
         }
         leader
     }

@@ -1551,6 +1551,17 @@ mod tests {
             panic!("no snapshot sent");
         }
 
+        /// Asserts that `follower` holds `leader`'s whole log, and that `leader` sends it
+        /// no snapshot.
+        fn assert_caught_up(&self, follower: usize, leader: usize) {
+            assert_eq!(
+                self.replicas[follower].last_log_id(PG),
+                self.replicas[leader].last_log_id(PG)
+            );
+            let sending = self.replicas[leader].sending_snapshot(PG, OsdId(follower as u32));
+            assert!(!sending, "{leader} still sends {follower} a snapshot");
+        }
+
         /// Ticks until a replica leads and has committed an entry of its term.
         fn elect(&mut self) -> usize {
             for _ in 0..10 * ELECTION_TICKS {
@@ -2092,11 +2103,7 @@ mod tests {
         assert!(!trio.replicas[asking].requesting_snapshot(PG));
         trio.replicas[leader].propose(PG, vec![7]).expect("leader");
         trio.settle();
-        assert_eq!(
-            trio.replicas[asking].last_log_id(PG),
-            trio.replicas[leader].last_log_id(PG)
-        );
-        assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
+        trio.assert_caught_up(asking, leader);
     }
 
     /// A replica that takes back its request for a snapshot takes the snapshot asked for,
@@ -2120,11 +2127,7 @@ mod tests {
             trio.replicas[leader].tick();
             trio.settle();
         }
-        assert_eq!(
-            trio.replicas[asking].last_log_id(PG),
-            trio.replicas[leader].last_log_id(PG)
-        );
-        assert!(!trio.replicas[leader].sending_snapshot(PG, OsdId(asking as u32)));
+        trio.assert_caught_up(asking, leader);
     }
 
     /// A replica held back is let go once it has installed a snapshot: its log is then the

@@ -696,7 +696,7 @@ impl Cluster {
         // second fault).
         if self.config.lose_osd
             && self.now >= self.config.steps / 2
-            && self.outcome.lost.0 == 0
+            && !self.osds.iter().any(|osd| osd.lost)
             && self.osds.iter().all(|osd| osd.damaged.is_empty())
         {
             self.lose_osd();
@@ -1036,24 +1036,18 @@ impl Cluster {
         }
         // Nor while a lost OSD is still a voter of the PG anywhere (a second fault: the
         // lost copy may be the only good one).
-        let lost: Vec<u64> = self
-            .osds
-            .iter()
-            .filter(|osd| osd.lost)
-            .map(|osd| u64::from(osd.id.0))
-            .collect();
+        let lost = |id: &OsdId| self.osds[id.0 as usize].lost;
         let degraded = self
             .osds
             .iter()
             .filter_map(|osd| osd.raft.as_ref())
-            .any(|raft| {
-                raft.members(pg).is_some_and(|members| {
-                    members
-                        .voters
-                        .iter()
-                        .chain(&members.voters_outgoing)
-                        .any(|voter| lost.contains(&u64::from(voter.0)))
-                })
+            .filter_map(|raft| raft.members(pg))
+            .any(|members| {
+                members
+                    .voters
+                    .iter()
+                    .chain(&members.voters_outgoing)
+                    .any(lost)
             });
         if degraded {
             return;
