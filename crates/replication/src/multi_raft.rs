@@ -1104,11 +1104,52 @@ impl MultiRaft {
                 // leader's lease holds across its restart.
                 return;
             }
+            let refused_vote = matches!(
+                message.get_msg_type(),
+                MessageType::MsgRequestVoteResponse | MessageType::MsgRequestPreVoteResponse
+            ) && message.reject;
+            if refused_vote && message.term < group.node.raft.term {
+                Self::commit_by_stale_refusal(pg, group, &message);
+                return;
+            }
             if let Err(error) = group.node.step(message) {
                 tracing::debug!(%pg, %error, "raft message dropped");
             }
             Self::draw_election_timeout(&mut self.rng, group);
         }
+    }
+
+    /// A (pre-)candidate takes the commit index that a replica refusing its vote from an
+    /// older term names, as raft-rs does from a refusal of its own term (it ignores those
+    /// of older terms). A replica refusing a pre-vote never takes the asker's term, so one
+    /// that stays behind in term would otherwise never tell its commit. That matters to a
+    /// replica removed by a joint change: having applied the change's end, it campaigns no
+    /// more, yet the remaining members, which have that end in their logs but not yet
+    /// committed, still count its vote under the joint configuration; with its log the
+    /// longest, it refuses every one of them, and once the leader that made the change is
+    /// gone for good, no election could ever be won. Knowing the end committed, they apply
+    /// it and elect among the new members alone.
+    ///
+    /// Safe whatever the refusal's term: a committed index stays committed, and the entry at
+    /// it here being of the term the refusal names means this log up to it is the
+    /// committed one (log matching).
+    fn commit_by_stale_refusal(pg: PgId, group: &mut Group, refusal: &Message) {
+        let raft = &mut group.node.raft;
+        let campaigning = matches!(raft.state, StateRole::PreCandidate | StateRole::Candidate);
+        if !campaigning
+            || refusal.commit <= raft.raft_log.committed
+            || refusal.commit_term == 0
+            || !raft
+                .raft_log
+                .maybe_commit(refusal.commit, refusal.commit_term)
+        {
+            return;
+        }
+        tracing::debug!(%pg, commit = refusal.commit, from = refusal.from, "commit learnt from an older term's vote refusal");
+        // As raft-rs after a commit learnt from a vote: the entries now committed may change
+        // the configuration, under which this campaign's votes are counted.
+        let term = raft.term;
+        raft.become_follower(term, raft::INVALID_ID);
     }
 
     /// Proposes `data` as the next entry of `pg`; it must be led here.
@@ -1438,8 +1479,9 @@ mod tests {
         index: 0,
     };
 
-    /// Three replicas of [`PG`] passing messages to each other at once; what each
-    /// confirmed read index carried, by replica.
+    /// Three replicas of [`PG`] passing messages to each other at once (and, if made so,
+    /// OSDs hosting it that are not members yet); what each confirmed read index carried,
+    /// by replica.
     struct Trio {
         replicas: Vec<MultiRaft>,
         confirmed: Vec<Vec<Vec<u8>>>,
@@ -1447,11 +1489,16 @@ mod tests {
 
     impl Trio {
         fn new() -> Self {
+            Self::hosted_by(3)
+        }
+
+        /// OSDs 0 to `count - 1` host [`PG`], whose members are OSDs 0, 1 and 2 (the
+        /// others can be added).
+        fn hosted_by(count: u32) -> Self {
             let members = [OsdId(0), OsdId(1), OsdId(2)];
-            let replicas = members
-                .iter()
+            let replicas = (0..count)
                 .map(|osd| {
-                    let mut raft = MultiRaft::new(*osd, u64::from(osd.0) + 7);
+                    let mut raft = MultiRaft::new(OsdId(osd), u64::from(osd) + 7);
                     raft.create_group(PG, &members, Restored::default())
                         .expect("group");
                     raft
@@ -1459,8 +1506,13 @@ mod tests {
                 .collect();
             Self {
                 replicas,
-                confirmed: vec![Vec::new(); 3],
+                confirmed: vec![Vec::new(); count as usize],
             }
+        }
+
+        /// The replica that leads and has committed an entry of its term, if one does.
+        fn leader(&self) -> Option<usize> {
+            (0..self.replicas.len()).find(|n| self.replicas[*n].read_barrier(PG).is_some())
         }
 
         /// Delivers everything the replicas have to say until they fall silent; returns
@@ -1569,8 +1621,7 @@ mod tests {
                     raft.tick();
                 }
                 self.settle();
-                if let Some(leader) = (0..3).find(|n| self.replicas[*n].read_barrier(PG).is_some())
-                {
+                if let Some(leader) = self.leader() {
                     return leader;
                 }
             }
@@ -1585,8 +1636,7 @@ mod tests {
                     raft.tick();
                 }
                 assert!(!campaigned(&self.settle(), quiet), "{quiet} campaigned");
-                if let Some(leader) = (0..3).find(|n| self.replicas[*n].read_barrier(PG).is_some())
-                {
+                if let Some(leader) = self.leader() {
                     assert_ne!(leader, quiet);
                     return leader;
                 }
@@ -2083,7 +2133,7 @@ mod tests {
                 raft.tick();
             }
             trio.settle_where(|from, _, _| from != asking);
-            if let Some(leader) = (0..3).find(|n| trio.replicas[*n].read_barrier(PG).is_some()) {
+            if let Some(leader) = trio.leader() {
                 break leader;
             }
         };
@@ -2104,6 +2154,113 @@ mod tests {
         trio.replicas[leader].propose(PG, vec![7]).expect("leader");
         trio.settle();
         trio.assert_caught_up(asking, leader);
+    }
+
+    /// A replica removed by a joint change whose end it knows committed, with the longest
+    /// log, refuses its vote to the remaining members, which have that end in their logs
+    /// but not yet committed, and count its vote under the joint configuration. With the
+    /// leader that made the change lost for good, they learn the end committed from its
+    /// refusal and elect one of them under the new configuration. Else the PG would never
+    /// have a leader again (found by the simulation: seed 7202 of `--lose-osd --osds 5
+    /// --pgs 6 --faults 4 --damage 0`).
+    #[test]
+    fn members_left_in_a_joint_change_by_a_lost_leader_learn_its_end_from_a_removed_replica() {
+        let mut trio = Trio::hosted_by(4);
+        let leader = trio.elect();
+        let removed = (leader + 1) % 3;
+        let kept = (leader + 2) % 3;
+        let added = 3;
+        let osd = |n: usize| OsdId(n as u32);
+        let target = [osd(leader), osd(kept), osd(added)];
+        for n in 0..3u8 {
+            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+            trio.settle();
+        }
+        let step = trio.replicas[leader].reconfigure(PG, &target);
+        assert_eq!(step, Some(Reconfiguring::AddingLearners(vec![osd(added)])));
+        trio.settle();
+        let step = trio.replicas[leader].reconfigure(PG, &target);
+        let promoting = Reconfiguring::Promoting {
+            added: vec![osd(added)],
+            removed: vec![osd(removed)],
+        };
+        assert_eq!(step, Some(promoting));
+        // The joint change commits everywhere; the end of it, which the leader proposes
+        // once it applies the change, reaches the added member alone.
+        let joint = trio.replicas[leader].last_index(PG).expect("hosted");
+        let end = joint + 1;
+        let past_joint = |m: &Message| m.entries.iter().any(|e| e.index > joint);
+        // (Raft proposes the end as it applies the change, and sends it on a heartbeat.)
+        for _ in 0..HEARTBEAT_TICKS {
+            trio.replicas[leader].tick();
+            trio.settle_where(|from, to, m| from != leader || to == added || !past_joint(m));
+        }
+        assert_eq!(trio.replicas[leader].last_index(PG), Some(end));
+        assert_eq!(trio.replicas[added].last_index(PG), Some(end));
+        assert!(trio.replicas[leader].committed(PG) < Some(end));
+        // Writes follow, which reach the removed replica alone, with the end: the end
+        // commits (the leader and the removed replica are a majority of the old voters,
+        // the leader and the added one of the new), and the removed replica hears of it.
+        for n in 0..3u8 {
+            trio.replicas[leader]
+                .propose(PG, vec![10 + n])
+                .expect("leader");
+        }
+        trio.settle_where(|from, to, _| from != leader || to == removed);
+        assert_eq!(trio.replicas[leader].committed(PG), Some(end));
+        assert_eq!(trio.replicas[removed].committed(PG), Some(end));
+        let members = trio.replicas[removed].members(PG).expect("hosted");
+        assert!(!members.voters.contains(&osd(removed)), "{members:?}");
+        assert!(trio.replicas[added].committed(PG) < Some(end));
+        assert!(trio.replicas[removed].last_index(PG) > Some(end));
+        // The leader restarts and is elected again in a term that the removed replica does
+        // not hear of (so its refusals are of an older term than the campaigns they answer),
+        // then is lost for good before any entry of that term reaches another replica.
+        let term = trio.replicas[leader].term(PG).expect("hosted");
+        trio.replicas[leader] = restarted(&trio.replicas[leader], leader, 61);
+        let votes_only = |from: usize, to: usize, m: &Message| {
+            from != removed && to != removed && (from != leader || is_campaign(m))
+        };
+        for _ in 0..10 * ELECTION_TICKS {
+            for (n, raft) in trio.replicas.iter_mut().enumerate() {
+                if n != removed {
+                    raft.tick();
+                }
+            }
+            trio.settle_where(votes_only);
+            if trio.replicas[leader].is_leader(PG) {
+                break;
+            }
+        }
+        assert!(trio.replicas[leader].is_leader(PG), "not elected again");
+        assert!(trio.replicas[added].term(PG) > Some(term));
+        assert_eq!(trio.replicas[removed].term(PG), Some(term));
+        let others = |from: usize, to: usize, _: &Message| from != leader && to != leader;
+        let leads = |trio: &Trio| {
+            (0..4).find(|n| *n != leader && trio.replicas[*n].read_barrier(PG).is_some())
+        };
+        for _ in 0..10 * ELECTION_TICKS {
+            for (n, raft) in trio.replicas.iter_mut().enumerate() {
+                if n != leader {
+                    raft.tick();
+                }
+            }
+            trio.settle_where(others);
+            if leads(&trio).is_some() {
+                break;
+            }
+        }
+        let new = leads(&trio);
+        assert_eq!(
+            new,
+            Some(added),
+            "the added member has the longest log left"
+        );
+        let members = trio.replicas[added].members(PG).expect("hosted");
+        assert!(members.voters_outgoing.is_empty(), "{members:?}");
+        trio.replicas[added].propose(PG, vec![20]).expect("leader");
+        trio.settle_where(others);
+        trio.assert_caught_up(kept, added);
     }
 
     /// A replica that takes back its request for a snapshot takes the snapshot asked for,

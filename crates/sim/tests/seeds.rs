@@ -116,4 +116,11 @@ fn seeds_that_once_failed_pass() {
         basalt_sim::run(&basalt_sim::SimConfig::new(seed).harsher(5, 6, 4.0))
             .unwrap_or_else(|failure| panic!("harsher seed {seed}: {failure}"));
     }
+    // 7202 of `--lose-osd --osds 5 --pgs 6 --faults 4 --damage 0`: the lost leader's joint
+    // change left its removed replica with the longest log, and the remaining members
+    // counting its vote (see `members_left_in_a_joint_change_by_a_lost_leader_learn_its_end_from_a_removed_replica`).
+    let mut config = basalt_sim::SimConfig::new(7202).harsher(5, 6, 4.0);
+    config.lose_osd = true;
+    config.damage = 0.0;
+    basalt_sim::run(&config).unwrap_or_else(|failure| panic!("lost-osd seed 7202: {failure}"));
 }
