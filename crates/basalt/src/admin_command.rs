@@ -14,6 +14,7 @@ use basalt_mon::map::{ClusterMap, Command};
 use basalt_mon::protocol::{
     CHECKSUM_ERROR_WARN_SECONDS, ClusterStatus, inconsistent_pgs, member_scrubs, odd_replicas,
 };
+use basalt_osd::daemon::PgReplicaState;
 use serde_json::json;
 
 use crate::daemon_command::{read_config, resolve_mons};
@@ -711,12 +712,21 @@ fn parse_pg(text: &str) -> anyhow::Result<PgId> {
     })
 }
 
-type ReplicaState = Result<basalt_osd::daemon::PgReplicaState, String>;
+type ReplicaState = Result<PgReplicaState, String>;
 
 /// Each member's state of `pg`, with the digest of its data, as the map names them. The
 /// members are asked at once, so that their answers describe about the same moment (and a
 /// PG's data is read back on every replica in parallel).
 async fn query_members(map: &ClusterMap, pg: PgId) -> anyhow::Result<Vec<(OsdId, ReplicaState)>> {
+    ask_members(map, pg, basalt_osd::daemon::OsdRequest::PgQuery { pg }).await
+}
+
+/// Asks every member of `pg`, as the map names them, at once; their answers in that order.
+async fn ask_members(
+    map: &ClusterMap,
+    pg: PgId,
+    request: basalt_osd::daemon::OsdRequest,
+) -> anyhow::Result<Vec<(OsdId, ReplicaState)>> {
     let entry = map
         .pg(pg)
         .with_context(|| format!("pg {pg} does not exist"))?;
@@ -724,9 +734,8 @@ async fn query_members(map: &ClusterMap, pg: PgId) -> anyhow::Result<Vec<(OsdId,
         .members
         .iter()
         .map(|member| {
-            let (map, member) = (map.clone(), *member);
+            let (map, member, request) = (map.clone(), *member, request.clone());
             let query = tokio::spawn(async move {
-                let request = basalt_osd::daemon::OsdRequest::PgQuery { pg };
                 ask_osd(&map, member, &request, std::time::Duration::from_secs(30)).await
             });
             (member, query)
@@ -740,6 +749,60 @@ async fn query_members(map: &ClusterMap, pg: PgId) -> anyhow::Result<Vec<(OsdId,
         states.push((member, state));
     }
     Ok(states)
+}
+
+/// Asks every member of a PG to give up the raft log entries it cannot send
+/// (`basalt pg mark-unfound-lost`); fails unless one did.
+pub fn run_pg_mark_unfound_lost(
+    cluster: ClusterArgs,
+    pg: String,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mon = cluster.client()?;
+    let pg = parse_pg(&pg)?;
+    block_on(async move {
+        let map = mon.map().await?;
+        let request = basalt_osd::daemon::OsdRequest::MarkUnfoundLost { pg };
+        let answers = ask_members(&map, pg, request).await?;
+        let gave_up = answers.iter().any(|(_, answer)| answer.is_ok());
+        if json {
+            print_json(&json!(
+                answers
+                    .iter()
+                    .map(|(osd, answer)| match answer {
+                        Ok(state) => json!({
+                            "osd": osd.0, "giving_up_from": state.giving_up_from,
+                            "last_index": state.last_index, "committed": state.committed,
+                        }),
+                        Err(error) => json!({"osd": osd.0, "error": error}),
+                    })
+                    .collect::<Vec<_>>()
+            ));
+        } else {
+            for (osd, answer) in &answers {
+                match answer {
+                    Ok(state) => println!(
+                        "{osd}: gives up the entries of pg {pg} from {} to {} (committed up \
+                         to {}): a leader among the others replaces them",
+                        state
+                            .giving_up_from
+                            .map_or("?".to_string(), |i| i.to_string()),
+                        state.last_index,
+                        state.committed
+                    ),
+                    Err(error) => println!("{osd}: {error}"),
+                }
+            }
+        }
+        if !gave_up {
+            let why: Vec<String> = answers
+                .iter()
+                .filter_map(|(osd, answer)| Some(format!("{osd}: {}", answer.as_ref().err()?)))
+                .collect();
+            anyhow::bail!("no replica of pg {pg} gave entries up ({})", why.join("; "));
+        }
+        Ok(ExitCode::SUCCESS)
+    })
 }
 
 /// Asks every member of a PG for its replica's state.
@@ -764,7 +827,7 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
                 "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}  VOTERS",
                 "OSD", "LEADER", "TERM", "COMMITTED", "APPLIED", "LAST", "OBJECTS", "DIGEST"
             );
-            for (osd, state) in states {
+            for (osd, state) in &states {
                 match state {
                     Ok(s) => println!(
                         "{:<8} {:<8} {:>6} {:>10} {:>10} {:>10} {:>8} {:>10}  {}",
@@ -783,6 +846,17 @@ pub fn run_pg_query(cluster: ClusterArgs, pg: String, json: bool) -> anyhow::Res
                             .join(",")
                     ),
                     Err(error) => println!("{:<8} unreachable: {error}", osd.to_string()),
+                }
+            }
+            for (osd, state) in &states {
+                if let Ok(PgReplicaState {
+                    giving_up_from: Some(from),
+                    ..
+                }) = state
+                {
+                    println!(
+                        "{osd} gives up its entries from {from} (basalt pg mark-unfound-lost)"
+                    );
                 }
             }
         }
@@ -1245,7 +1319,7 @@ mod tests {
     use super::*;
 
     fn state(osd: u32, applied: u64, digest: u32) -> (OsdId, ReplicaState) {
-        let state = basalt_osd::daemon::PgReplicaState {
+        let state = PgReplicaState {
             osd: OsdId(osd),
             pg: PgId {
                 pool: basalt_common::PoolId(1),
@@ -1263,6 +1337,7 @@ mod tests {
             voters: vec![OsdId(0), OsdId(1), OsdId(2)],
             voters_outgoing: Vec::new(),
             learners: Vec::new(),
+            giving_up_from: None,
         };
         (OsdId(osd), Ok(state))
     }

@@ -158,6 +158,18 @@ enum PgCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Has the replicas of a PG that no replica can lead give up the raft log entries they
+    /// cannot send: those past their commit index whose payload is damaged and that the
+    /// other replicas lack (a damaged replica would be elected, fail to send them, and step
+    /// down, again and again). A write among them that was acknowledged, its other copies
+    /// gone, is lost: the operator's last resort, as Ceph's `mark_unfound_lost`.
+    MarkUnfoundLost {
+        /// The PG, as `basalt pg ls` shows it (`1.3f`).
+        pg: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -230,6 +242,10 @@ fn main() -> ExitCode {
             cluster,
             command: PgCommand::Repair { pgs, osd, json },
         } => admin_command::run_pg_repair(cluster, pgs, osd, json),
+        Command::Pg {
+            cluster,
+            command: PgCommand::MarkUnfoundLost { pg, json },
+        } => admin_command::run_pg_mark_unfound_lost(cluster, pg, json),
         Command::Status { cluster, json } => admin_command::run_status(cluster, json),
     };
     match result {

@@ -247,6 +247,16 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
     assert_eq!(info["size_bytes"], 1u64 << 30);
     assert_eq!(info["object_size_bytes"], 1u64 << 20);
     refused(&["pool", "rm", "p"], "still holds 1 image");
+    // A PG whose only replica reads back its whole log has nothing to give up.
+    let pg = cluster.cli_json(&["pg", "ls"])[0]["pg"]
+        .as_str()
+        .expect("a pg id")
+        .to_string();
+    refused(&["pg", "mark-unfound-lost", &pg], "reads back every entry");
+    refused(
+        &["pg", "mark-unfound-lost", "99.0"],
+        "pg 99.0 does not exist",
+    );
     // A client that writes past the image's end (1024 objects of 1 MiB) is refused, the
     // last object is not; once the image grows, the same write goes in.
     assert_eq!(write_object(&cluster, "img", 1023), Ok(()));

@@ -209,6 +209,13 @@ pub enum OsdRequest {
         /// The PG.
         pg: PgId,
     },
+    /// Give up this replica's raft log entries of the PG from the first past its commit
+    /// index whose payload it cannot read back (`basalt pg mark-unfound-lost`; see
+    /// `MultiRaft::concede`); answered with the state after, `giving_up_from` set.
+    MarkUnfoundLost {
+        /// The PG.
+        pg: PgId,
+    },
 }
 
 /// How long a repair may go without a snapshot asked for or being installed (a leader that
@@ -302,6 +309,10 @@ pub struct PgReplicaState {
     /// Learners: new members catching up.
     #[serde(default)]
     pub learners: Vec<OsdId>,
+    /// The first of the raft log entries this replica gives up, as the operator asked
+    /// (`basalt pg mark-unfound-lost`), until a leader replaces them.
+    #[serde(default)]
+    pub giving_up_from: Option<u64>,
 }
 
 impl PgReplicaState {
@@ -2134,6 +2145,11 @@ impl Core {
                 let _ = reply_to.send(control_answer(self.scrub_now(pg)));
                 return;
             }
+            OsdRequest::MarkUnfoundLost { pg } => {
+                let answer = self.raft.concede(pg).map(|_| self.replica_state(pg));
+                let _ = reply_to.send(control_answer(answer));
+                return;
+            }
         };
         let mut state = self.replica_state(pg);
         if !with_data {
@@ -2178,6 +2194,7 @@ impl Core {
             voters: members.voters,
             voters_outgoing: members.voters_outgoing,
             learners: members.learners,
+            giving_up_from: self.raft.conceding(pg).map(|(from, _)| from),
         }
     }
 

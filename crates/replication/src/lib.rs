@@ -13,8 +13,8 @@ pub mod multi_raft;
 pub mod storage;
 
 pub use multi_raft::{
-    Action, Members, MultiRaft, ProposeError, ReadStart, Reconfiguring, Restored, beat_of,
-    decode_conf, decode_message, encode_conf, encode_message, heartbeat,
+    Action, Concession, Members, MultiRaft, ProposeError, ReadStart, Reconfiguring, Restored,
+    beat_of, decode_conf, decode_message, encode_conf, encode_message, heartbeat,
 };
 pub use raft::eraftpb::{
     ConfState, Entry as RaftEntry, EntryType, HardState, Message as RaftMessage,

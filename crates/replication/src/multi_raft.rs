@@ -173,6 +173,26 @@ struct Group {
     held_back: usize,
     /// While held back: the tick (of `ticks`) at which each other replica was last heard.
     heard: BTreeMap<u64, usize>,
+    /// While held back: the tick at which it was last asked for its vote by a replica whose
+    /// log is behind its own. Its ticks count then too: that replica cannot win without it,
+    /// and the voters it does not hear from may be up but silent (a new voter of a joint
+    /// configuration that has not heard of it yet asks nobody for votes), so that waiting
+    /// for a quorum to be heard could last for good (found by the simulation: seed 91 of
+    /// `--members 2 --osds 3 --pgs 4 --faults 2`).
+    needed: Option<usize>,
+    /// The entries given up ([`MultiRaft::concede`]): the index and term of the first.
+    conceding: Option<(u64, u64)>,
+}
+
+/// The entries a replica gives up ([`MultiRaft::concede`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Concession {
+    /// The first: its payload cannot be read back here, and is past the commit index.
+    pub from: u64,
+    /// Its term.
+    pub term: u64,
+    /// The last entry of the log.
+    pub last: u64,
 }
 
 /// Where a read stands when it starts ([`MultiRaft::read`]).
@@ -599,6 +619,8 @@ impl MultiRaft {
             renewals: 0,
             held_back: 0,
             heard: BTreeMap::new(),
+            needed: None,
+            conceding: None,
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
@@ -720,13 +742,21 @@ impl MultiRaft {
     /// entry, or as the leader's log if that ends before it (see [`MultiRaft::step`]), to
     /// rebuild this replica's data from the leader's (a repair). Until it is
     /// installed, this replica takes no more entries. Fails (try again later) when this
-    /// replica leads, knows no leader, already waits for a snapshot, or its last entry is
-    /// of an older term than the current one.
+    /// replica leads, knows no leader, already waits for a snapshot, its last entry is
+    /// of an older term than the current one, or is not durable yet: the request stands
+    /// for an acknowledgement of the entries up to it (see [`MultiRaft::step`]).
     pub fn request_snapshot(&mut self, pg: PgId) -> Result<(), String> {
         let group = self
             .groups
             .get_mut(&pg)
             .ok_or_else(|| format!("pg {pg} is not hosted here"))?;
+        let log = &group.node.raft.raft_log;
+        if log.persisted < log.last_index() {
+            return Err(format!(
+                "pg {pg}: entries up to {} are not durable yet",
+                log.last_index()
+            ));
+        }
         group
             .node
             .request_snapshot()
@@ -960,21 +990,27 @@ impl MultiRaft {
         for group in self.groups.values_mut() {
             group.ticks = group.ticks.saturating_add(1);
             let installing = group.snapshot_persisting.is_some();
-            if (group.held_back > 0 || installing || stopping)
+            Self::end_concession_if_over(group);
+            Self::drop_stale_snapshot_requests(group);
+            if (group.held_back > 0 || installing || stopping || group.conceding.is_some())
                 && group.node.raft.state != StateRole::Leader
             {
-                // Held back, stopping, or installing a snapshot (its state is not there
+                // Held back, conceding, stopping, or installing a snapshot (its state is not there
                 // yet, and raft-rs, which has the snapshot in its log but counts it
                 // unapplied, would stop the process on a campaign): its election timer
                 // runs (it votes once its leader is silent for that long, as any
                 // follower), but it does not campaign.
                 group.node.raft.election_elapsed += 1;
                 if group.held_back > 0 {
-                    if Self::quorum_heard(group) {
+                    let needed = group
+                        .needed
+                        .is_some_and(|at| group.ticks - at <= ELECTION_TICKS);
+                    if Self::quorum_heard(group) || needed {
                         group.held_back -= 1;
                     }
                     if group.held_back == 0 {
                         group.heard.clear();
+                        group.needed = None;
                     }
                 }
             } else {
@@ -1010,6 +1046,16 @@ impl MultiRaft {
         if let Some(group) = self.groups.get_mut(&pg) {
             if group.held_back > 0 {
                 group.heard.insert(message.from, group.ticks);
+                let asks_vote = matches!(
+                    message.get_msg_type(),
+                    MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+                );
+                let log = &group.node.raft.raft_log;
+                if asks_vote
+                    && (message.log_term, message.index) < (log.last_term(), log.last_index())
+                {
+                    group.needed = Some(group.ticks);
+                }
             }
             if message.get_msg_type() == MessageType::MsgHeartbeat {
                 // A leader commits no further than a follower's log reaches; raft-rs stops
@@ -1058,6 +1104,13 @@ impl MultiRaft {
                     group
                         .node
                         .report_snapshot(message.from, SnapshotStatus::Finish);
+                    // Raft waits for this very answer before it sends again, and takes it
+                    // as one only if it raises what it knows the follower holds: a
+                    // follower it counted as holding the snapshot's index already (its
+                    // request acknowledged it) would get nothing until a heartbeat.
+                    if let Some(progress) = group.node.raft.mut_prs().get_mut(message.from) {
+                        progress.resume();
+                    }
                 }
             }
             if message.get_msg_type() == MessageType::MsgSnapStatus {
@@ -1110,11 +1163,29 @@ impl MultiRaft {
             ) && message.reject;
             if refused_vote && message.term < group.node.raft.term {
                 Self::commit_by_stale_refusal(pg, group, &message);
+                Self::end_concession_if_over(group);
+                Self::draw_election_timeout(&mut self.rng, group);
                 return;
             }
+            if asks_vote && let Some((from, _)) = group.conceding {
+                // Judged as if its log ended before the entries it gives up.
+                let log = &group.node.raft.raft_log;
+                let before = (log.term(from - 1).unwrap_or(0), from - 1);
+                if (message.log_term, message.index) >= before {
+                    message.log_term = log.last_term();
+                    message.index = log.last_index();
+                }
+            }
+            let request = (message.get_msg_type() == MessageType::MsgAppendResponse
+                && message.request_snapshot != raft::INVALID_INDEX)
+                .then(|| message.clone());
             if let Err(error) = group.node.step(message) {
                 tracing::debug!(%pg, %error, "raft message dropped");
             }
+            if let Some(request) = request {
+                Self::take_request_as_acknowledgement(group, &request);
+            }
+            Self::end_concession_if_over(group);
             Self::draw_election_timeout(&mut self.rng, group);
         }
     }
@@ -1136,8 +1207,12 @@ impl MultiRaft {
     fn commit_by_stale_refusal(pg: PgId, group: &mut Group, refusal: &Message) {
         let raft = &mut group.node.raft;
         let campaigning = matches!(raft.state, StateRole::PreCandidate | StateRole::Candidate);
+        // (raft-rs takes answers only from replicas in its configuration.)
+        let member = raft.prs().get(refusal.from).is_some();
+        let before = raft.raft_log.committed;
         if !campaigning
-            || refusal.commit <= raft.raft_log.committed
+            || !member
+            || refusal.commit <= before
             || refusal.commit_term == 0
             || !raft
                 .raft_log
@@ -1146,10 +1221,153 @@ impl MultiRaft {
             return;
         }
         tracing::debug!(%pg, commit = refusal.commit, from = refusal.from, "commit learnt from an older term's vote refusal");
-        // As raft-rs after a commit learnt from a vote: the entries now committed may change
-        // the configuration, under which this campaign's votes are counted.
+        // As raft-rs after a commit learnt from a vote: if the entries now committed change
+        // the configuration, under which this campaign's votes are counted, the campaign
+        // ends (the next one counts them under the new configuration, once applied).
+        let context = raft::GetEntriesContext::empty(false);
+        let changes = raft
+            .raft_log
+            .slice(before + 1, raft.raft_log.committed + 1, None, context)
+            .map_or(true, |entries| {
+                entries
+                    .iter()
+                    .any(|entry| entry.get_entry_type() != EntryType::EntryNormal)
+            });
+        if changes {
+            let term = raft.term;
+            raft.become_follower(term, raft::INVALID_ID);
+        }
+    }
+
+    /// Gives up this replica's entries of `pg` from the first past its commit index whose
+    /// payload it cannot read back (damaged here) to the end of its log: until a leader
+    /// has replaced them (or they are committed after all), it does not campaign, and it
+    /// votes for a candidate whose log holds all of its own before them as if its log
+    /// ended there. The operator's way out (`basalt pg mark-unfound-lost`) of a PG whose
+    /// other voters lack those entries and need this replica's vote, as in a PG of two
+    /// voters: elected, it cannot send them, and steps down, again and again, and it
+    /// refuses its vote to the others, whose logs are shorter. If one of those entries was
+    /// committed with its other copies on replicas gone, a write acknowledged is lost;
+    /// that is what the operator accepts.
+    ///
+    /// Refused if it follows another replica (that leader sends what it has; if it cannot,
+    /// it is the one to give entries up), or if no such entry is found. A replica that leads steps down. Forgotten at a restart.
+    pub fn concede(&mut self, pg: PgId) -> Result<Concession, String> {
+        let group = self
+            .groups
+            .get_mut(&pg)
+            .ok_or_else(|| format!("{} does not host pg {pg}", self.osd))?;
+        let raft = &group.node.raft;
+        if raft.leader_id != raft::INVALID_ID && raft.leader_id != raft.id {
+            return Err(format!(
+                "{} follows {} in pg {pg}",
+                self.osd,
+                osd_of(raft.leader_id)
+            ));
+        }
+        let store = group.node.store();
+        let last = store.last_index().unwrap_or(0);
+        let unreadable = (raft.raft_log.committed + 1..=last).find(|index| {
+            let context = raft::GetEntriesContext::empty(true);
+            store.entries(*index, index + 1, None, context).is_err()
+        });
+        let Some(from) = unreadable else {
+            return Err(format!(
+                "{} reads back every entry of pg {pg} past its commit index ({}): it gives up none",
+                self.osd, raft.raft_log.committed
+            ));
+        };
+        let term = store.term(from).unwrap_or(0);
+        let last = raft.raft_log.last_index();
+        if raft.state == StateRole::Leader {
+            let term = raft.term;
+            group.node.raft.become_follower(term, raft::INVALID_ID);
+        }
+        group.conceding = Some((from, term));
+        tracing::warn!(%pg, from, term, last, "entries given up, as the operator asked");
+        Ok(Concession { from, term, last })
+    }
+
+    /// The entries this replica gives up of `pg` ([`MultiRaft::concede`]), if it does.
+    pub fn conceding(&self, pg: PgId) -> Option<(u64, u64)> {
+        self.groups.get(&pg)?.conceding
+    }
+
+    /// A follower's request for a snapshot as recent as its last entry, of this leader's
+    /// term, acknowledges the entries up to it: they came from this leader (one per term),
+    /// so its log matches this one up to there, and it asks only once they are durable
+    /// ([`MultiRaft::request_snapshot`]). Raft serves the request only once it has applied
+    /// that entry, which it commits only with a quorum's acknowledgements; the follower takes
+    /// no entries while it asks, nor acknowledges again those it took, so if its first
+    /// acknowledgement was lost (or left after the request) and the others are no quorum
+    /// without it (a PG of two voters, or of three with one down), nothing would move again
+    /// (found by the simulation: seed 67 of `--members 2 --osds 3 --pgs 4 --faults 2`).
+    fn take_request_as_acknowledgement(group: &mut Group, request: &Message) {
+        let raft = &mut group.node.raft;
         let term = raft.term;
-        raft.become_follower(term, raft::INVALID_ID);
+        let asked = request.request_snapshot;
+        let of_this_term = raft.state == StateRole::Leader
+            && request.term == term
+            && request.log_term == term
+            && request.reject_hint == asked
+            && raft.raft_log.term(asked).is_ok_and(|t| t == term);
+        if !of_this_term {
+            return;
+        }
+        let updated = raft
+            .mut_prs()
+            .get_mut(request.from)
+            .is_some_and(|progress| progress.maybe_update(asked));
+        if updated {
+            raft.maybe_commit();
+        }
+    }
+
+    /// Forgets requests for a snapshot as recent as an entry of an older term than the
+    /// current one, on both sides. A leader serves such a request only once it has applied
+    /// that entry, which it commits only with an entry of its own term that a quorum holds;
+    /// the asking replica takes no entries meanwhile, so if the others are no quorum
+    /// without it (a PG of two voters, or of three with one down), neither moves again
+    /// (found by the simulation: seed 42 of `--members 2 --osds 3 --pgs 4 --faults 2`). The
+    /// asking replica takes entries again, and asks again once its last entry is of the
+    /// current term (raft-rs asks only then), which its leader commits with its answer.
+    fn drop_stale_snapshot_requests(group: &mut Group) {
+        let raft = &mut group.node.raft;
+        let term = raft.term;
+        let stale = |log: &raft::RaftLog<PgStorage>, index: u64| {
+            index != raft::INVALID_INDEX && log.term(index).map_or(true, |t| t < term)
+        };
+        if raft.state == StateRole::Leader {
+            let committed = raft.raft_log.committed;
+            let pending: Vec<u64> = raft
+                .prs()
+                .iter()
+                .filter(|(_, progress)| {
+                    let asked = progress.pending_request_snapshot;
+                    asked > committed && stale(&raft.raft_log, asked)
+                })
+                .map(|(id, _)| *id)
+                .collect();
+            for id in pending {
+                if let Some(progress) = raft.mut_prs().get_mut(id) {
+                    progress.pending_request_snapshot = raft::INVALID_INDEX;
+                }
+            }
+        } else if stale(&raft.raft_log, raft.pending_request_snapshot) {
+            raft.pending_request_snapshot = raft::INVALID_INDEX;
+        }
+    }
+
+    /// A concession ends once its entries are replaced (another term's at their index, or
+    /// a log that ends before them), or committed after all.
+    fn end_concession_if_over(group: &mut Group) {
+        let Some((from, term)) = group.conceding else {
+            return;
+        };
+        let log = &group.node.raft.raft_log;
+        if log.committed >= from || log.term(from).ok() != Some(term) {
+            group.conceding = None;
+        }
     }
 
     /// Proposes `data` as the next entry of `pg`; it must be led here.
@@ -1395,6 +1613,7 @@ impl MultiRaft {
                 // it and another voter held back the same way would wait for each other).
                 group.held_back = 0;
                 group.heard.clear();
+                group.needed = None;
             }
         }
     }
@@ -1403,6 +1622,8 @@ impl MultiRaft {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::PayloadUnavailable;
+    use std::sync::Arc;
 
     fn entry(index: u64, term: u64) -> Entry {
         Entry {
@@ -2089,6 +2310,17 @@ mod tests {
 
     /// [`restarted`], but its last `torn` entries were not durable (a torn tail).
     fn restarted_torn(raft: &MultiRaft, osd: usize, seed: u64, torn: u64) -> MultiRaft {
+        restarted_with(raft, osd, seed, torn, None)
+    }
+
+    /// [`restarted_torn`], reading payloads back with `hydrate` (if given).
+    fn restarted_with(
+        raft: &MultiRaft,
+        osd: usize,
+        seed: u64,
+        torn: u64,
+        hydrate: Option<Hydrate>,
+    ) -> MultiRaft {
         let storage = raft.storage(PG).expect("hosted");
         let state = storage.initial_state().expect("state");
         let last = storage.last_index().expect("last") - torn;
@@ -2102,19 +2334,25 @@ mod tests {
             ..Restored::default()
         };
         let mut fresh = MultiRaft::new(OsdId(osd as u32), seed);
+        if let Some(hydrate) = hydrate {
+            fresh.set_hydrate(hydrate);
+        }
         let members = [OsdId(0), OsdId(1), OsdId(2)];
         fresh.create_group(PG, &members, restored).expect("group");
         fresh
     }
 
     /// A follower asks for a snapshot as recent as its last entries, which the leader of
-    /// their term sent to it alone and lost in a crash (a torn tail). The new leader's log
-    /// ends before them: it serves a snapshot at its end, which the follower installs,
-    /// dropping them, although they are past it; else the repair would wait for writes
-    /// that an idle PG never gets (found by the simulation, seeds 11106, 22528, 42759 and
-    /// 44554). A snapshot of the term of the follower's last entry it still refuses.
+    /// their term sent to it alone and lost in a crash (a torn tail). A new leader, whose
+    /// log ends before them, would serve the request only once it had applied that far,
+    /// which an idle PG never does (found by the simulation, seeds 11106, 22528, 42759 and
+    /// 44554), nor one whose other voters are no quorum without the follower (seed 42 of
+    /// `--members 2 --osds 3 --pgs 4 --faults 2`): the follower forgets its request of an
+    /// older term, takes the new leader's entries, its tail replaced, asks again and is
+    /// served. While it asks, it refuses a snapshot older than its log of its last entry's
+    /// term, and takes one of a later term.
     #[test]
-    fn a_repair_asked_past_a_new_leaders_log_is_served_at_its_end() {
+    fn a_repair_asked_in_an_older_term_is_asked_again_in_the_new_one() {
         let (mut trio, old) = Trio::with_entries(10);
         let asking = (old + 1) % 3;
         for n in 0..2u8 {
@@ -2127,6 +2365,14 @@ mod tests {
         assert!(trio.replicas[old].committed(PG) < Some(asked_at));
         trio.replicas[asking].request_snapshot(PG).expect("asks");
         trio.settle_where(|_, _, _| false);
+        let (_, last_term) = trio.replicas[asking].last_log_id(PG).expect("hosted");
+        let mut older = Message::default();
+        older.set_msg_type(MessageType::MsgSnapshot);
+        older.term = last_term;
+        older.mut_snapshot().mut_metadata().index = asked_at - 3;
+        assert!(trio.replicas[asking].refuses_snapshot(PG, &older));
+        older.term = last_term + 1;
+        assert!(!trio.replicas[asking].refuses_snapshot(PG, &older));
         trio.replicas[old] = restarted_torn(&trio.replicas[old], old, 60, 2);
         let leader = loop {
             for raft in &mut trio.replicas {
@@ -2140,13 +2386,20 @@ mod tests {
         assert_ne!(leader, asking);
         let end = trio.replicas[leader].last_index(PG).expect("hosted");
         assert!(end < asked_at, "the new leader's log ends at {end}");
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        trio.replicas[leader].propose(PG, vec![1]).expect("leader");
+        for _ in 0..2 * HEARTBEAT_TICKS {
+            trio.replicas[leader].tick();
+            trio.settle();
+        }
+        trio.assert_caught_up(asking, leader);
+        trio.replicas[asking]
+            .request_snapshot(PG)
+            .expect("asks again");
+        let asked_again = trio.replicas[asking].last_index(PG).expect("hosted");
         let snapshot = trio.withheld_snapshot(leader);
         let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
-        assert_eq!(index, end);
-        let mut same_term = snapshot.clone();
-        same_term.term = trio.replicas[asking].last_log_id(PG).expect("hosted").1;
-        assert!(trio.replicas[asking].refuses_snapshot(PG, &same_term));
-        assert!(!trio.replicas[asking].refuses_snapshot(PG, &snapshot));
+        assert!(index >= asked_again, "{index} < {asked_again}");
         trio.replicas[asking].step(PG, snapshot);
         assert!(trio.replicas[asking].has_pending_snapshot(PG));
         trio.settle();
@@ -2261,6 +2514,157 @@ mod tests {
         trio.replicas[added].propose(PG, vec![20]).expect("leader");
         trio.settle_where(others);
         trio.assert_caught_up(kept, added);
+    }
+
+    /// A replica whose log ends in entries the other live voter lacks, one of them with a
+    /// payload it cannot read back, keeps the PG from any leader that can commit (elected,
+    /// it cannot send them; it refuses its vote to the other, whose log is shorter) until
+    /// the operator has it give them up (`basalt pg mark-unfound-lost`): then it votes for
+    /// the other, which replaces them. It still refuses a voter lacking entries before
+    /// them.
+    #[test]
+    fn a_replica_giving_up_entries_it_cannot_send_lets_another_lead() {
+        let (mut trio, damaged) = Trio::with_entries(3);
+        let (other, stale) = ((damaged + 1) % 3, (damaged + 2) % 3);
+        for n in 0..2u8 {
+            trio.replicas[damaged]
+                .propose(PG, vec![10 + n])
+                .expect("leader");
+            trio.settle_where(|from, to, _| from != stale && to != stale);
+        }
+        let kept = trio.replicas[damaged].committed(PG).expect("hosted");
+        assert_eq!(trio.replicas[other].last_index(PG), Some(kept));
+        for _ in 0..2 {
+            trio.replicas[damaged]
+                .propose(PG, b"ref:damaged".to_vec())
+                .expect("leader");
+        }
+        trio.settle_where(|_, _, _| false);
+        let unreadable: Hydrate = Arc::new(|data: &[u8]| match data {
+            b"ref:damaged" => Err(PayloadUnavailable),
+            _ => Ok(None),
+        });
+        let restarted = restarted_with(
+            &trio.replicas[damaged],
+            damaged,
+            70,
+            0,
+            Some(unreadable.clone()),
+        );
+        trio.replicas[damaged] = restarted;
+        let last = trio.replicas[damaged].last_index(PG).expect("hosted");
+        assert_eq!(last, kept + 2);
+        // The stale voter is gone: no leader of the two others commits anything.
+        let pair = |a: usize, b: usize| {
+            move |from: usize, to: usize, _: &Message| {
+                (from == a && to == b) || (from == b && to == a)
+            }
+        };
+        let tick_pair = |trio: &mut Trio, a: usize, b: usize| {
+            for _ in 0..10 * ELECTION_TICKS {
+                trio.replicas[a].tick();
+                trio.replicas[b].tick();
+                trio.settle_where(pair(a, b));
+            }
+        };
+        tick_pair(&mut trio, damaged, other);
+        assert_eq!(trio.leader(), None);
+        let refused = trio.replicas[other].concede(PG).expect_err("it follows");
+        assert!(refused.contains("follows"), "{refused}");
+        let concession = trio.replicas[damaged].concede(PG).expect("gives up");
+        let last = trio.replicas[damaged].last_index(PG).expect("hosted");
+        assert_eq!((concession.from, concession.last), (kept + 1, last));
+        assert!(!trio.replicas[damaged].is_leader(PG));
+        // The stale voter, back without the other, gets no vote: it lacks entries before
+        // those given up.
+        tick_pair(&mut trio, damaged, stale);
+        assert!(!trio.replicas[stale].is_leader(PG));
+        assert!(!trio.replicas[damaged].is_leader(PG), "it campaigned");
+        assert!(trio.replicas[damaged].conceding(PG).is_some());
+        // The other is elected, and replaces the entries given up.
+        tick_pair(&mut trio, damaged, other);
+        assert_eq!(trio.leader(), Some(other));
+        assert_eq!(trio.replicas[damaged].conceding(PG), None);
+        trio.replicas[other].propose(PG, vec![30]).expect("leader");
+        trio.settle_where(pair(damaged, other));
+        trio.assert_caught_up(damaged, other);
+        assert!(trio.replicas[damaged].committed(PG) > Some(kept));
+        // Restarted (knowing no leader), it has nothing left to give up.
+        let mut restarted =
+            restarted_with(&trio.replicas[damaged], damaged, 71, 0, Some(unreadable));
+        let refused = restarted.concede(PG).expect_err("none left");
+        assert!(refused.contains("reads back every entry"), "{refused}");
+    }
+
+    /// A follower's request for a snapshot as recent as entries of its leader's term
+    /// acknowledges them: here its acknowledgement was lost, the third voter is down, and
+    /// the leader, which serves the request only once it has applied that far, could
+    /// commit nothing without it (found by the simulation: seed 67 of `--members 2 --osds
+    /// 3 --pgs 4 --faults 2`). The request is not made before the entries are durable.
+    #[test]
+    fn a_repair_request_acknowledges_the_entries_it_covers() {
+        let (mut trio, leader) = Trio::with_entries(3);
+        let (asking, down) = ((leader + 1) % 3, (leader + 2) % 3);
+        trio.replicas[leader].propose(PG, vec![9]).expect("leader");
+        let mut actions = Vec::new();
+        trio.replicas[leader].collect(&mut actions);
+        for action in actions {
+            match action {
+                Action::Send { to, message, .. } if to == OsdId(asking as u32) => {
+                    trio.replicas[asking].step(PG, message)
+                }
+                Action::Persist { number, .. } => trio.replicas[leader].on_persisted(PG, number),
+                _ => {}
+            }
+        }
+        // Taken, not durable yet: no request.
+        let mut actions = Vec::new();
+        trio.replicas[asking].collect(&mut actions);
+        let refused = trio.replicas[asking]
+            .request_snapshot(PG)
+            .expect_err("not durable");
+        assert!(refused.contains("not durable"), "{refused}");
+        for action in actions {
+            if let Action::Persist { number, .. } = action {
+                trio.replicas[asking].on_persisted(PG, number);
+            }
+        }
+        let lost_ack = |from: usize, to: usize, m: &Message| {
+            from != down
+                && to != down
+                && !(from == asking && m.get_msg_type() == MessageType::MsgAppendResponse)
+        };
+        trio.settle_where(lost_ack);
+        let asked = trio.replicas[asking].last_index(PG).expect("hosted");
+        assert_eq!(trio.replicas[leader].last_index(PG), Some(asked));
+        assert!(trio.replicas[leader].committed(PG) < Some(asked));
+        trio.replicas[asking].request_snapshot(PG).expect("asks");
+        let alive = |from: usize, to: usize, _: &Message| from != down && to != down;
+        let is_snapshot = |m: &Message| m.get_msg_type() == MessageType::MsgSnapshot;
+        let mut snapshot = None;
+        for _ in 0..4 * ELECTION_TICKS {
+            trio.replicas[leader].tick();
+            trio.replicas[asking].tick();
+            let sent = trio.settle_where(|from, to, m| alive(from, to, m) && !is_snapshot(m));
+            snapshot = sent.into_iter().find(|(_, m)| is_snapshot(m));
+            if snapshot.is_some() {
+                break;
+            }
+        }
+        let (_, snapshot) = snapshot.expect("a snapshot sent");
+        let (index, _) = MultiRaft::snapshot_of(&snapshot).expect("a snapshot");
+        assert!(index >= asked);
+        assert_eq!(trio.replicas[leader].committed(PG), Some(asked));
+        trio.replicas[asking].step(PG, snapshot);
+        trio.settle_where(alive);
+        assert!(!trio.replicas[asking].requesting_snapshot(PG));
+        trio.replicas[leader].propose(PG, vec![10]).expect("leader");
+        trio.settle_where(alive);
+        trio.assert_caught_up(asking, leader);
+        assert_eq!(
+            trio.replicas[leader].committed(PG),
+            trio.replicas[leader].last_index(PG)
+        );
     }
 
     /// A replica that takes back its request for a snapshot takes the snapshot asked for,

@@ -219,7 +219,16 @@ pub struct Outcome {
     pub stops_handed_over: u64,
     /// OSDs lost for good ([`SimConfig::lose_osd`]), and the PGs that had to leave them.
     pub lost: (u64, u64),
+    /// Replicas that gave up raft log entries they could not send, as the operator asked
+    /// (`basalt pg mark-unfound-lost`) of PGs the healed cluster left without a leader
+    /// for [`OPERATOR_AFTER`] steps.
+    pub conceded: u64,
 }
+
+/// Steps of the healed cluster without agreement after which the operator has the
+/// replicas of each PG without a leader give up the entries they cannot send
+/// (`MultiRaft::concede`), and again as many steps later.
+pub const OPERATOR_AFTER: u64 = 10_000;
 
 struct Rng(u64);
 
@@ -1537,6 +1546,29 @@ impl Cluster {
         })
     }
 
+    /// The operator's last resort (`basalt pg mark-unfound-lost`) for each PG that no
+    /// replica leads having committed an entry of its term: every replica is asked to give
+    /// up the entries it cannot send (those that hold none refuse).
+    fn mark_unfound_lost(&mut self) {
+        for pg in self.pgs.clone() {
+            let led = self.osds.iter().any(|osd| {
+                osd.raft
+                    .as_ref()
+                    .is_some_and(|raft| raft.read_barrier(pg).is_some())
+            });
+            if led {
+                continue;
+            }
+            for osd in &mut self.osds {
+                if let Some(raft) = osd.raft.as_mut()
+                    && raft.concede(pg).is_ok()
+                {
+                    self.outcome.conceded += 1;
+                }
+            }
+        }
+    }
+
     /// Each replica's state, one line per replica of each PG (for a failure that
     /// `BASALT_SIM_STATE` asks to describe).
     fn state(&self) -> String {
@@ -1647,7 +1679,12 @@ pub fn run(config: &SimConfig) -> Result<Outcome, String> {
     cluster.faults = false;
     cluster.isolated = None;
     let settle_start = cluster.now;
+    let mut operator_at = settle_start + OPERATOR_AFTER;
     while !cluster.agrees() {
+        if cluster.now >= operator_at {
+            cluster.mark_unfound_lost();
+            operator_at += OPERATOR_AFTER;
+        }
         if cluster.now - settle_start > config.settle_steps {
             // A broken invariant says more than the want of agreement it caused.
             let failure = cluster.check().err().unwrap_or_else(|| {
