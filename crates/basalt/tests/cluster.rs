@@ -539,6 +539,14 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         Duration::from_secs(30),
         || only_the_checksum_warning(&cluster),
     );
+    // And by a monitor that restarted since: the OSD keeps its count through its restart.
+    cluster.kill_mon();
+    cluster.start_mon();
+    wait_for(
+        "health to warn of the device alone after the monitor's restart",
+        Duration::from_secs(30),
+        || only_the_checksum_warning(&cluster),
+    );
     let pgs = scrub(&cluster, true);
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
 

@@ -63,6 +63,12 @@ use crate::superblock::Superblock;
 
 /// The log device's file in the data directory.
 pub const DEVICE_FILE: &str = "osd.log";
+
+/// The file in the data directory that keeps the count of reads that met a block failing
+/// its checksum, and when the last was (milliseconds since the Unix epoch), through the
+/// OSD's restarts: "COUNT MILLIS". Health names a device for an hour after it gave back
+/// damaged bytes, whichever monitor leads and however often the OSD restarted.
+pub const CHECKSUM_ERRORS_FILE: &str = "checksum-errors";
 /// Log space kept free for raft's own entries and for followers that are a little fuller
 /// (at most a sixteenth of the ring), besides the log device's reserve for the cleaner:
 /// client writes wait (`Busy`) or are refused (`NoSpace`) below it.
@@ -362,6 +368,52 @@ struct Counters {
 }
 
 impl Counters {
+    /// Counters starting from the checksum errors `data_dir` keeps (none if it keeps
+    /// none, or what it keeps does not parse).
+    fn restored(data_dir: &Path) -> Self {
+        let kept = std::fs::read_to_string(data_dir.join(CHECKSUM_ERRORS_FILE)).ok();
+        let (count, last_ms) = kept
+            .and_then(|text| {
+                let (count, last) = text.trim().split_once(' ')?;
+                Some((count.parse().ok()?, last.parse().ok()?))
+            })
+            .unwrap_or((0, 0));
+        Self {
+            checksum_errors: AtomicU64::new(count),
+            last_checksum_error_ms: AtomicU64::new(last_ms),
+            ..Self::default()
+        }
+    }
+
+    /// Keeps the checksum errors in `data_dir` whenever their count changed, checked every
+    /// second (a temporary file renamed over the last).
+    async fn keep_checksum_errors(counters: Arc<Self>, data_dir: PathBuf) {
+        let mut kept = counters.checksum_errors.load(Ordering::Relaxed);
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            every.tick().await;
+            let count = counters.checksum_errors.load(Ordering::Relaxed);
+            if count == kept {
+                continue;
+            }
+            let last_ms = counters.last_checksum_error_ms.load(Ordering::Relaxed);
+            let (temporary, path) = (
+                data_dir.join(format!("{CHECKSUM_ERRORS_FILE}.new")),
+                data_dir.join(CHECKSUM_ERRORS_FILE),
+            );
+            let written = async {
+                tokio::fs::write(&temporary, format!("{count} {last_ms}\n")).await?;
+                tokio::fs::rename(&temporary, &path).await
+            };
+            match written.await {
+                Ok(()) => kept = count,
+                Err(error) => {
+                    tracing::warn!(path = %path.display(), %error, "cannot keep the count of checksum errors")
+                }
+            }
+        }
+    }
+
     /// Counts a read that met a block failing its checksum.
     fn checksum_error(&self) {
         self.checksum_errors.fetch_add(1, Ordering::Relaxed);
@@ -3671,7 +3723,11 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         }
     }));
 
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters::restored(&config.data_dir));
+    tokio::spawn(Counters::keep_checksum_errors(
+        counters.clone(),
+        config.data_dir.clone(),
+    ));
     let mut metrics_address = None;
     if let Some(metrics_at) = config.metrics_addr {
         let (counters, report, log) = (counters.clone(), report.clone(), log.clone());
