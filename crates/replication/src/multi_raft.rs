@@ -171,14 +171,16 @@ struct Group {
     /// Ticks with a quorum within reach for which it does not campaign yet (see
     /// [`MultiRaft::hold_back`]).
     held_back: usize,
+    /// The tick (of `ticks`) after which it is held back no more, whatever it heard.
+    held_until: usize,
     /// While held back: the tick (of `ticks`) at which each other replica was last heard.
     heard: BTreeMap<u64, usize>,
-    /// While held back: the tick at which it was last asked for its vote by a replica whose
-    /// log is behind its own. Its ticks count then too: that replica cannot win without it,
-    /// and the voters it does not hear from may be up but silent (a new voter of a joint
-    /// configuration that has not heard of it yet asks nobody for votes), so that waiting
-    /// for a quorum to be heard could last for good (found by the simulation: seed 91 of
-    /// `--members 2 --osds 3 --pgs 4 --faults 2`).
+    /// While held back: the tick at which a voter whose log is behind its own last asked
+    /// for its vote (in its term or a later one). Its ticks count then too if the only
+    /// voters it does not hear from are new voters of a joint configuration: those may be
+    /// up but silent (a new voter that has not heard of the change asks nobody for votes),
+    /// so that waiting for a quorum to be heard could last for good (found by the
+    /// simulation: seed 91 of `--members 2 --osds 3 --pgs 4 --faults 2`).
     needed: Option<usize>,
     /// The entries given up ([`MultiRaft::concede`]): the index and term of the first.
     conceding: Option<(u64, u64)>,
@@ -310,6 +312,14 @@ fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
         EntryType::EntryNormal => None,
     }
 }
+
+/// A replica held back ([`MultiRaft::hold_back`]) for N ticks in which it hears from a
+/// quorum is let go after this many times N ticks in all, whatever it heard: the voters it
+/// waits for may be up but silent for good (one that has not applied the change that made
+/// it a voter asks nobody for votes; found by the simulation: seeds 3603 and 7894 of
+/// `--members 2 --osds 3 --pgs 4 --faults 2`). Elected then, it steps down if it cannot
+/// send its log (the OSD's repair), and the operator has the last word (`concede`).
+pub const HELD_BACK_AT_MOST: usize = 10;
 
 /// Log entries a new member may still be behind by when it is made a voter.
 pub const CAUGHT_UP_SLACK: u64 = 32;
@@ -535,8 +545,15 @@ impl MultiRaft {
         let term = group.node.raft.term;
         group.node.raft.become_follower(term, raft::INVALID_ID);
         group.lease = None;
-        group.held_back = ticks;
+        Self::hold(group, ticks);
         true
+    }
+
+    /// Holds `group` back for `ticks` counted ticks, and at most [`HELD_BACK_AT_MOST`]
+    /// times as many in all.
+    fn hold(group: &mut Group, ticks: usize) {
+        group.held_back = ticks;
+        group.held_until = group.ticks.saturating_add(HELD_BACK_AT_MOST * ticks);
     }
 
     /// The ticks this replica of `pg` is still held back for ([`MultiRaft::hold_back`]).
@@ -546,6 +563,27 @@ impl MultiRaft {
 
     /// Whether the voters this replica heard from within an election timeout make a quorum
     /// with it (in both halves of a joint configuration).
+    /// Whether the voters this replica has not heard from lately are all new voters of a
+    /// joint configuration (see `Group::needed`).
+    fn only_new_voters_unheard(group: &Group) -> bool {
+        let me = group.node.raft.id;
+        let conf = group.node.raft.prs().conf().to_conf_state();
+        let recent = |id: &u64| {
+            *id == me
+                || group
+                    .heard
+                    .get(id)
+                    .is_some_and(|at| group.ticks - at <= ELECTION_TICKS)
+        };
+        !conf.voters_outgoing.is_empty()
+            && conf
+                .voters
+                .iter()
+                .chain(&conf.voters_outgoing)
+                .filter(|id| !recent(id))
+                .all(|id| !conf.voters_outgoing.contains(id))
+    }
+
     fn quorum_heard(group: &Group) -> bool {
         let me = group.node.raft.id;
         let recent = |id: &u64| {
@@ -618,6 +656,7 @@ impl MultiRaft {
             asked: BTreeMap::new(),
             renewals: 0,
             held_back: 0,
+            held_until: 0,
             heard: BTreeMap::new(),
             needed: None,
             conceding: None,
@@ -1004,9 +1043,13 @@ impl MultiRaft {
                 if group.held_back > 0 {
                     let needed = group
                         .needed
-                        .is_some_and(|at| group.ticks - at <= ELECTION_TICKS);
+                        .is_some_and(|at| group.ticks - at <= ELECTION_TICKS)
+                        && Self::only_new_voters_unheard(group);
                     if Self::quorum_heard(group) || needed {
                         group.held_back -= 1;
+                    }
+                    if group.ticks >= group.held_until {
+                        group.held_back = 0;
                     }
                     if group.held_back == 0 {
                         group.heard.clear();
@@ -1028,10 +1071,11 @@ impl MultiRaft {
     /// follows as any follower, and counts only ticks in which they could, so that it
     /// waits for them through a restart of the whole cluster); if they cannot (its vote is
     /// needed and its log is ahead of theirs), it campaigns once the ticks are out, or
-    /// once it has installed a snapshot (its log is then the leader's).
+    /// once it has installed a snapshot (its log is then the leader's), or after
+    /// [`HELD_BACK_AT_MOST`] times `ticks` in all.
     pub fn hold_back(&mut self, pg: PgId, ticks: usize) {
         if let Some(group) = self.groups.get_mut(&pg) {
-            group.held_back = ticks;
+            Self::hold(group, ticks);
         }
     }
 
@@ -1050,10 +1094,12 @@ impl MultiRaft {
                     message.get_msg_type(),
                     MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
                 );
-                let log = &group.node.raft.raft_log;
-                if asks_vote
-                    && (message.log_term, message.index) < (log.last_term(), log.last_index())
-                {
+                let raft = &group.node.raft;
+                let log = &raft.raft_log;
+                let voter = raft.prs().conf().voters().contains(message.from);
+                let behind =
+                    (message.log_term, message.index) < (log.last_term(), log.last_index());
+                if asks_vote && voter && message.term >= raft.term && behind {
                     group.needed = Some(group.ticks);
                 }
             }
@@ -1185,6 +1231,7 @@ impl MultiRaft {
             if let Some(request) = request {
                 Self::take_request_as_acknowledgement(group, &request);
             }
+            Self::drop_stale_snapshot_requests(group);
             Self::end_concession_if_over(group);
             Self::draw_election_timeout(&mut self.rng, group);
         }
@@ -1242,16 +1289,19 @@ impl MultiRaft {
     /// Gives up this replica's entries of `pg` from the first past its commit index whose
     /// payload it cannot read back (damaged here) to the end of its log: until a leader
     /// has replaced them (or they are committed after all), it does not campaign, and it
-    /// votes for a candidate whose log holds all of its own before them as if its log
-    /// ended there. The operator's way out (`basalt pg mark-unfound-lost`) of a PG whose
-    /// other voters lack those entries and need this replica's vote, as in a PG of two
-    /// voters: elected, it cannot send them, and steps down, again and again, and it
-    /// refuses its vote to the others, whose logs are shorter. If one of those entries was
-    /// committed with its other copies on replicas gone, a write acknowledged is lost;
-    /// that is what the operator accepts.
+    /// judges a candidate's log as if its own ended before them (so that its vote goes only
+    /// to one holding every committed entry before them). The operator's way out (`basalt
+    /// pg mark-unfound-lost`) of a PG whose other voters lack those entries and need this
+    /// replica's vote, as in a PG of two voters: elected, it cannot send them, and steps
+    /// down, again and again, and it refuses its vote to the others, whose logs are
+    /// shorter. If one of those entries was committed, its other copies are on replicas
+    /// that do not vote in the next election (down, or removed), and a write acknowledged
+    /// is lost unless they come back first: the operator runs it when those are lost for
+    /// good, and accepts that.
     ///
     /// Refused if it follows another replica (that leader sends what it has; if it cannot,
-    /// it is the one to give entries up), or if no such entry is found. A replica that leads steps down. Forgotten at a restart.
+    /// it is the one to give entries up), or if no such entry is found. A replica that
+    /// leads or campaigns steps down. Forgotten at a restart.
     pub fn concede(&mut self, pg: PgId) -> Result<Concession, String> {
         let group = self
             .groups
@@ -1279,7 +1329,8 @@ impl MultiRaft {
         };
         let term = store.term(from).unwrap_or(0);
         let last = raft.raft_log.last_index();
-        if raft.state == StateRole::Leader {
+        if raft.state != StateRole::Follower {
+            // Leading or campaigning: a vote already on its way must not make it lead.
             let term = raft.term;
             group.node.raft.become_follower(term, raft::INVALID_ID);
         }
@@ -2665,6 +2716,32 @@ mod tests {
             trio.replicas[leader].committed(PG),
             trio.replicas[leader].last_index(PG)
         );
+    }
+
+    /// A replica held back that never hears from a quorum (the voters it waits for may be
+    /// up and silent: one that has not applied the change that made it a voter asks nobody
+    /// for votes) campaigns once held [`HELD_BACK_AT_MOST`] times its ticks in all.
+    #[test]
+    fn a_replica_held_back_hearing_no_quorum_campaigns_in_the_end() {
+        let (mut trio, leader) = Trio::with_entries(3);
+        let held = (leader + 1) % 3;
+        let ticks = 5;
+        trio.replicas[held].hold_back(PG, ticks);
+        let unheard = |from: usize, _: usize, _: &Message| from == held;
+        let mut campaigned_at = None;
+        for tick in 1..=(HELD_BACK_AT_MOST + 2) * ticks {
+            trio.replicas[held].tick();
+            if campaigned(&trio.settle_where(unheard), held) {
+                campaigned_at = Some(tick);
+                break;
+            }
+        }
+        let at = campaigned_at.expect("it never campaigned");
+        assert!(
+            at >= HELD_BACK_AT_MOST * ticks,
+            "it campaigned at tick {at}"
+        );
+        assert_eq!(trio.replicas[held].held_back(PG), Some(0));
     }
 
     /// A replica that takes back its request for a snapshot takes the snapshot asked for,

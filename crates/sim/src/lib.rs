@@ -225,9 +225,9 @@ pub struct Outcome {
     pub conceded: u64,
 }
 
-/// Steps of the healed cluster without agreement after which the operator has the
-/// replicas of each PG without a leader give up the entries they cannot send
-/// (`MultiRaft::concede`), and again as many steps later.
+/// Steps of the healed cluster for which a PG has had no leader before the operator has
+/// its replicas give up the entries they cannot send (`MultiRaft::concede`), and again as
+/// many steps later.
 pub const OPERATOR_AFTER: u64 = 10_000;
 
 struct Rng(u64);
@@ -1546,19 +1546,21 @@ impl Cluster {
         })
     }
 
-    /// The operator's last resort (`basalt pg mark-unfound-lost`) for each PG that no
-    /// replica leads having committed an entry of its term: every replica is asked to give
-    /// up the entries it cannot send (those that hold none refuse).
-    fn mark_unfound_lost(&mut self) {
-        for pg in self.pgs.clone() {
-            let led = self.osds.iter().any(|osd| {
-                osd.raft
-                    .as_ref()
-                    .is_some_and(|raft| raft.read_barrier(pg).is_some())
-            });
-            if led {
-                continue;
-            }
+    /// Whether a replica of `pg` leads it and has committed an entry of its term.
+    fn led(&self, pg: PgId) -> bool {
+        self.osds.iter().any(|osd| {
+            osd.raft
+                .as_ref()
+                .is_some_and(|raft| raft.read_barrier(pg).is_some())
+        })
+    }
+
+    /// The operator's last resort (`basalt pg mark-unfound-lost`) for PGs that have had no
+    /// leader for [`OPERATOR_AFTER`] steps of the healed cluster (every OSD up but those
+    /// lost for good): every replica is asked to give up the entries it cannot send (those
+    /// that hold none refuse).
+    fn mark_unfound_lost(&mut self, pgs: &[PgId]) {
+        for &pg in pgs {
             for osd in &mut self.osds {
                 if let Some(raft) = osd.raft.as_mut()
                     && raft.concede(pg).is_ok()
@@ -1679,11 +1681,29 @@ pub fn run(config: &SimConfig) -> Result<Outcome, String> {
     cluster.faults = false;
     cluster.isolated = None;
     let settle_start = cluster.now;
-    let mut operator_at = settle_start + OPERATOR_AFTER;
+    // When each PG last had a leader that committed an entry of its term.
+    let mut led_at: BTreeMap<PgId, u64> = BTreeMap::new();
     while !cluster.agrees() {
-        if cluster.now >= operator_at {
-            cluster.mark_unfound_lost();
-            operator_at += OPERATOR_AFTER;
+        for pg in cluster.pgs.clone() {
+            if cluster.led(pg) {
+                led_at.insert(pg, cluster.now);
+            }
+        }
+        let stuck: Vec<PgId> = cluster
+            .pgs
+            .iter()
+            .filter(|pg| {
+                let since = led_at.get(pg).copied().unwrap_or(0).max(settle_start);
+                cluster.now - since >= OPERATOR_AFTER
+            })
+            .copied()
+            .collect();
+        if !stuck.is_empty() {
+            cluster.mark_unfound_lost(&stuck);
+            for pg in stuck {
+                // Asked again as long again after.
+                led_at.insert(pg, cluster.now);
+            }
         }
         if cluster.now - settle_start > config.settle_steps {
             // A broken invariant says more than the want of agreement it caused.
