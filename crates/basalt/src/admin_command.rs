@@ -1338,6 +1338,7 @@ mod tests {
             voters_outgoing: Vec::new(),
             learners: Vec::new(),
             giving_up_from: None,
+            voters_matched: None,
         };
         (OsdId(osd), Ok(state))
     }

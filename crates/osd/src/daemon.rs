@@ -319,6 +319,9 @@ pub struct PgReplicaState {
     /// (`basalt pg mark-unfound-lost`), until a leader replaces them.
     #[serde(default)]
     pub giving_up_from: Option<u64>,
+    /// If it leads: the lowest index every other voter holds (`MultiRaft::voters_matched`).
+    #[serde(default)]
+    pub voters_matched: Option<u64>,
 }
 
 impl PgReplicaState {
@@ -327,6 +330,22 @@ impl PgReplicaState {
         [&self.voters, &self.voters_outgoing, &self.learners]
             .iter()
             .any(|set| set.contains(&osd))
+    }
+
+    /// Whether this state, a PG's leader's answer to [`OsdRequest::PgConf`], lets replica
+    /// `me`, which last held entries up to `last`, drop its copy: the leader (`asked`)
+    /// leads, no longer counts `me` in any role, and its voters hold the entries up to
+    /// `last`, or up to the end of its log if that is before (the entries past it were
+    /// never committed). Until they do, the copy may be one of few of a committed entry (a
+    /// single removal commits entries under the configuration it leaves, until the leader
+    /// applies it).
+    pub fn lets_go_of(&self, asked: OsdId, me: OsdId, last: u64) -> bool {
+        self.leader == Some(asked)
+            && self.hosted
+            && !self.includes(me)
+            && self
+                .voters_matched
+                .is_some_and(|held| held >= last.min(self.last_index))
     }
 }
 
@@ -2247,6 +2266,7 @@ impl Core {
             voters_outgoing: members.voters_outgoing,
             learners: members.learners,
             giving_up_from: self.raft.conceding(pg).map(|(from, _)| from),
+            voters_matched: self.raft.voters_matched(pg),
         }
     }
 
@@ -2976,11 +2996,10 @@ impl Core {
             tokio::spawn(async move {
                 for (id, address) in members {
                     let request = OsdRequest::PgConf { pg };
+                    let last = log_when_asked.map_or(0, |(index, _)| index);
                     if let Ok(state) =
                         query_replica(address, &request, Duration::from_secs(5)).await
-                        && state.leader == Some(id)
-                        && state.hosted
-                        && !state.includes(me)
+                        && state.lets_go_of(id, me, last)
                     {
                         let _ = events.send(Event::Removed { pg, log_when_asked });
                         break;
@@ -4170,6 +4189,59 @@ async fn poll_after_turns(poll: Duration, turns: Arc<tokio::sync::Notify>) {
 
 #[cfg(test)]
 mod tests {
+
+    /// A removed replica lets go of its copy only once the leader's voters hold what it
+    /// holds (or what the leader's log holds, if that ends before).
+    #[test]
+    fn a_removed_replica_lets_go_once_the_voters_hold_its_entries() {
+        let (leader, me) = (OsdId(1), OsdId(3));
+        let state = PgReplicaState {
+            osd: leader,
+            pg: PgId {
+                pool: basalt_common::PoolId(1),
+                index: 0,
+            },
+            hosted: true,
+            leader: Some(leader),
+            term: 4,
+            committed: 90,
+            applied: 90,
+            last_index: 100,
+            objects: 0,
+            mapped_bytes: 0,
+            digest: 0,
+            voters: vec![OsdId(1), OsdId(2), OsdId(4)],
+            voters_outgoing: Vec::new(),
+            learners: Vec::new(),
+            giving_up_from: None,
+            voters_matched: Some(80),
+        };
+        assert!(state.lets_go_of(leader, me, 80));
+        assert!(!state.lets_go_of(leader, me, 81), "a voter lacks entry 81");
+        // Entries past the leader's log were never committed.
+        let caught_up = PgReplicaState {
+            voters_matched: Some(100),
+            ..state.clone()
+        };
+        assert!(caught_up.lets_go_of(leader, me, 120));
+        assert!(
+            !caught_up.lets_go_of(OsdId(2), me, 80),
+            "asked another than the leader"
+        );
+        let still_a_learner = PgReplicaState {
+            learners: vec![me],
+            ..caught_up.clone()
+        };
+        assert!(!still_a_learner.lets_go_of(leader, me, 80));
+        let unknown = PgReplicaState {
+            voters_matched: None,
+            ..caught_up
+        };
+        assert!(
+            !unknown.lets_go_of(leader, me, 80),
+            "an answer without the count"
+        );
+    }
     use super::*;
 
     fn pg(index: u32) -> PgId {

@@ -698,6 +698,18 @@ impl MultiRaft {
             .min()
     }
 
+    /// If this replica leads `pg`: the lowest index every other voter (of either half of a
+    /// joint configuration) is known to hold, or its own last index if it is the only
+    /// voter. A replica removed from the PG keeps its copy until the voters hold what it
+    /// holds (the OSD's membership check).
+    pub fn voters_matched(&self, pg: PgId) -> Option<u64> {
+        let raft = self.led(pg)?;
+        let voters = raft.prs().conf().voters().ids();
+        let others = voters.iter().filter(|id| *id != raft.id);
+        let matched = others.filter_map(|id| raft.prs().get(id).map(|p| p.matched));
+        Some(matched.min().unwrap_or_else(|| raft.raft_log.last_index()))
+    }
+
     /// If this replica leads `pg` and waits for followers to install snapshots: the lowest
     /// snapshot index, before which the log may not be compacted.
     pub fn snapshot_pin(&self, pg: PgId) -> Option<u64> {
@@ -2742,6 +2754,21 @@ mod tests {
             "it campaigned at tick {at}"
         );
         assert_eq!(trio.replicas[held].held_back(PG), Some(0));
+    }
+
+    /// A leader's count of what every other voter holds: its own log's end once all took
+    /// it, less while one is cut off; none on a follower.
+    #[test]
+    fn voters_matched_is_what_the_last_voter_holds() {
+        let (mut trio, leader) = Trio::with_entries(3);
+        let last = trio.replicas[leader].last_index(PG).expect("hosted");
+        assert_eq!(trio.replicas[leader].voters_matched(PG), Some(last));
+        let cut = (leader + 1) % 3;
+        assert_eq!(trio.replicas[cut].voters_matched(PG), None);
+        trio.replicas[leader].propose(PG, vec![5]).expect("leader");
+        trio.settle_where(|from, to, _| from != cut && to != cut);
+        assert_eq!(trio.replicas[leader].committed(PG), Some(last + 1));
+        assert_eq!(trio.replicas[leader].voters_matched(PG), Some(last));
     }
 
     /// A replica that takes back its request for a snapshot takes the snapshot asked for,
