@@ -540,6 +540,30 @@ fn health(
     if out > 0 {
         warnings.push(format!("{out} osds out"));
     }
+    // A PG with no leader whose replica holds raft log entries it cannot send: the
+    // operator's command, if the replicas that may hold them too are lost for good.
+    let unfound: Vec<String> = states
+        .iter()
+        .filter(|(_, _, _, state)| state.starts_with("inactive"))
+        .filter_map(|(pg, members, _, _)| {
+            let holders: Vec<String> = status
+                .reports
+                .iter()
+                .filter(|(osd, report)| members.contains(osd) && report.unsendable.contains(pg))
+                .map(|(osd, _)| osd.to_string())
+                .collect();
+            (!holders.is_empty()).then(|| format!("pg {pg} ({})", holders.join(", ")))
+        })
+        .collect();
+    if !unfound.is_empty() {
+        warnings.push(format!(
+            "{} pgs inactive with raft log entries a replica cannot send: {} (if the replicas \
+             that may hold them too are lost for good, `basalt pg mark-unfound-lost PG` has \
+             it give them up)",
+            unfound.len(),
+            unfound.join(", ")
+        ));
+    }
     for state in ["inactive", "active+degraded", "unplaced"] {
         // (`active+degraded+inconsistent` counts as degraded too.)
         let count = states.iter().filter(|s| s.3.starts_with(state)).count();
@@ -1317,6 +1341,49 @@ pub fn run_pg_repair(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Health names a PG without a leader whose member reports raft log entries it cannot
+    /// send, with the command; not an active PG, nor a report from a non-member.
+    #[test]
+    fn health_names_inactive_pgs_with_entries_a_replica_cannot_send() {
+        let pg = |index| PgId {
+            pool: basalt_common::PoolId(1),
+            index,
+        };
+        let unsendable = |pgs: Vec<PgId>| basalt_mon::protocol::OsdReport {
+            unsendable: pgs,
+            ..Default::default()
+        };
+        let status = basalt_mon::protocol::ClusterStatus {
+            map: ClusterMap::new(),
+            monitors: Vec::new(),
+            leader: String::new(),
+            reports: vec![
+                (OsdId(1), unsendable(vec![pg(0), pg(1)])),
+                (OsdId(9), unsendable(vec![pg(2)])),
+            ],
+            ops_per_second: (0.0, 0.0),
+            bytes_per_second: (0.0, 0.0),
+        };
+        let members = vec![OsdId(1), OsdId(2)];
+        let states = vec![
+            (pg(0), members.clone(), None, "inactive"),
+            (pg(1), members.clone(), Some(OsdId(2)), "active+clean"),
+            (pg(2), members, None, "inactive"),
+        ];
+        let (warnings, _) = health(&status, &states);
+        let named: Vec<&String> = warnings
+            .iter()
+            .filter(|w| w.contains("cannot send"))
+            .collect();
+        assert_eq!(named.len(), 1, "{warnings:?}");
+        assert!(
+            named[0].starts_with(
+                "1 pgs inactive with raft log entries a replica cannot send: pg 1.0 (osd.1)"
+            ) && named[0].contains("basalt pg mark-unfound-lost"),
+            "{warnings:?}"
+        );
+    }
 
     fn state(osd: u32, applied: u64, digest: u32) -> (OsdId, ReplicaState) {
         let state = PgReplicaState {

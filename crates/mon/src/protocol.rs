@@ -55,6 +55,11 @@ pub struct OsdReport {
     /// Seconds since the last of them, if any.
     #[serde(default)]
     pub last_checksum_error_age_seconds: Option<u64>,
+    /// The PGs whose raft log here holds entries with a payload it could not read back
+    /// (damaged), until a snapshot replaces its copy: if the PG has no leader, this replica
+    /// may hold the only copy of entries the others lack (`basalt pg mark-unfound-lost`).
+    #[serde(default)]
+    pub unsendable: Vec<PgId>,
 }
 
 /// How long after an OSD last read a block failing its checksum health names it.

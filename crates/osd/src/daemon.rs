@@ -3115,6 +3115,12 @@ impl Core {
                 .collect(),
             checksum_errors: c.checksum_errors.load(Ordering::Relaxed),
             last_checksum_error_age_seconds: c.last_checksum_error_age_seconds(),
+            unsendable: self
+                .repairs
+                .iter()
+                .filter(|(_, repair)| repair.log_damaged)
+                .map(|(pg, _)| *pg)
+                .collect(),
         };
     }
 }
