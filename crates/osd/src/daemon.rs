@@ -1163,7 +1163,8 @@ impl Core {
             },
         );
         let events = self.events.clone();
-        tokio::spawn(fetch_snapshot(address, pg, index, transfer, events));
+        let me = self.id;
+        tokio::spawn(fetch_snapshot(address, pg, index, me, transfer, events));
     }
 
     /// Whether `transfer` is the snapshot transfer under way for `pg` (not one given up).
@@ -1395,6 +1396,7 @@ impl Core {
         &mut self,
         pg: PgId,
         index: u64,
+        follower: OsdId,
         from: Option<Cursor>,
         max_bytes: u32,
         reply_to: oneshot::Sender<Message>,
@@ -1411,12 +1413,12 @@ impl Core {
             return;
         }
         let now = std::time::Instant::now();
-        // Heard from the followers sent this snapshot (the request does not name its
-        // follower): one that stopped fetching another is still counted failed in time.
-        for ((sent_pg, follower), heard) in &mut self.snapshots_sent {
-            if *sent_pg == pg && self.raft.snapshot_sent(pg, *follower) == Some(index) {
-                *heard = now;
-            }
+        // Heard from the follower, if this is the snapshot it was sent (another one's
+        // fetches do not keep it alive: it is counted failed in time if it stops).
+        if self.raft.snapshot_sent(pg, follower) == Some(index)
+            && let Some(heard) = self.snapshots_sent.get_mut(&(pg, follower))
+        {
+            *heard = now;
         }
         let empty = PgObjects::new();
         let objects = self.objects.get(&pg).unwrap_or(&empty);
@@ -1599,9 +1601,10 @@ impl Core {
                 Message::SnapshotRead {
                     pg,
                     index,
+                    follower,
                     from,
                     max_bytes,
-                } => self.serve_snapshot(pg, index, from, max_bytes, reply_to),
+                } => self.serve_snapshot(pg, index, follower, from, max_bytes, reply_to),
                 other => {
                     let _ = reply_to.send(invalid(format!(
                         "message kind {} is not a client request",
@@ -3173,6 +3176,7 @@ async fn fetch_snapshot(
     leader: SocketAddr,
     pg: PgId,
     index: u64,
+    me: OsdId,
     transfer: u64,
     events: mpsc::UnboundedSender<Event>,
 ) {
@@ -3184,7 +3188,7 @@ async fn fetch_snapshot(
     let mut from = None;
     loop {
         let chunk = match &client {
-            Ok(client) => fetch_chunk(client, pg, index, from).await,
+            Ok(client) => fetch_chunk(client, pg, index, me, from).await,
             Err(error) => Err(error.clone()),
         };
         let next = chunk.as_ref().ok().map(|chunk| chunk.next);
@@ -3213,11 +3217,13 @@ async fn fetch_chunk(
     client: &Client,
     pg: PgId,
     index: u64,
+    me: OsdId,
     from: Option<Cursor>,
 ) -> Result<Chunk, String> {
     let request = Message::SnapshotRead {
         pg,
         index,
+        follower: me,
         from,
         max_bytes: snapshot::CHUNK_BYTES,
     };

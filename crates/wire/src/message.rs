@@ -165,6 +165,9 @@ pub enum Message {
         pg: PgId,
         /// The snapshot's raft index: the objects must be at least that recent.
         index: u64,
+        /// The replica installing it (the leader counts a follower that stops fetching its
+        /// snapshot failed in time, even when another fetches the same one).
+        follower: OsdId,
         /// Where to go on: an object, and an offset in it.
         from: Option<(ObjectKey, u32)>,
         /// The most bytes of object data to send.
@@ -498,11 +501,13 @@ impl Message {
             Message::SnapshotRead {
                 pg,
                 index,
+                follower,
                 from,
                 max_bytes,
             } => {
                 put_pg(&mut body, *pg);
                 body.extend_from_slice(&index.to_le_bytes());
+                body.extend_from_slice(&follower.0.to_le_bytes());
                 body.extend_from_slice(&max_bytes.to_le_bytes());
                 if let Some((object, offset)) = from {
                     put_object(&mut body, *object);
@@ -625,7 +630,7 @@ impl Message {
                 })
             })(),
             kind::SNAPSHOT_READ => (|| {
-                let (pg, index, max_bytes) = (r.pg()?, r.u64()?, r.u32()?);
+                let (pg, index, follower, max_bytes) = (r.pg()?, r.u64()?, r.u32()?, r.u32()?);
                 let from = if r.finished() {
                     None
                 } else {
@@ -634,6 +639,7 @@ impl Message {
                 Some(Message::SnapshotRead {
                     pg,
                     index,
+                    follower: OsdId(follower),
                     from,
                     max_bytes,
                 })
@@ -738,14 +744,18 @@ mod tests {
             (
                 pg,
                 any::<u64>(),
+                any::<u32>(),
                 proptest::option::of((object, any::<u32>())),
                 any::<u32>()
             )
-                .prop_map(|(pg, index, from, max_bytes)| Message::SnapshotRead {
-                    pg,
-                    index,
-                    from,
-                    max_bytes
+                .prop_map(|(pg, index, follower, from, max_bytes)| {
+                    Message::SnapshotRead {
+                        pg,
+                        index,
+                        follower: OsdId(follower),
+                        from,
+                        max_bytes,
+                    }
                 }),
         ]
     }
