@@ -48,16 +48,17 @@ pub struct OsdReport {
     /// The latest background scrub of each PG replica it hosts.
     #[serde(default)]
     pub scrubs: Vec<PgScrub>,
-    /// Reads of its device since it started that met a block whose bytes fail the checksum
-    /// they were written with (client reads, snapshots and entries sent, scrubs).
+    /// Reads of its device that met a block whose bytes fail the checksum they were written
+    /// with (client reads, snapshots and entries sent, scrubs), kept through its restarts
+    /// in its data directory (up to the last second's, which a crash may lose).
     #[serde(default)]
     pub checksum_errors: u64,
     /// Seconds since the last of them, if any.
     #[serde(default)]
     pub last_checksum_error_age_seconds: Option<u64>,
-    /// The PGs whose raft log here holds entries with a payload it could not read back
-    /// (damaged), until a snapshot replaces its copy: if the PG has no leader, this replica
-    /// may hold the only copy of entries the others lack (`basalt pg mark-unfound-lost`).
+    /// The PGs that no replica leads as far as this one knows whose raft log here holds,
+    /// past the commit index, an entry with a payload it cannot read back (damaged): it may
+    /// hold the only copy of entries the others lack (`basalt pg mark-unfound-lost`).
     #[serde(default)]
     pub unsendable: Vec<PgId>,
 }

@@ -94,8 +94,10 @@ struct Report {
     report: OsdReport,
     /// The one before, for rates.
     previous: Option<(Instant, OsdReport)>,
-    /// The OSD's reads that met damage, kept through its restarts (its own counts start
-    /// again at zero), so that health goes on naming a device that gave back damaged bytes.
+    /// The OSD's reads that met damage, kept through its restarts (its own count, kept in
+    /// its data directory, may fall back by the errors of its last second, or to zero if
+    /// the file is lost), so that health goes on naming a device that gave back damaged
+    /// bytes.
     checksum_errors: ChecksumErrors,
 }
 
@@ -114,7 +116,8 @@ impl ChecksumErrors {
     fn update(self, previous: Option<&OsdReport>, report: &OsdReport, now: Instant) -> Self {
         let before_restart = match previous {
             Some(previous) if report.checksum_errors < previous.checksum_errors => {
-                self.before_restart + previous.checksum_errors
+                // What the OSD's count lost at its restart.
+                self.before_restart + previous.checksum_errors - report.checksum_errors
             }
             _ => self.before_restart,
         };
@@ -833,6 +836,22 @@ mod tests {
 
     /// An OSD that restarts reports no damage any more (its counts start again); the
     /// monitor keeps what it heard before, and adds what comes after.
+    #[test]
+    fn checksum_errors_kept_by_the_osd_are_not_counted_twice() {
+        let start = Instant::now() + Duration::from_secs(100);
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let first = report(5, Some(1));
+        let known = ChecksumErrors::default().update(None, &first, at(0));
+        // Restarted with the count its file kept, one short of what it had reported.
+        let restarted = report(4, Some(3));
+        let known = known.update(Some(&first), &restarted, at(2));
+        assert_eq!(known.apply(restarted.clone(), at(2)).checksum_errors, 5);
+        // Restarted with its count kept whole: nothing added.
+        let whole = report(4, Some(5));
+        let known = known.update(Some(&restarted), &whole, at(4));
+        assert_eq!(known.apply(whole, at(4)).checksum_errors, 5);
+    }
+
     #[test]
     fn checksum_errors_are_kept_through_an_osd_restart() {
         let start = Instant::now() + Duration::from_secs(100);

@@ -407,15 +407,20 @@ impl Counters {
     /// Keeps the checksum errors in `data_dir` whenever their count changed, checked every
     /// second (a temporary file renamed over the last).
     async fn keep_checksum_errors(counters: Arc<Self>, data_dir: PathBuf) {
-        let mut kept = counters.checksum_errors.load(Ordering::Relaxed);
+        let now = |counters: &Self| {
+            (
+                counters.checksum_errors.load(Ordering::Relaxed),
+                counters.last_checksum_error_ms.load(Ordering::Relaxed),
+            )
+        };
+        let mut kept = now(&counters);
         let mut every = tokio::time::interval(Duration::from_secs(1));
         loop {
             every.tick().await;
-            let count = counters.checksum_errors.load(Ordering::Relaxed);
-            if count == kept {
+            let (count, last_ms) = now(&counters);
+            if (count, last_ms) == kept {
                 continue;
             }
-            let last_ms = counters.last_checksum_error_ms.load(Ordering::Relaxed);
             let (temporary, path) = (
                 data_dir.join(format!("{CHECKSUM_ERRORS_FILE}.new")),
                 data_dir.join(CHECKSUM_ERRORS_FILE),
@@ -425,7 +430,7 @@ impl Counters {
                 tokio::fs::rename(&temporary, &path).await
             };
             match written.await {
-                Ok(()) => kept = count,
+                Ok(()) => kept = (count, last_ms),
                 Err(error) => {
                     tracing::warn!(path = %path.display(), %error, "cannot keep the count of checksum errors")
                 }
@@ -435,9 +440,9 @@ impl Counters {
 
     /// Counts a read that met a block failing its checksum.
     fn checksum_error(&self) {
-        self.checksum_errors.fetch_add(1, Ordering::Relaxed);
         self.last_checksum_error_ms
             .store(unix_millis(), Ordering::Relaxed);
+        self.checksum_errors.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Seconds since the last read that met a block failing its checksum, if any.
@@ -3118,11 +3123,19 @@ impl Core {
                 .collect(),
             checksum_errors: c.checksum_errors.load(Ordering::Relaxed),
             last_checksum_error_age_seconds: c.last_checksum_error_age_seconds(),
+            // Looked for only while no one leads the PG as far as this replica knows (reads
+            // of the payloads past its commit index, rare).
             unsendable: self
-                .repairs
-                .iter()
-                .filter(|(_, repair)| repair.log_damaged)
-                .map(|(pg, _)| *pg)
+                .raft
+                .pgs()
+                .filter(|pg| {
+                    let led = self
+                        .raft
+                        .leader(*pg)
+                        .is_some_and(|leader| leader != self.id)
+                        || self.raft.read_barrier(*pg).is_some();
+                    !led && self.raft.first_unsendable(*pg).is_some()
+                })
                 .collect(),
         };
     }
@@ -3755,10 +3768,10 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     }));
 
     let counters = Arc::new(Counters::restored(&config.data_dir));
-    tokio::spawn(Counters::keep_checksum_errors(
+    tasks.push(tokio::spawn(Counters::keep_checksum_errors(
         counters.clone(),
         config.data_dir.clone(),
-    ));
+    )));
     let mut metrics_address = None;
     if let Some(metrics_at) = config.metrics_addr {
         let (counters, report, log) = (counters.clone(), report.clone(), log.clone());

@@ -1327,19 +1327,13 @@ impl MultiRaft {
                 osd_of(raft.leader_id)
             ));
         }
-        let store = group.node.store();
-        let last = store.last_index().unwrap_or(0);
-        let unreadable = (raft.raft_log.committed + 1..=last).find(|index| {
-            let context = raft::GetEntriesContext::empty(true);
-            store.entries(*index, index + 1, None, context).is_err()
-        });
-        let Some(from) = unreadable else {
+        let Some(from) = Self::first_unsendable_of(group) else {
             return Err(format!(
                 "{} reads back every entry of pg {pg} past its commit index ({}): it gives up none",
                 self.osd, raft.raft_log.committed
             ));
         };
-        let term = store.term(from).unwrap_or(0);
+        let term = raft.raft_log.term(from).unwrap_or(0);
         let last = raft.raft_log.last_index();
         if raft.state != StateRole::Follower {
             // Leading or campaigning: a vote already on its way must not make it lead.
@@ -1349,6 +1343,21 @@ impl MultiRaft {
         group.conceding = Some((from, term));
         tracing::warn!(%pg, from, term, last, "entries given up, as the operator asked");
         Ok(Concession { from, term, last })
+    }
+
+    /// The first entry of `pg` past this replica's commit index whose payload it cannot
+    /// read back (damaged here), if any: reads the payloads of those entries.
+    pub fn first_unsendable(&self, pg: PgId) -> Option<u64> {
+        Self::first_unsendable_of(self.groups.get(&pg)?)
+    }
+
+    fn first_unsendable_of(group: &Group) -> Option<u64> {
+        let store = group.node.store();
+        let last = store.last_index().unwrap_or(0);
+        (group.node.raft.raft_log.committed + 1..=last).find(|index| {
+            let context = raft::GetEntriesContext::empty(true);
+            store.entries(*index, index + 1, None, context).is_err()
+        })
     }
 
     /// The entries this replica gives up of `pg` ([`MultiRaft::concede`]), if it does.

@@ -530,8 +530,15 @@ impl ClusterProcesses {
     }
 
     /// `basalt status`'s health: its name (HEALTH_OK, ...) and its checks as JSON text.
+    /// The health's status and checks (as JSON text); ("unreachable", the error) if the
+    /// CLI fails (a monitor starting, say).
     pub fn health(&self) -> (String, String) {
-        let status = self.cli_json(&["status"]);
+        let output = self.cli(&["status", "--json"]);
+        if !output.status.success() {
+            let error = String::from_utf8_lossy(&output.stderr).to_string();
+            return ("unreachable".to_string(), error);
+        }
+        let status: Value = serde_json::from_slice(&output.stdout).expect("json output");
         let name = status["health"]["status"].as_str().unwrap_or_default();
         (name.to_string(), status["health"]["checks"].to_string())
     }
