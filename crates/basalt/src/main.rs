@@ -161,8 +161,9 @@ enum PgCommand {
     /// Has the replicas of a PG that no replica can lead give up the raft log entries they
     /// cannot send: those past their commit index whose payload is damaged and that the
     /// other replicas lack (a damaged replica would be elected, fail to send them, and step
-    /// down, again and again). A write among them that was acknowledged, its other copies
-    /// gone, is lost: the operator's last resort, as Ceph's `mark_unfound_lost`.
+    /// down, again and again). A write among them that was acknowledged is lost unless the
+    /// replicas that may hold it too (down, or removed) come back first: the operator's
+    /// last resort, for replicas lost for good, as Ceph's `mark_unfound_lost`.
     MarkUnfoundLost {
         /// The PG, as `basalt pg ls` shows it (`1.3f`).
         pg: String,
