@@ -834,8 +834,8 @@ mod tests {
         }
     }
 
-    /// An OSD that restarts reports no damage any more (its counts start again); the
-    /// monitor keeps what it heard before, and adds what comes after.
+    /// An OSD that restarts with the count its data directory kept, short of the last
+    /// second's errors, or whole: the monitor adds only what the count lost.
     #[test]
     fn checksum_errors_kept_by_the_osd_are_not_counted_twice() {
         let start = Instant::now() + Duration::from_secs(100);
@@ -852,6 +852,8 @@ mod tests {
         assert_eq!(known.apply(whole, at(4)).checksum_errors, 5);
     }
 
+    /// An OSD that restarts reports no damage any more (its file lost: its counts start
+    /// again); the monitor keeps what it heard before, and adds what comes after.
     #[test]
     fn checksum_errors_are_kept_through_an_osd_restart() {
         let start = Instant::now() + Duration::from_secs(100);

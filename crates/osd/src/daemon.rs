@@ -26,7 +26,7 @@
 //! A replica that needs entries its leader compacted installs a snapshot of the PG
 //! ([`crate::snapshot`]): it fetches the objects from the leader before raft takes it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -770,6 +770,13 @@ struct Core {
     max_moves: usize,
     /// Repairs asked of this replica, by PG.
     repairs: BTreeMap<PgId, Repair>,
+    /// PGs whose raft log here was found holding a payload this replica cannot read back:
+    /// looked at again every second ([`Core::refresh_unsendable`]), and forgotten once none
+    /// is left.
+    log_suspects: BTreeSet<PgId>,
+    /// Of those, the PGs no replica leads as far as this one knows that still hold one past
+    /// the commit index (`OsdReport::unsendable`).
+    unsendable: Vec<PgId>,
     /// An orderly stop under way ([`Event::Stop`]).
     stopping: Option<Stopping>,
 }
@@ -928,7 +935,9 @@ impl Core {
                 match pool {
                     Some(pool) => {
                         let pg = pool.pg_of(object);
-                        tracing::warn!(%pg, "entries held back from a follower: a payload among them is damaged here");
+                        if !self.log_suspects.contains(&pg) {
+                            tracing::warn!(%pg, "entries held back from a follower: a payload among them is damaged here");
+                        }
                         self.damaged(pg, mismatch, None);
                         self.log_damaged(pg);
                     }
@@ -2273,7 +2282,7 @@ impl Core {
             voters: members.voters,
             voters_outgoing: members.voters_outgoing,
             learners: members.learners,
-            giving_up_from: self.raft.conceding(pg).map(|(from, _)| from),
+            giving_up_from: self.raft.conceding(pg),
             voters_matched: self.raft.voters_matched(pg),
         }
     }
@@ -2382,8 +2391,29 @@ impl Core {
         self.reclaim.asked |= !replayed.is_empty();
     }
 
-    /// Notes that the repair of `pg` is of damage in payloads of its raft log.
+    /// Looks again at the PGs whose raft log was found holding a payload this replica cannot
+    /// read back (reads of the payloads past their commit index): those with none left are
+    /// forgotten, and those no replica leads as far as this one knows are reported.
+    fn refresh_unsendable(&mut self) {
+        self.unsendable.clear();
+        let suspects: Vec<PgId> = self.log_suspects.iter().copied().collect();
+        for pg in suspects {
+            if self.raft.first_unsendable(pg).is_none() {
+                self.log_suspects.remove(&pg);
+                continue;
+            }
+            let led = self.raft.leader(pg).is_some_and(|leader| leader != self.id)
+                || self.raft.read_barrier(pg).is_some();
+            if !led {
+                self.unsendable.push(pg);
+            }
+        }
+    }
+
+    /// Notes that `pg`'s raft log here holds a payload this replica cannot read back (and
+    /// that its repair, if any, is of such damage).
     fn log_damaged(&mut self, pg: PgId) {
+        self.log_suspects.insert(pg);
         if let Some(repair) = self.repairs.get_mut(&pg) {
             repair.log_damaged = true;
         }
@@ -3002,9 +3032,9 @@ impl Core {
             let (events, me) = (self.events.clone(), self.id);
             let log_when_asked = self.raft.last_log_id(pg);
             tokio::spawn(async move {
+                let last = log_when_asked.map_or(0, |(index, _)| index);
                 for (id, address) in members {
                     let request = OsdRequest::PgConf { pg };
-                    let last = log_when_asked.map_or(0, |(index, _)| index);
                     if let Ok(state) =
                         query_replica(address, &request, Duration::from_secs(5)).await
                         && state.lets_go_of(id, me, last)
@@ -3123,20 +3153,7 @@ impl Core {
                 .collect(),
             checksum_errors: c.checksum_errors.load(Ordering::Relaxed),
             last_checksum_error_age_seconds: c.last_checksum_error_age_seconds(),
-            // Looked for only while no one leads the PG as far as this replica knows (reads
-            // of the payloads past its commit index, rare).
-            unsendable: self
-                .raft
-                .pgs()
-                .filter(|pg| {
-                    let led = self
-                        .raft
-                        .leader(*pg)
-                        .is_some_and(|leader| leader != self.id)
-                        || self.raft.read_barrier(*pg).is_some();
-                    !led && self.raft.first_unsendable(*pg).is_some()
-                })
-                .collect(),
+            unsendable: self.unsendable.clone(),
         };
     }
 }
@@ -4056,6 +4073,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         membership_checks: std::collections::HashSet::new(),
         max_moves: config.max_moves.max(1),
         repairs: BTreeMap::new(),
+        log_suspects: BTreeSet::new(),
+        unsendable: Vec::new(),
         stopping: None,
     };
     core.adopt_map(Arc::new(map));
@@ -4109,6 +4128,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     ticks += 1;
                     if ticks.is_multiple_of(10) {
                         core.check_memberships();
+                        core.refresh_unsendable();
                         core.propose_scrubs();
                     }
                     core.refresh_live_bytes();

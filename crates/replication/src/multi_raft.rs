@@ -191,8 +191,6 @@ struct Group {
 pub struct Concession {
     /// The first: its payload cannot be read back here, and is past the commit index.
     pub from: u64,
-    /// Its term.
-    pub term: u64,
     /// The last entry of the log.
     pub last: u64,
 }
@@ -316,7 +314,7 @@ fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
 /// A replica held back ([`MultiRaft::hold_back`]) for N ticks in which it hears from a
 /// quorum is let go after this many times N ticks in all, whatever it heard: the voters it
 /// waits for may be up but silent for good (one that has not applied the change that made
-/// it a voter asks nobody for votes; found by the simulation: seeds 3603 and 7894 of
+/// it a voter asks nobody for votes; found by the simulation: seeds 3603 and 4170 of
 /// `--members 2 --osds 3 --pgs 4 --faults 2`). Elected then, it steps down if it cannot
 /// send its log (the OSD's repair), and the operator has the last word (`concede`).
 pub const HELD_BACK_AT_MOST: usize = 10;
@@ -561,41 +559,35 @@ impl MultiRaft {
         self.groups.get(&pg).map(|group| group.held_back)
     }
 
-    /// Whether the voters this replica heard from within an election timeout make a quorum
-    /// with it (in both halves of a joint configuration).
+    /// Whether this replica is `id` or has heard from it within an election timeout.
+    fn heard_lately(group: &Group, id: u64) -> bool {
+        id == group.node.raft.id
+            || group
+                .heard
+                .get(&id)
+                .is_some_and(|at| group.ticks - at <= ELECTION_TICKS)
+    }
+
     /// Whether the voters this replica has not heard from lately are all new voters of a
     /// joint configuration (see `Group::needed`).
     fn only_new_voters_unheard(group: &Group) -> bool {
-        let me = group.node.raft.id;
         let conf = group.node.raft.prs().conf().to_conf_state();
-        let recent = |id: &u64| {
-            *id == me
-                || group
-                    .heard
-                    .get(id)
-                    .is_some_and(|at| group.ticks - at <= ELECTION_TICKS)
-        };
         !conf.voters_outgoing.is_empty()
             && conf
                 .voters
                 .iter()
                 .chain(&conf.voters_outgoing)
-                .filter(|id| !recent(id))
+                .filter(|id| !Self::heard_lately(group, **id))
                 .all(|id| !conf.voters_outgoing.contains(id))
     }
 
+    /// Whether the voters this replica heard from within an election timeout make a quorum
+    /// with it (in both halves of a joint configuration).
     fn quorum_heard(group: &Group) -> bool {
-        let me = group.node.raft.id;
-        let recent = |id: &u64| {
-            *id == me
-                || group
-                    .heard
-                    .get(id)
-                    .is_some_and(|at| group.ticks - at <= ELECTION_TICKS)
-        };
         let conf = group.node.raft.prs().conf().to_conf_state();
         let majority = |ids: &[u64]| {
-            ids.is_empty() || 2 * ids.iter().filter(|id| recent(id)).count() > ids.len()
+            let heard = ids.iter().filter(|id| Self::heard_lately(group, **id));
+            ids.is_empty() || 2 * heard.count() > ids.len()
         };
         majority(&conf.voters) && majority(&conf.voters_outgoing)
     }
@@ -1041,8 +1033,6 @@ impl MultiRaft {
         for group in self.groups.values_mut() {
             group.ticks = group.ticks.saturating_add(1);
             let installing = group.snapshot_persisting.is_some();
-            Self::end_concession_if_over(group);
-            Self::drop_stale_snapshot_requests(group);
             if (group.held_back > 0 || installing || stopping || group.conceding.is_some())
                 && group.node.raft.state != StateRole::Leader
             {
@@ -1100,12 +1090,12 @@ impl MultiRaft {
             return;
         }
         if let Some(group) = self.groups.get_mut(&pg) {
+            let asks_vote = matches!(
+                message.get_msg_type(),
+                MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+            );
             if group.held_back > 0 {
                 group.heard.insert(message.from, group.ticks);
-                let asks_vote = matches!(
-                    message.get_msg_type(),
-                    MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
-                );
                 let raft = &group.node.raft;
                 let log = &raft.raft_log;
                 let voter = raft.prs().conf().voters().contains(message.from);
@@ -1202,10 +1192,6 @@ impl MultiRaft {
                 tracing::debug!(%pg, "hand-over refused while stopping or installing a snapshot");
                 return;
             }
-            let asks_vote = matches!(
-                message.get_msg_type(),
-                MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
-            );
             if asks_vote
                 && group.ticks < ELECTION_TICKS
                 && message.context != raft::CAMPAIGN_TRANSFER
@@ -1220,29 +1206,30 @@ impl MultiRaft {
                 MessageType::MsgRequestVoteResponse | MessageType::MsgRequestPreVoteResponse
             ) && message.reject;
             if refused_vote && message.term < group.node.raft.term {
+                // (raft-rs would ignore it.)
                 Self::commit_by_stale_refusal(pg, group, &message);
-                Self::end_concession_if_over(group);
-                Self::draw_election_timeout(&mut self.rng, group);
-                return;
-            }
-            if asks_vote && let Some((from, _)) = group.conceding {
-                // Judged as if its log ended before the entries it gives up.
-                let log = &group.node.raft.raft_log;
-                let before = (log.term(from - 1).unwrap_or(0), from - 1);
-                if (message.log_term, message.index) >= before {
-                    message.log_term = log.last_term();
-                    message.index = log.last_index();
+            } else {
+                if asks_vote && let Some((from, _)) = group.conceding {
+                    // Judged as if its log ended before the entries it gives up.
+                    let log = &group.node.raft.raft_log;
+                    let before = (log.term(from - 1).unwrap_or(0), from - 1);
+                    if (message.log_term, message.index) >= before {
+                        message.log_term = log.last_term();
+                        message.index = log.last_index();
+                    }
+                }
+                let request = (message.get_msg_type() == MessageType::MsgAppendResponse
+                    && message.request_snapshot != raft::INVALID_INDEX)
+                    .then(|| message.clone());
+                if let Err(error) = group.node.step(message) {
+                    tracing::debug!(%pg, %error, "raft message dropped");
+                }
+                if let Some(request) = request {
+                    Self::take_request_as_acknowledgement(group, &request);
                 }
             }
-            let request = (message.get_msg_type() == MessageType::MsgAppendResponse
-                && message.request_snapshot != raft::INVALID_INDEX)
-                .then(|| message.clone());
-            if let Err(error) = group.node.step(message) {
-                tracing::debug!(%pg, %error, "raft message dropped");
-            }
-            if let Some(request) = request {
-                Self::take_request_as_acknowledgement(group, &request);
-            }
+            // Checked on every message: only messages change a term, a log or a commit
+            // index that these depend on.
             Self::drop_stale_snapshot_requests(group);
             Self::end_concession_if_over(group);
             Self::draw_election_timeout(&mut self.rng, group);
@@ -1342,7 +1329,7 @@ impl MultiRaft {
         }
         group.conceding = Some((from, term));
         tracing::warn!(%pg, from, term, last, "entries given up, as the operator asked");
-        Ok(Concession { from, term, last })
+        Ok(Concession { from, last })
     }
 
     /// The first entry of `pg` past this replica's commit index whose payload it cannot
@@ -1360,9 +1347,10 @@ impl MultiRaft {
         })
     }
 
-    /// The entries this replica gives up of `pg` ([`MultiRaft::concede`]), if it does.
-    pub fn conceding(&self, pg: PgId) -> Option<(u64, u64)> {
-        self.groups.get(&pg)?.conceding
+    /// The first of the entries this replica gives up of `pg` ([`MultiRaft::concede`]), if
+    /// it does.
+    pub fn conceding(&self, pg: PgId) -> Option<u64> {
+        Some(self.groups.get(&pg)?.conceding?.0)
     }
 
     /// A follower's request for a snapshot as recent as its last entry, of this leader's

@@ -529,9 +529,8 @@ impl ClusterProcesses {
         serde_json::from_str(&self.cli_ok(&args)).expect("json output")
     }
 
-    /// `basalt status`'s health: its name (HEALTH_OK, ...) and its checks as JSON text.
-    /// The health's status and checks (as JSON text); ("unreachable", the error) if the
-    /// CLI fails (a monitor starting, say).
+    /// `basalt status`'s health: its name (HEALTH_OK, ...) and its checks as JSON text;
+    /// ("unreachable", the error) if the CLI fails (a monitor starting, say).
     pub fn health(&self) -> (String, String) {
         let output = self.cli(&["status", "--json"]);
         if !output.status.success() {
