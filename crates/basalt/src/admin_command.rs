@@ -500,6 +500,42 @@ pub fn run_pg_ls(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The inactive PGs whose voters, as a replica of each reports them
+/// (`OsdReport::leaderless`), make no quorum without those removed from the cluster (lost
+/// for good), each with the removed ones: `pg 1.0 (removed osd.2)`.
+fn lost_quorum(
+    status: &ClusterStatus,
+    states: &[(PgId, Vec<OsdId>, Option<OsdId>, &'static str)],
+) -> Vec<String> {
+    let removed = |osd: &OsdId| status.map.removed.contains_key(osd);
+    let quorum_left = |half: &[OsdId]| {
+        half.is_empty() || 2 * half.iter().filter(|osd| !removed(osd)).count() > half.len()
+    };
+    states
+        .iter()
+        .filter(|(_, _, _, state)| state.starts_with("inactive"))
+        .filter_map(|(pg, _, _, _)| {
+            let conf = status
+                .reports
+                .iter()
+                .flat_map(|(_, report)| &report.leaderless)
+                .find(|leaderless| leaderless.pg == *pg)?;
+            if quorum_left(&conf.voters) && quorum_left(&conf.voters_outgoing) {
+                return None;
+            }
+            let gone: BTreeSet<String> = conf
+                .voters
+                .iter()
+                .chain(&conf.voters_outgoing)
+                .filter(|osd| removed(osd))
+                .map(ToString::to_string)
+                .collect();
+            let gone: Vec<String> = gone.into_iter().collect();
+            Some(format!("pg {pg} (removed {})", gone.join(", ")))
+        })
+        .collect()
+}
+
 /// The health checks that fail, as `ceph -s` names them, and whether one is an error
 /// (data found to differ between replicas) rather than a warning.
 fn health(
@@ -562,6 +598,16 @@ fn health(
              it give them up)",
             unfound.len(),
             unfound.join(", ")
+        ));
+    }
+    let no_quorum = lost_quorum(status, states);
+    if !no_quorum.is_empty() {
+        warnings.push(format!(
+            "{} pgs inactive whose voters removed from the cluster leave no quorum: {} (`basalt \
+             pg force-quorum PG` makes the surviving replica with the most of the raft log the \
+             only voter; writes that only the removed OSDs held are lost)",
+            no_quorum.len(),
+            no_quorum.join(", ")
         ));
     }
     for state in ["inactive", "active+degraded", "unplaced"] {
@@ -824,6 +870,174 @@ pub fn run_pg_mark_unfound_lost(
                 .filter_map(|(osd, answer)| Some(format!("{osd}: {}", answer.as_ref().err()?)))
                 .collect();
             anyhow::bail!("no replica of pg {pg} gave entries up ({})", why.join("; "));
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// The replicas of `pg` that can be asked: the map's members, then every OSD their raft
+/// configurations name (a PG whose members moved keeps its old voters until a leader
+/// moves it), but those removed from the cluster; each one's cheap state (no digest).
+async fn ask_replicas(map: &ClusterMap, pg: PgId) -> anyhow::Result<BTreeMap<OsdId, ReplicaState>> {
+    use basalt_osd::daemon::OsdRequest;
+    let entry = map
+        .pg(pg)
+        .with_context(|| format!("pg {pg} does not exist"))?;
+    let mut answers: BTreeMap<OsdId, ReplicaState> = BTreeMap::new();
+    let mut to_ask: BTreeSet<OsdId> = entry.members.iter().copied().collect();
+    while !to_ask.is_empty() {
+        let queries: Vec<_> = to_ask
+            .iter()
+            .filter(|osd| !map.removed.contains_key(osd))
+            .map(|osd| {
+                let (map, osd) = (map.clone(), *osd);
+                let query = tokio::spawn(async move {
+                    let request = OsdRequest::PgConf { pg };
+                    ask_osd(&map, osd, &request, std::time::Duration::from_secs(30)).await
+                });
+                (osd, query)
+            })
+            .collect();
+        for (osd, query) in queries {
+            let answer = query
+                .await
+                .unwrap_or_else(|error| Err(format!("the query failed: {error}")));
+            answers.insert(osd, answer);
+        }
+        to_ask = answers
+            .values()
+            .filter_map(|answer| answer.as_ref().ok())
+            .filter(|state| state.hosted)
+            .flat_map(|state| [&state.voters, &state.voters_outgoing, &state.learners])
+            .flatten()
+            .filter(|osd| !answers.contains_key(osd) && !map.removed.contains_key(osd))
+            .copied()
+            .collect();
+    }
+    Ok(answers)
+}
+
+/// Makes the surviving replica of a PG with the most of its raft log (last term, then last
+/// index) the PG's only voter, when the voters removed from the cluster (lost for good)
+/// leave it no quorum (`basalt pg force-quorum`). Every other voter must answer, so that
+/// the one chosen holds every entry any survivor holds committed.
+pub fn run_pg_force_quorum(
+    cluster: ClusterArgs,
+    pg: String,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    use basalt_osd::daemon::OsdRequest;
+    let mon = cluster.client()?;
+    let pg = parse_pg(&pg)?;
+    block_on(async move {
+        let map = mon.map().await?;
+        let answers = ask_replicas(&map, pg).await?;
+        let hosted: Vec<&PgReplicaState> = answers
+            .values()
+            .filter_map(|answer| answer.as_ref().ok())
+            .filter(|state| state.hosted)
+            .collect();
+        // (A learner names the last leader it heard for good: only a leader's word counts.)
+        if let Some(leader) = hosted.iter().find(|state| state.leader == Some(state.osd)) {
+            anyhow::bail!(
+                "pg {pg} has a leader ({}): its voters make a quorum",
+                leader.osd
+            );
+        }
+        let voters: BTreeSet<OsdId> = hosted
+            .iter()
+            .flat_map(|state| state.voters.iter().chain(&state.voters_outgoing))
+            .copied()
+            .collect();
+        let names = |osds: &mut dyn Iterator<Item = &OsdId>| {
+            osds.map(|osd| osd.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if voters.is_empty() {
+            anyhow::bail!("no OSD that answered hosts a replica of pg {pg}");
+        }
+        let lost: Vec<OsdId> = voters
+            .iter()
+            .filter(|osd| map.removed.contains_key(osd))
+            .copied()
+            .collect();
+        if lost.is_empty() {
+            anyhow::bail!(
+                "no voter of pg {pg} ({}) was removed from the cluster: this is for voters \
+                 lost for good; mark them out (`basalt osd out ID`) and remove them (`basalt \
+                 osd rm ID`) first",
+                names(&mut voters.iter())
+            );
+        }
+        if let Some((osd, error)) = voters.iter().find_map(|osd| {
+            let answer = answers.get(osd)?;
+            let error = answer.as_ref().err()?;
+            Some((osd, error))
+        }) {
+            anyhow::bail!(
+                "{osd}, a voter of pg {pg}, did not answer ({error}): bring it back, or if its \
+                 device is lost for good remove it (`basalt osd out {id}`, `basalt osd rm {id}`) \
+                 first (the replica made the only voter must be the one with the most of the log)",
+                id = osd.0
+            );
+        }
+        let Some(best) = hosted
+            .iter()
+            .filter(|state| state.includes(state.osd))
+            .max_by_key(|state| {
+                let voter =
+                    state.voters.contains(&state.osd) || state.voters_outgoing.contains(&state.osd);
+                (state.last_term, state.last_index, voter)
+            })
+        else {
+            anyhow::bail!("no surviving member of pg {pg} hosts a replica of it");
+        };
+        let request = OsdRequest::ForceQuorum {
+            pg,
+            lost: lost.clone(),
+        };
+        let within = std::time::Duration::from_secs(30);
+        let state = ask_osd(&map, best.osd, &request, within)
+            .await
+            .map_err(|error| anyhow::anyhow!("{}: {error}", best.osd))?;
+        // It elects itself once it has applied its log.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut leads = false;
+        while !leads && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let request = OsdRequest::PgConf { pg };
+            leads = ask_osd(&map, best.osd, &request, within)
+                .await
+                .is_ok_and(|now| now.leader == Some(best.osd));
+        }
+        if json {
+            print_json(&json!({
+                "pg": pg.to_string(), "osd": best.osd.0, "lost": lost.iter().map(|o| o.0).collect::<Vec<_>>(),
+                "last_index": state.last_index, "last_term": state.last_term, "leads": leads,
+            }));
+        } else {
+            println!(
+                "{}: the only voter of pg {pg} now, its raft log kept up to {} (term {}); voters \
+                 lost: {}",
+                best.osd,
+                state.last_index,
+                state.last_term,
+                names(&mut lost.iter())
+            );
+            let members = map.pg(pg).map(|entry| names(&mut entry.members.iter()));
+            println!(
+                "it {} and moves the PG to its members ({}) as it does any",
+                if leads {
+                    "leads"
+                } else {
+                    "has not been elected yet"
+                },
+                members.unwrap_or_default()
+            );
+        }
+        if !leads {
+            anyhow::bail!("{} was not elected within 30 s", best.osd);
         }
         Ok(ExitCode::SUCCESS)
     })
@@ -1385,6 +1599,59 @@ mod tests {
         );
     }
 
+    /// Health names an inactive PG whose voters removed from the cluster leave no quorum,
+    /// with the command; not one whose other voters make a quorum, nor an active one.
+    #[test]
+    fn health_names_inactive_pgs_whose_removed_voters_leave_no_quorum() {
+        use basalt_mon::protocol::{LeaderlessPg, OsdReport};
+        let pg = |index| PgId {
+            pool: basalt_common::PoolId(1),
+            index,
+        };
+        let leaderless = |index, voters: &[u32]| LeaderlessPg {
+            pg: pg(index),
+            voters: voters.iter().map(|id| OsdId(*id)).collect(),
+            voters_outgoing: Vec::new(),
+        };
+        let mut map = ClusterMap::new();
+        map.removed.insert(OsdId(2), "uuid".to_string());
+        let report = OsdReport {
+            leaderless: vec![
+                leaderless(0, &[1, 2]),
+                leaderless(1, &[1, 2, 3]),
+                leaderless(2, &[1, 2]),
+            ],
+            ..Default::default()
+        };
+        let status = basalt_mon::protocol::ClusterStatus {
+            map,
+            monitors: Vec::new(),
+            leader: String::new(),
+            reports: vec![(OsdId(1), report)],
+            ops_per_second: (0.0, 0.0),
+            bytes_per_second: (0.0, 0.0),
+        };
+        let members = vec![OsdId(1), OsdId(3)];
+        let states = vec![
+            (pg(0), members.clone(), None, "inactive"),
+            (pg(1), members.clone(), None, "inactive"),
+            (pg(2), members, Some(OsdId(1)), "active+clean"),
+        ];
+        let (warnings, _) = health(&status, &states);
+        let named: Vec<&String> = warnings
+            .iter()
+            .filter(|w| w.contains("leave no quorum"))
+            .collect();
+        assert_eq!(named.len(), 1, "{warnings:?}");
+        assert!(
+            named[0].starts_with(
+                "1 pgs inactive whose voters removed from the cluster leave no quorum: pg 1.0 \
+                 (removed osd.2)"
+            ) && named[0].contains("basalt pg force-quorum"),
+            "{warnings:?}"
+        );
+    }
+
     fn state(osd: u32, applied: u64, digest: u32) -> (OsdId, ReplicaState) {
         let state = PgReplicaState {
             osd: OsdId(osd),
@@ -1398,6 +1665,7 @@ mod tests {
             committed: applied,
             applied,
             last_index: applied,
+            last_term: 2,
             objects: 1,
             mapped_bytes: 4096,
             digest,

@@ -171,6 +171,18 @@ enum PgCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Makes the surviving replica of a PG with the most of its raft log the PG's only
+    /// voter, when its voters removed from the cluster (`basalt osd rm`: lost for good)
+    /// leave it no quorum; it then moves the PG to its members as it does any. Every voter
+    /// not removed must answer. Its whole log counts committed, so a write acknowledged
+    /// with copies on the removed OSDs alone is lost: the operator's last resort.
+    ForceQuorum {
+        /// The PG, as `basalt pg ls` shows it (`1.3f`).
+        pg: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -247,6 +259,10 @@ fn main() -> ExitCode {
             cluster,
             command: PgCommand::MarkUnfoundLost { pg, json },
         } => admin_command::run_pg_mark_unfound_lost(cluster, pg, json),
+        Command::Pg {
+            cluster,
+            command: PgCommand::ForceQuorum { pg, json },
+        } => admin_command::run_pg_force_quorum(cluster, pg, json),
         Command::Status { cluster, json } => admin_command::run_status(cluster, json),
     };
     match result {

@@ -257,6 +257,11 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         &["pg", "mark-unfound-lost", "99.0"],
         "pg 99.0 does not exist",
     );
+    // A PG with a leader has its quorum.
+    cluster.wait_clean(Duration::from_secs(60));
+    refused(&["pg", "force-quorum", &pg], "has a leader");
+    refused(&["pg", "force-quorum", "99.0"], "pg 99.0 does not exist");
+    refused(&["pg", "force-quorum", "zz"], "is not a PG id");
     // A client that writes past the image's end (1024 objects of 1 MiB) is refused, the
     // last object is not; once the image grows, the same write goes in.
     assert_eq!(write_object(&cluster, "img", 1023), Ok(()));

@@ -8,6 +8,16 @@ use std::time::{Duration, Instant};
 
 use support::*;
 
+/// Waits until the monitors count OSD `id` down.
+fn wait_osd_down(cluster: &ClusterProcesses, id: u64) {
+    wait_for("the dead osd down", Duration::from_secs(60), || {
+        cluster
+            .cli_json(&["osd", "ls"])
+            .as_array()
+            .is_some_and(|osds| osds.iter().any(|osd| osd["id"] == id && osd["up"] == false))
+    });
+}
+
 /// Waits until the OSD serving metrics at `metrics` hosts PG replicas as `done` says.
 fn wait_hosted(metrics: &str, what: &str, done: impl Fn(f64) -> bool) -> f64 {
     let mut hosted = f64::NAN;
@@ -282,15 +292,7 @@ fn a_dead_osd_is_removed_for_good() {
     };
     refused(&cluster, "it is up");
     cluster.kill_osd(process);
-    wait_for("the dead osd down", Duration::from_secs(60), || {
-        cluster
-            .cli_json(&["osd", "ls"])
-            .as_array()
-            .is_some_and(|osds| {
-                osds.iter()
-                    .any(|osd| osd["id"] == victim && osd["up"] == false)
-            })
-    });
+    wait_osd_down(&cluster, u64::from(victim));
     refused(&cluster, "mark it out first");
     cluster.cli_ok(&["osd", "out", &victim.to_string()]);
     cluster.wait_clean(Duration::from_secs(120));
@@ -328,4 +330,111 @@ fn a_dead_osd_is_removed_for_good() {
     assert!(!refused_boot.status.success(), "{stderr}");
     assert!(stderr.contains("was removed from the cluster"), "{stderr}");
     fio(&uri, &args(&verify));
+}
+
+/// A PG of two replicas that loses one for good has no quorum: its survivor cannot be
+/// elected, and moving the PG's members needs a leader. `basalt pg force-quorum` refuses
+/// while the dead OSD is only out, naming the removal it needs; once it is removed, the
+/// command makes the survivor the PG's only voter, the survivor leads and moves the PG to
+/// its new members, and what was written before reads back, after a crash of every OSD too.
+#[test]
+fn a_pg_whose_voters_are_lost_for_good_leads_again_from_its_survivor() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-force-quorum");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "p", "--pg-count", "1", "--size", "2"]);
+    cluster.cli_ok(&["image", "create", "p/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "p", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    let pgs = cluster.cli_json(&["pg", "ls"]);
+    let pg = pgs[0]["pg"].as_str().expect("a pg id").to_string();
+    let members: Vec<u64> = pgs[0]["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .filter_map(|member| member.as_u64())
+        .collect();
+    assert_eq!(members.len(), 2, "{pgs}");
+    let lost = pgs[0]["leader"].as_u64().unwrap_or(members[0]);
+    let survivor = *members
+        .iter()
+        .find(|m| **m != lost)
+        .expect("another member");
+    cluster.kill_osd(cluster.osd_process(lost as u32));
+    wait_osd_down(&cluster, lost);
+    cluster.cli_ok(&["osd", "out", &lost.to_string()]);
+    let output = cluster.cli(&["pg", "force-quorum", &pg]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "forced before the removal: {stderr}"
+    );
+    assert!(
+        stderr.contains("was removed from the cluster") && stderr.contains("osd rm"),
+        "{stderr}"
+    );
+    let replicas = cluster.cli_json(&["pg", "query", &pg]);
+    assert!(
+        replicas
+            .as_array()
+            .is_some_and(|replicas| replicas.iter().all(|r| r["leader"].is_null())),
+        "the survivor was elected without its lost peer: {replicas}"
+    );
+    cluster.cli_ok(&["osd", "rm", &lost.to_string()]);
+    let named = format!("pg {pg} (removed osd.{lost})");
+    wait_for(
+        "health to name the pg whose removed voter leaves no quorum",
+        Duration::from_secs(30),
+        || {
+            let (_, checks) = cluster.health();
+            checks.contains(&named) && checks.contains("basalt pg force-quorum")
+        },
+    );
+    let text = cluster.cli_ok(&["pg", "force-quorum", &pg]);
+    assert!(
+        text.contains(&format!("osd.{survivor}: the only voter of pg {pg}"))
+            && text.contains(&format!("voters lost: osd.{lost}"))
+            && text.contains("it leads"),
+        "{text}"
+    );
+    cluster.wait_clean(Duration::from_secs(90));
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M"]);
+    qemu_io_ok(&uri, false, &["write -P 0x11 8M 64k"]);
+    let (_, checks) = cluster.health();
+    assert!(!checks.contains("leave no quorum"), "{checks}");
+    let pgs = cluster.cli_json(&["pg", "ls"]);
+    let mut members: Vec<u64> = pgs[0]["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .filter_map(|member| member.as_u64())
+        .collect();
+    members.sort();
+    assert!(!members.contains(&lost), "{pgs}");
+    let replicas = cluster.cli_json(&["pg", "query", &pg]);
+    for replica in replicas.as_array().expect("replicas") {
+        let mut voters: Vec<u64> = replica["voters"]
+            .as_array()
+            .expect("voters")
+            .iter()
+            .filter_map(|voter| voter.as_u64())
+            .collect();
+        voters.sort();
+        assert_eq!(voters, members, "{replicas}");
+    }
+    // The new configuration is in the replicas' logs: it is replayed after a crash.
+    for n in 0..3 {
+        if cluster.osd_id(n) != lost as u32 {
+            cluster.kill_osd(n);
+        }
+    }
+    for n in 0..3 {
+        if cluster.osd_id(n) != lost as u32 {
+            cluster.start_osd(n);
+        }
+    }
+    cluster.wait_clean(Duration::from_secs(90));
+    qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M", "read -P 0x11 8M 64k"]);
 }

@@ -61,6 +61,23 @@ pub struct OsdReport {
     /// hold the only copy of entries the others lack (`basalt pg mark-unfound-lost`).
     #[serde(default)]
     pub unsendable: Vec<PgId>,
+    /// The PGs of which it is a voter and that no replica leads as far as it knows, with
+    /// its raft configuration of each: health names those whose voters removed from the
+    /// cluster (lost for good) leave no quorum (`basalt pg force-quorum`).
+    #[serde(default)]
+    pub leaderless: Vec<LeaderlessPg>,
+}
+
+/// A PG that no replica leads as far as one of its voters knows ([`OsdReport::leaderless`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaderlessPg {
+    /// The PG.
+    pub pg: PgId,
+    /// Its voters, as that replica last applied them (in a joint configuration, the
+    /// incoming ones).
+    pub voters: Vec<OsdId>,
+    /// Voters leaving, in a joint configuration.
+    pub voters_outgoing: Vec<OsdId>,
 }
 
 /// How long after an OSD last read a block failing its checksum health names it.

@@ -38,7 +38,7 @@ use basalt_common::{Lsn, ObjectKey, OsdId, PgId};
 use basalt_io::{DmaBuf, FileEngine};
 use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
-use basalt_mon::protocol::{MonReply, MonRequest, OsdReport, PgScrub};
+use basalt_mon::protocol::{LeaderlessPg, MonReply, MonRequest, OsdReport, PgScrub};
 use basalt_replication::{
     Action, EntryType, MultiRaft, PayloadUnavailable, ProposeError, RaftMessage, ReadStart,
     Reconfiguring, Restored, beat_of, decode_message, encode_message, heartbeat,
@@ -222,6 +222,15 @@ pub enum OsdRequest {
         /// The PG.
         pg: PgId,
     },
+    /// Make this replica the only voter of the PG, whose voters but `lost` make no quorum
+    /// (`basalt pg force-quorum`; see `MultiRaft::force_quorum`); answered with the state
+    /// then.
+    ForceQuorum {
+        /// The PG.
+        pg: PgId,
+        /// Voters lost for good (removed from the cluster).
+        lost: Vec<OsdId>,
+    },
 }
 
 /// How long a repair may go without a snapshot asked for or being installed (a leader that
@@ -298,6 +307,9 @@ pub struct PgReplicaState {
     pub applied: u64,
     /// The last entry in its log.
     pub last_index: u64,
+    /// The term of that entry.
+    #[serde(default)]
+    pub last_term: u64,
     /// Objects with data.
     pub objects: usize,
     /// Bytes mapped in them.
@@ -777,6 +789,10 @@ struct Core {
     /// Of those, the PGs no replica leads as far as this one knows that still hold one past
     /// the commit index (`OsdReport::unsendable`).
     unsendable: Vec<PgId>,
+    /// The PGs of which this replica is a voter and that no replica leads as far as it
+    /// knows, with its configuration of each (`OsdReport::leaderless`), as of the last
+    /// second.
+    leaderless: Vec<LeaderlessPg>,
     /// An orderly stop under way ([`Event::Stop`]).
     stopping: Option<Stopping>,
 }
@@ -2238,6 +2254,14 @@ impl Core {
                 let _ = reply_to.send(control_answer(answer));
                 return;
             }
+            OsdRequest::ForceQuorum { pg, lost } => {
+                let answer = self
+                    .raft
+                    .force_quorum(pg, &lost)
+                    .map(|_| self.replica_state(pg));
+                let _ = reply_to.send(control_answer(answer));
+                return;
+            }
         };
         let mut state = self.replica_state(pg);
         if !with_data {
@@ -2276,6 +2300,7 @@ impl Core {
             committed: self.raft.committed(pg).unwrap_or(0),
             applied: self.applied.get(&pg).copied().unwrap_or(0),
             last_index: self.raft.last_index(pg).unwrap_or(0),
+            last_term: self.raft.last_log_id(pg).map_or(0, |(_, term)| term),
             objects: 0,
             mapped_bytes: 0,
             digest: 0,
@@ -2389,6 +2414,26 @@ impl Core {
             }
         }
         self.reclaim.asked |= !replayed.is_empty();
+    }
+
+    /// Lists the PGs of which this replica is a voter and that no replica leads as far as it
+    /// knows (`OsdReport::leaderless`).
+    fn refresh_leaderless(&mut self) {
+        let raft = &self.raft;
+        let me = self.id;
+        self.leaderless = raft
+            .pgs()
+            .filter(|pg| raft.leaderless(*pg))
+            .filter_map(|pg| {
+                let members = raft.members(pg)?;
+                let voter = members.voters.contains(&me) || members.voters_outgoing.contains(&me);
+                voter.then_some(LeaderlessPg {
+                    pg,
+                    voters: members.voters,
+                    voters_outgoing: members.voters_outgoing,
+                })
+            })
+            .collect();
     }
 
     /// Looks again at the PGs whose raft log was found holding a payload this replica cannot
@@ -3154,6 +3199,7 @@ impl Core {
             checksum_errors: c.checksum_errors.load(Ordering::Relaxed),
             last_checksum_error_age_seconds: c.last_checksum_error_age_seconds(),
             unsendable: self.unsendable.clone(),
+            leaderless: self.leaderless.clone(),
         };
     }
 }
@@ -4075,6 +4121,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         repairs: BTreeMap::new(),
         log_suspects: BTreeSet::new(),
         unsendable: Vec::new(),
+        leaderless: Vec::new(),
         stopping: None,
     };
     core.adopt_map(Arc::new(map));
@@ -4129,6 +4176,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     if ticks.is_multiple_of(10) {
                         core.check_memberships();
                         core.refresh_unsendable();
+                        core.refresh_leaderless();
                         core.propose_scrubs();
                     }
                     core.refresh_live_bytes();
@@ -4252,6 +4300,7 @@ mod tests {
             committed: 90,
             applied: 90,
             last_index: 100,
+            last_term: 4,
             objects: 0,
             mapped_bytes: 0,
             digest: 0,

@@ -184,7 +184,25 @@ struct Group {
     needed: Option<usize>,
     /// The entries given up ([`MultiRaft::concede`]): the index and term of the first.
     conceding: Option<(u64, u64)>,
+    /// How far this replica has got in becoming the only voter ([`MultiRaft::force_quorum`]).
+    forcing: Option<Forcing>,
 }
+
+/// The steps of [`MultiRaft::force_quorum`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Forcing {
+    /// Its log up to this index counts committed; once it is applied, the replica makes
+    /// itself the only voter and elects itself.
+    Applying(u64),
+    /// It leads alone: the entry that gives every replica the new configuration is next.
+    Announcing,
+}
+
+/// The context of a configuration change entry that sets the configuration its changes
+/// describe (voters added, learners added) instead of changing the one before it: how a
+/// replica made the only voter by [`MultiRaft::force_quorum`] gives its configuration to
+/// the replicas that take its log.
+const FORCED_CONTEXT: &[u8] = b"basalt: forced configuration";
 
 /// The entries a replica gives up ([`MultiRaft::concede`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -309,6 +327,23 @@ fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
         }
         EntryType::EntryNormal => None,
     }
+}
+
+/// The configuration a change sets, if it is one that sets it ([`FORCED_CONTEXT`]).
+fn forced_conf_of(change: &ConfChangeV2) -> Option<ConfState> {
+    if change.get_context() != FORCED_CONTEXT {
+        return None;
+    }
+    let of = |kind: ConfChangeType| -> Vec<u64> {
+        change
+            .get_changes()
+            .iter()
+            .filter(|single| single.get_change_type() == kind)
+            .map(|single| single.node_id)
+            .collect()
+    };
+    let voters = of(ConfChangeType::AddNode);
+    (!voters.is_empty()).then(|| ConfState::from((voters, of(ConfChangeType::AddLearnerNode))))
 }
 
 /// A replica held back ([`MultiRaft::hold_back`]) for N ticks in which it hears from a
@@ -652,6 +687,7 @@ impl MultiRaft {
             heard: BTreeMap::new(),
             needed: None,
             conceding: None,
+            forcing: None,
         };
         Self::draw_election_timeout(&mut self.rng, &mut group);
         self.groups.insert(pg, group);
@@ -1033,7 +1069,12 @@ impl MultiRaft {
         for group in self.groups.values_mut() {
             group.ticks = group.ticks.saturating_add(1);
             let installing = group.snapshot_persisting.is_some();
-            if (group.held_back > 0 || installing || stopping || group.conceding.is_some())
+            let forcing = group.forcing.is_some();
+            if (group.held_back > 0
+                || installing
+                || stopping
+                || group.conceding.is_some()
+                || forcing)
                 && group.node.raft.state != StateRole::Leader
             {
                 // Held back, conceding, stopping, or installing a snapshot (its state is not there
@@ -1353,6 +1394,190 @@ impl MultiRaft {
         Some(self.groups.get(&pg)?.conceding?.0)
     }
 
+    /// Makes this replica of `pg` its only voter, when the voters that are not `lost` are no
+    /// quorum (in either half of a joint configuration): the operator's way out once voters
+    /// are lost for good (`basalt pg force-quorum`). Its whole log counts committed and is
+    /// applied; it then takes itself for the only voter, elects itself, and puts the new
+    /// configuration in its log (an entry that sets it, whatever the configuration before
+    /// it), so that every replica that takes the log from it has the same; the leader then
+    /// adds the PG's other members as it would any new ones. Returns the last index of the
+    /// log it keeps.
+    ///
+    /// Safe only on the replica with the most up-to-date log (last term, then last index)
+    /// among the PG's surviving replicas: that one holds every entry that any of them holds
+    /// committed, so no replica is ever told to replace a committed entry. A write
+    /// acknowledged with copies only on lost replicas is lost. Refused if it leads or
+    /// follows a leader (heard within an election timeout), if the voters left make a quorum, if `lost` names no voter, or if
+    /// it cannot read back or has not made durable every entry of its log. Forgotten at a
+    /// restart before the new configuration is in its log (ask again).
+    pub fn force_quorum(&mut self, pg: PgId, lost: &[OsdId]) -> Result<u64, String> {
+        let me = self.osd;
+        let group = self
+            .groups
+            .get_mut(&pg)
+            .ok_or_else(|| format!("{me} does not host pg {pg}"))?;
+        if group.node.raft.state == StateRole::Leader {
+            return Err(format!("{me} leads pg {pg}: it has a quorum"));
+        }
+        if let Some(leader) = Self::heard_leader(group) {
+            return Err(format!("{me} follows {leader} in pg {pg}"));
+        }
+        let raft = &group.node.raft;
+        let conf = raft.prs().conf().to_conf_state();
+        let lost: BTreeSet<u64> = lost.iter().map(|osd| raft_id(*osd)).collect();
+        let voters = conf.voters.iter().chain(&conf.voters_outgoing);
+        if !voters.clone().any(|id| lost.contains(id)) {
+            return Err(format!(
+                "no voter of pg {pg} is among those lost (its voters: {:?})",
+                osd_list(voters)
+            ));
+        }
+        let quorum_left = |half: &[u64]| {
+            half.is_empty() || 2 * half.iter().filter(|id| !lost.contains(id)).count() > half.len()
+        };
+        if quorum_left(&conf.voters) && quorum_left(&conf.voters_outgoing) {
+            return Err(format!(
+                "the voters of pg {pg} that are not lost make a quorum (voters {:?}, outgoing \
+                 {:?}): they elect a leader",
+                osd_list(&conf.voters),
+                osd_list(&conf.voters_outgoing)
+            ));
+        }
+        if group.snapshot_persisting.is_some() {
+            return Err(format!(
+                "{me} is installing a snapshot of pg {pg}: ask again"
+            ));
+        }
+        let last = raft.raft_log.last_index();
+        if raft.raft_log.persisted < last {
+            return Err(format!(
+                "{me} has not made its log of pg {pg} durable up to its end yet: ask again"
+            ));
+        }
+        if let Some(index) = Self::first_unsendable_of(group) {
+            return Err(format!(
+                "{me} cannot read back the payload of entry {index} of pg {pg}: it cannot \
+                 lead the PG"
+            ));
+        }
+        let raft = &mut group.node.raft;
+        if raft.state != StateRole::Follower {
+            let term = raft.term;
+            raft.become_follower(term, raft::INVALID_ID);
+        }
+        raft.raft_log.commit_to(last);
+        group.conceding = None;
+        group.held_back = 0;
+        group.forcing = Some(Forcing::Applying(last));
+        tracing::warn!(%pg, last, "made the only voter, as the operator asked");
+        Ok(last)
+    }
+
+    /// The leader this replica follows, if it heard from it within an election timeout. (A
+    /// learner, or a replica that does not campaign, names the last leader it heard for
+    /// good: raft forgets it only when it campaigns or hears of a new term.)
+    fn heard_leader(group: &Group) -> Option<OsdId> {
+        let raft = &group.node.raft;
+        let heard = raft.leader_id != raft::INVALID_ID
+            && raft.election_elapsed < raft.randomized_election_timeout();
+        heard.then(|| osd_of(raft.leader_id))
+    }
+
+    /// Whether this replica of `pg` neither leads it nor has heard from a leader within an
+    /// election timeout.
+    pub fn leaderless(&self, pg: PgId) -> bool {
+        self.groups.get(&pg).is_some_and(|group| {
+            group.node.raft.state != StateRole::Leader && Self::heard_leader(group).is_none()
+        })
+    }
+
+    /// Whether this replica of `pg` is becoming its only voter ([`MultiRaft::force_quorum`]).
+    pub fn forcing(&self, pg: PgId) -> bool {
+        self.groups
+            .get(&pg)
+            .is_some_and(|group| group.forcing.is_some())
+    }
+
+    /// Takes the next step of [`MultiRaft::force_quorum`], if it can.
+    fn advance_forcing(me: OsdId, pg: PgId, group: &mut Group) {
+        match group.forcing {
+            Some(Forcing::Applying(to))
+                if group.snapshot_persisting.is_none()
+                    && group.node.raft.raft_log.applied >= to =>
+            {
+                let alone = ConfState::from((vec![raft_id(me)], vec![]));
+                if let Err(error) = Self::set_conf(&mut group.node.raft, &alone) {
+                    tracing::error!(%pg, %error, "could not make this replica the only voter");
+                    group.forcing = None;
+                    return;
+                }
+                group.forcing = Some(Forcing::Announcing);
+                let _ = group.node.campaign();
+            }
+            Some(Forcing::Announcing) if group.node.raft.state == StateRole::Leader => {
+                let raft = &group.node.raft;
+                if raft.has_pending_conf() {
+                    return;
+                }
+                let conf = raft.prs().conf().to_conf_state();
+                let mut change = conf_change(
+                    &conf.voters,
+                    ConfChangeType::AddNode,
+                    &conf.learners,
+                    ConfChangeType::AddLearnerNode,
+                );
+                change.set_context(FORCED_CONTEXT.to_vec().into());
+                if group.node.propose_conf_change(Vec::new(), change).is_ok() {
+                    group.forcing = None;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Changes the configuration of `raft` to `target`, one change at a time.
+    fn set_conf(raft: &mut raft::Raft<PgStorage>, target: &ConfState) -> raft::Result<ConfState> {
+        let (add, remove) = (ConfChangeType::AddNode, ConfChangeType::RemoveNode);
+        let learner = ConfChangeType::AddLearnerNode;
+        if !raft.prs().conf().to_conf_state().voters_outgoing.is_empty() {
+            raft.apply_conf_change(&conf_change(&[], add, &[], remove))?;
+        }
+        let current = raft.prs().conf().to_conf_state();
+        let mut changes: Vec<(u64, ConfChangeType)> = Vec::new();
+        changes.extend(
+            target
+                .voters
+                .iter()
+                .filter(|id| !current.voters.contains(id))
+                .map(|id| (*id, add)),
+        );
+        changes.extend(
+            current
+                .voters
+                .iter()
+                .filter(|id| !target.voters.contains(id))
+                .map(|id| (*id, remove)),
+        );
+        changes.extend(
+            current
+                .learners
+                .iter()
+                .filter(|id| !target.learners.contains(id) && !target.voters.contains(id))
+                .map(|id| (*id, remove)),
+        );
+        changes.extend(
+            target
+                .learners
+                .iter()
+                .filter(|id| !current.learners.contains(id))
+                .map(|id| (*id, learner)),
+        );
+        for (id, kind) in changes {
+            raft.apply_conf_change(&conf_change(&[id], kind, &[], kind))?;
+        }
+        Ok(raft.prs().conf().to_conf_state())
+    }
+
     /// A follower's request for a snapshot as recent as its last entry, of this leader's
     /// term, acknowledges the entries up to it: they came from this leader (one per term),
     /// so its log matches this one up to there, and it asks only once they are durable
@@ -1451,7 +1676,9 @@ impl MultiRaft {
 
     /// Collects what every group wants done.
     pub fn collect(&mut self, actions: &mut Vec<Action>) {
+        let me = self.osd;
         for (&pg, group) in &mut self.groups {
+            Self::advance_forcing(me, pg, group);
             if !group.node.has_ready() {
                 continue;
             }
@@ -1487,7 +1714,11 @@ impl MultiRaft {
                 let Some(change) = conf_change_of(entry) else {
                     continue;
                 };
-                match group.node.apply_conf_change(&change) {
+                let applied = match forced_conf_of(&change) {
+                    Some(conf) => Self::set_conf(&mut group.node.raft, &conf),
+                    None => group.node.apply_conf_change(&change),
+                };
+                match applied {
                     Ok(conf) => {
                         // A leader that is no voter any more steps down (raft-rs 0.7 would
                         // go on leading, and panic on its next persist): the voters elect
@@ -1585,7 +1816,11 @@ impl MultiRaft {
         let raft = &group.node.raft;
         // A new leader counts its predecessor's entries as a pending change until it has
         // applied them all.
-        if raft.state != StateRole::Leader || target.is_empty() || raft.has_pending_conf() {
+        if raft.state != StateRole::Leader
+            || target.is_empty()
+            || raft.has_pending_conf()
+            || group.forcing.is_some()
+        {
             return None;
         }
         let conf = raft.prs().conf().to_conf_state();
@@ -2574,6 +2809,101 @@ mod tests {
         trio.replicas[added].propose(PG, vec![20]).expect("leader");
         trio.settle_where(others);
         trio.assert_caught_up(kept, added);
+    }
+
+    /// Two voters of three lost for good leave the PG without a quorum; the survivor made
+    /// the only voter (`basalt pg force-quorum`) counts its whole log committed, including
+    /// entries the lost leader never committed, leads alone, and a member it then adds,
+    /// which replays the log from the PG's first members, ends with the survivor's
+    /// configuration, not the lost one's; so does the survivor after a restart.
+    #[test]
+    fn a_survivor_made_the_only_voter_leads_and_gives_its_configuration_to_members_it_adds() {
+        let mut trio = Trio::hosted_by(4);
+        let leader = trio.elect();
+        let (survivor, lost) = ((leader + 1) % 3, (leader + 2) % 3);
+        let added = 3;
+        let osd = |n: usize| OsdId(n as u32);
+        for n in 0..3u8 {
+            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+            trio.settle();
+        }
+        // Two more reach the survivor alone, and its acknowledgements are lost.
+        for n in 3..5u8 {
+            trio.replicas[leader].propose(PG, vec![n]).expect("leader");
+        }
+        trio.settle_where(|from, to, _| from == leader && to == survivor);
+        let last = trio.replicas[survivor].last_index(PG).expect("hosted");
+        assert!(trio.replicas[survivor].committed(PG) < Some(last));
+        // The leader and the other voter are lost: the survivor cannot be elected.
+        let alive = |from: usize, to: usize, _: &Message| {
+            [survivor, added].contains(&from) && [survivor, added].contains(&to)
+        };
+        let tick_alive = |trio: &mut Trio| {
+            for n in [survivor, added] {
+                trio.replicas[n].tick();
+            }
+            trio.settle_where(alive);
+        };
+        for _ in 0..4 * ELECTION_TICKS {
+            tick_alive(&mut trio);
+        }
+        assert!(!trio.replicas[survivor].is_leader(PG));
+        let refused = trio.replicas[survivor].force_quorum(PG, &[osd(lost)]);
+        assert!(refused.is_err_and(|e| e.contains("make a quorum")));
+        let refused = trio.replicas[survivor].force_quorum(PG, &[osd(added)]);
+        assert!(refused.is_err_and(|e| e.contains("no voter")));
+        let forced = trio.replicas[survivor].force_quorum(PG, &[osd(leader), osd(lost)]);
+        assert_eq!(forced, Ok(last));
+        for _ in 0..ELECTION_TICKS {
+            tick_alive(&mut trio);
+        }
+        // (The lost leader, frozen, still counts itself the leader.)
+        assert!(
+            trio.replicas[survivor].read_barrier(PG).is_some(),
+            "not leading"
+        );
+        assert!(!trio.replicas[survivor].forcing(PG));
+        let members = trio.replicas[survivor].members(PG).expect("hosted");
+        assert_eq!(members.voters, vec![osd(survivor)]);
+        assert!(trio.replicas[survivor].committed(PG) > Some(last));
+        // The leader moves the PG to its new members as to any.
+        let target = [osd(survivor), osd(added)];
+        for _ in 0..4 {
+            trio.replicas[survivor].reconfigure(PG, &target);
+            tick_alive(&mut trio);
+        }
+        trio.replicas[survivor]
+            .propose(PG, vec![9])
+            .expect("leader");
+        trio.settle_where(alive);
+        trio.assert_caught_up(added, survivor);
+        let voters = |raft: &MultiRaft| {
+            let mut voters = raft.members(PG).expect("hosted").voters;
+            voters.sort();
+            voters
+        };
+        let mut expected = target.to_vec();
+        expected.sort();
+        assert_eq!(voters(&trio.replicas[survivor]), expected);
+        assert_eq!(voters(&trio.replicas[added]), expected);
+        let end = trio.replicas[survivor].last_index(PG);
+        assert_eq!(trio.replicas[survivor].committed(PG), end);
+        // Restarted, the survivor replays the same configurations, and the two elect one.
+        trio.replicas[survivor] = restarted(&trio.replicas[survivor], survivor, 71);
+        trio.settle_where(alive);
+        assert_eq!(voters(&trio.replicas[survivor]), expected);
+        let leads = |trio: &Trio| {
+            [survivor, added]
+                .into_iter()
+                .find(|n| trio.replicas[*n].read_barrier(PG).is_some())
+        };
+        for _ in 0..10 * ELECTION_TICKS {
+            tick_alive(&mut trio);
+            if leads(&trio).is_some() {
+                break;
+            }
+        }
+        assert!(leads(&trio).is_some(), "no leader after the restart");
     }
 
     /// A replica whose log ends in entries the other live voter lacks, one of them with a

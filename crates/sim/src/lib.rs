@@ -223,6 +223,10 @@ pub struct Outcome {
     /// (`basalt pg mark-unfound-lost`) of PGs the healed cluster left without a leader
     /// for [`OPERATOR_AFTER`] steps.
     pub conceded: u64,
+    /// PGs whose surviving replica with the most of the log was made their only voter, as
+    /// the operator asked (`basalt pg force-quorum`) of PGs the healed cluster left without
+    /// a leader for [`OPERATOR_AFTER`] steps with voters lost for good.
+    pub forced: u64,
 }
 
 /// Steps of the healed cluster for which a PG has had no leader before the operator has
@@ -1571,6 +1575,47 @@ impl Cluster {
         }
     }
 
+    /// The operator's way out (`basalt pg force-quorum`) for PGs that have had no leader
+    /// for [`OPERATOR_AFTER`] steps of the healed cluster, if voters were lost for good:
+    /// the member with the most up-to-date log (last term, then last index; a voter rather
+    /// than a learner) among the others is made the only voter; it refuses if the voters
+    /// left make a quorum.
+    fn force_quorum(&mut self, pgs: &[PgId]) {
+        let lost: Vec<OsdId> = self
+            .osds
+            .iter()
+            .filter(|osd| osd.lost)
+            .map(|osd| osd.id)
+            .collect();
+        if lost.is_empty() {
+            return;
+        }
+        for &pg in pgs {
+            let best = self
+                .osds
+                .iter()
+                .filter_map(|osd| {
+                    let raft = osd.raft.as_ref()?;
+                    let members = raft.members(pg)?;
+                    let voter = members
+                        .voters
+                        .iter()
+                        .chain(&members.voters_outgoing)
+                        .any(|id| *id == osd.id);
+                    let member = voter || members.learners.contains(&osd.id);
+                    let (index, term) = raft.last_log_id(pg)?;
+                    member.then_some(((term, index, voter), osd.id.0 as usize))
+                })
+                .max();
+            if let Some((_, best)) = best
+                && let Some(raft) = self.osds[best].raft.as_mut()
+                && raft.force_quorum(pg, &lost).is_ok()
+            {
+                self.outcome.forced += 1;
+            }
+        }
+    }
+
     /// Each replica's state, one line per replica of each PG (for a failure that
     /// `BASALT_SIM_STATE` asks to describe).
     fn state(&self) -> String {
@@ -1700,6 +1745,7 @@ pub fn run(config: &SimConfig) -> Result<Outcome, String> {
             .collect();
         if !stuck.is_empty() {
             cluster.mark_unfound_lost(&stuck);
+            cluster.force_quorum(&stuck);
             for pg in stuck {
                 // Asked again as long again after.
                 led_at.insert(pg, cluster.now);

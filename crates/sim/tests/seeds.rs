@@ -147,3 +147,24 @@ fn pgs_of_two_voters_lead_again_once_unsendable_entries_are_given_up() {
         "the operator gave entries up {conceded} times"
     );
 }
+
+/// PGs of two voters that lose one for good (`basalt-sim --seed N --members 2 --osds 3
+/// --pgs 4 --faults 2 --lose-osd`) have no quorum left; the operator makes the surviving
+/// replica with the most of the log their only voter (`basalt pg force-quorum`), it moves
+/// them to their new members, and no acknowledged write is lost (each was on both voters).
+/// Before the command existed, 4 of seeds 1-10 never converged; 224 and 825 chose a learner
+/// that still named its lost leader, and it refused.
+#[test]
+fn pgs_of_two_voters_that_lose_one_for_good_lead_again_from_the_survivor() {
+    let mut forced = 0;
+    for seed in [2, 3, 224, 825] {
+        let mut config = basalt_sim::SimConfig::new(seed).harsher(3, 4, 2.0);
+        config.members = 2;
+        config.lose_osd = true;
+        let outcome = basalt_sim::run(&config)
+            .unwrap_or_else(|failure| panic!("{failure} (two voters, one lost)"));
+        assert_eq!(outcome.lost.0, 1, "seed {seed}");
+        forced += outcome.forced;
+    }
+    assert!(forced > 0, "the operator forced a quorum {forced} times");
+}
