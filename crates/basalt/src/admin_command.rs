@@ -917,6 +917,107 @@ async fn ask_replicas(map: &ClusterMap, pg: PgId) -> anyhow::Result<BTreeMap<Osd
     Ok(answers)
 }
 
+/// Which replica of `pg` `basalt pg force-quorum` makes the only voter, and the voters
+/// lost, from the answers of the replicas the map and their configurations name
+/// ([`ask_replicas`]) and the OSDs removed from the cluster. Refused if a replica leads, if
+/// no voter was removed, or if an OSD a configuration names (voter or learner: a learner
+/// holds entries committed too) did not answer and was not removed: the one chosen, with
+/// the most up-to-date log (last term, then last index; a voter before a learner), must
+/// hold every entry any survivor holds committed.
+fn choose_forced(
+    pg: PgId,
+    answers: &BTreeMap<OsdId, ReplicaState>,
+    removed: impl Fn(&OsdId) -> bool,
+) -> Result<(OsdId, Vec<OsdId>), String> {
+    let hosted: Vec<&PgReplicaState> = answers
+        .values()
+        .filter_map(|answer| answer.as_ref().ok())
+        .filter(|state| state.hosted)
+        .collect();
+    // (A learner names the last leader it heard for good: only a leader's word counts.)
+    if let Some(leader) = hosted.iter().find(|state| state.leader == Some(state.osd)) {
+        return Err(format!(
+            "pg {pg} has a leader ({}): its voters make a quorum",
+            leader.osd
+        ));
+    }
+    let voters: BTreeSet<OsdId> = hosted
+        .iter()
+        .flat_map(|state| state.voters.iter().chain(&state.voters_outgoing))
+        .copied()
+        .collect();
+    if voters.is_empty() {
+        return Err(format!("no OSD that answered hosts a replica of pg {pg}"));
+    }
+    let lost: Vec<OsdId> = voters.iter().filter(|osd| removed(osd)).copied().collect();
+    if lost.is_empty() {
+        let voters: Vec<String> = voters.iter().map(ToString::to_string).collect();
+        return Err(format!(
+            "no voter of pg {pg} ({}) was removed from the cluster: this is for voters lost \
+             for good; mark them out (`basalt osd out ID`) and remove them (`basalt osd rm \
+             ID`) first",
+            voters.join(", ")
+        ));
+    }
+    // The newest configuration a replica applied may not leave the voters not removed a
+    // quorum: a leader could be elected under it. (An older one cannot elect any more: a
+    // quorum of it committed the change after it.)
+    let quorum_left = |half: &[OsdId]| {
+        half.is_empty() || 2 * half.iter().filter(|osd| !removed(osd)).count() > half.len()
+    };
+    let newest = hosted
+        .iter()
+        .map(|state| state.conf_index)
+        .max()
+        .unwrap_or(0);
+    if let Some(state) = hosted.iter().find(|state| {
+        state.conf_index == newest
+            && quorum_left(&state.voters)
+            && quorum_left(&state.voters_outgoing)
+    }) {
+        let list = |osds: &[OsdId]| osds.iter().map(ToString::to_string).collect::<Vec<_>>();
+        return Err(format!(
+            "the voters of pg {pg} as {} applied them (voters [{}], outgoing [{}]) make a \
+             quorum without those removed: they can elect a leader",
+            state.osd,
+            list(&state.voters).join(", "),
+            list(&state.voters_outgoing).join(", ")
+        ));
+    }
+    let named: BTreeSet<OsdId> = hosted
+        .iter()
+        .flat_map(|state| [&state.voters, &state.voters_outgoing, &state.learners])
+        .flatten()
+        .copied()
+        .collect();
+    let silent = named.iter().filter(|osd| !removed(osd)).find_map(|osd| {
+        let error = match answers.get(osd) {
+            Some(Err(error)) => error.clone(),
+            Some(Ok(_)) => return None,
+            None => "not asked".to_string(),
+        };
+        Some((osd, error))
+    });
+    if let Some((osd, error)) = silent {
+        return Err(format!(
+            "{osd}, a member of pg {pg}, did not answer ({error}): bring it back, or if its \
+             device is lost for good remove it (`basalt osd out {id}`, `basalt osd rm {id}`) \
+             first (the replica made the only voter must be the one with the most of the log)",
+            id = osd.0
+        ));
+    }
+    let best = hosted
+        .iter()
+        .max_by_key(|state| {
+            let voter =
+                state.voters.contains(&state.osd) || state.voters_outgoing.contains(&state.osd);
+            (state.last_term, state.last_index, voter)
+        })
+        .map(|state| state.osd)
+        .ok_or_else(|| format!("no surviving replica of pg {pg} answered"))?;
+    Ok((best, lost))
+}
+
 /// Makes the surviving replica of a PG with the most of its raft log (last term, then last
 /// index) the PG's only voter, when the voters removed from the cluster (lost for good)
 /// leave it no quorum (`basalt pg force-quorum`). Every other voter must answer, so that
@@ -932,100 +1033,47 @@ pub fn run_pg_force_quorum(
     block_on(async move {
         let map = mon.map().await?;
         let answers = ask_replicas(&map, pg).await?;
-        let hosted: Vec<&PgReplicaState> = answers
-            .values()
-            .filter_map(|answer| answer.as_ref().ok())
-            .filter(|state| state.hosted)
-            .collect();
-        // (A learner names the last leader it heard for good: only a leader's word counts.)
-        if let Some(leader) = hosted.iter().find(|state| state.leader == Some(state.osd)) {
-            anyhow::bail!(
-                "pg {pg} has a leader ({}): its voters make a quorum",
-                leader.osd
-            );
-        }
-        let voters: BTreeSet<OsdId> = hosted
-            .iter()
-            .flat_map(|state| state.voters.iter().chain(&state.voters_outgoing))
-            .copied()
-            .collect();
-        let names = |osds: &mut dyn Iterator<Item = &OsdId>| {
-            osds.map(|osd| osd.to_string())
+        let removed = |osd: &OsdId| map.removed.contains_key(osd);
+        let (best, lost) = choose_forced(pg, &answers, removed).map_err(anyhow::Error::msg)?;
+        let names = |osds: &[OsdId]| {
+            osds.iter()
+                .map(|osd| osd.to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
-        };
-        if voters.is_empty() {
-            anyhow::bail!("no OSD that answered hosts a replica of pg {pg}");
-        }
-        let lost: Vec<OsdId> = voters
-            .iter()
-            .filter(|osd| map.removed.contains_key(osd))
-            .copied()
-            .collect();
-        if lost.is_empty() {
-            anyhow::bail!(
-                "no voter of pg {pg} ({}) was removed from the cluster: this is for voters \
-                 lost for good; mark them out (`basalt osd out ID`) and remove them (`basalt \
-                 osd rm ID`) first",
-                names(&mut voters.iter())
-            );
-        }
-        if let Some((osd, error)) = voters.iter().find_map(|osd| {
-            let answer = answers.get(osd)?;
-            let error = answer.as_ref().err()?;
-            Some((osd, error))
-        }) {
-            anyhow::bail!(
-                "{osd}, a voter of pg {pg}, did not answer ({error}): bring it back, or if its \
-                 device is lost for good remove it (`basalt osd out {id}`, `basalt osd rm {id}`) \
-                 first (the replica made the only voter must be the one with the most of the log)",
-                id = osd.0
-            );
-        }
-        let Some(best) = hosted
-            .iter()
-            .filter(|state| state.includes(state.osd))
-            .max_by_key(|state| {
-                let voter =
-                    state.voters.contains(&state.osd) || state.voters_outgoing.contains(&state.osd);
-                (state.last_term, state.last_index, voter)
-            })
-        else {
-            anyhow::bail!("no surviving member of pg {pg} hosts a replica of it");
         };
         let request = OsdRequest::ForceQuorum {
             pg,
             lost: lost.clone(),
         };
         let within = std::time::Duration::from_secs(30);
-        let state = ask_osd(&map, best.osd, &request, within)
+        let state = ask_osd(&map, best, &request, within)
             .await
-            .map_err(|error| anyhow::anyhow!("{}: {error}", best.osd))?;
+            .map_err(|error| anyhow::anyhow!("{best}: {error}"))?;
         // It elects itself once it has applied its log.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let mut leads = false;
         while !leads && std::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             let request = OsdRequest::PgConf { pg };
-            leads = ask_osd(&map, best.osd, &request, within)
+            leads = ask_osd(&map, best, &request, within)
                 .await
-                .is_ok_and(|now| now.leader == Some(best.osd));
+                .is_ok_and(|now| now.leader == Some(best));
         }
         if json {
             print_json(&json!({
-                "pg": pg.to_string(), "osd": best.osd.0, "lost": lost.iter().map(|o| o.0).collect::<Vec<_>>(),
+                "pg": pg.to_string(), "osd": best.0, "lost": lost.iter().map(|o| o.0).collect::<Vec<_>>(),
                 "last_index": state.last_index, "last_term": state.last_term, "leads": leads,
             }));
         } else {
             println!(
                 "{}: the only voter of pg {pg} now, its raft log kept up to {} (term {}); voters \
                  lost: {}",
-                best.osd,
+                best,
                 state.last_index,
                 state.last_term,
-                names(&mut lost.iter())
+                names(&lost)
             );
-            let members = map.pg(pg).map(|entry| names(&mut entry.members.iter()));
+            let members = map.pg(pg).map(|entry| names(&entry.members));
             println!(
                 "it {} and moves the PG to its members ({}) as it does any",
                 if leads {
@@ -1037,7 +1085,7 @@ pub fn run_pg_force_quorum(
             );
         }
         if !leads {
-            anyhow::bail!("{} was not elected within 30 s", best.osd);
+            anyhow::bail!("{} was not elected within 30 s", best);
         }
         Ok(ExitCode::SUCCESS)
     })
@@ -1652,6 +1700,92 @@ mod tests {
         );
     }
 
+    /// force-quorum chooses the replica with the most up-to-date log among every
+    /// member's, refuses while a member that was not removed is silent (a learner too),
+    /// while a replica leads, or while no voter was removed.
+    #[test]
+    fn force_quorum_chooses_the_most_up_to_date_replica_once_every_member_answered() {
+        let pg = PgId {
+            pool: basalt_common::PoolId(1),
+            index: 0,
+        };
+        // Voters 0, 1 and 2, learner 3.
+        let replica = |osd: u32, last_term: u64, last_index: u64| {
+            let (id, state) = state(osd, last_index, 0);
+            let mut state = state.expect("a state");
+            state.leader = None;
+            state.last_term = last_term;
+            state.voters = vec![OsdId(0), OsdId(1), OsdId(2)];
+            state.learners = vec![OsdId(3)];
+            (id, Ok(state))
+        };
+        let removed = |osd: &OsdId| [OsdId(0), OsdId(2)].contains(osd);
+        let mut answers: BTreeMap<OsdId, ReplicaState> =
+            [replica(1, 3, 90), replica(3, 3, 100)].into();
+        // The learner holds entries the voter lacks: it is the one.
+        assert_eq!(
+            choose_forced(pg, &answers, removed),
+            Ok((OsdId(3), vec![OsdId(0), OsdId(2)]))
+        );
+        // Of the same log, the voter.
+        answers.insert(OsdId(1), replica(1, 3, 100).1);
+        assert_eq!(
+            choose_forced(pg, &answers, removed).map(|c| c.0),
+            Ok(OsdId(1))
+        );
+        // A later term counts before a longer log.
+        answers.insert(OsdId(1), replica(1, 4, 50).1);
+        assert_eq!(
+            choose_forced(pg, &answers, removed).map(|c| c.0),
+            Ok(OsdId(1))
+        );
+        // A silent learner may hold more: refused.
+        answers.insert(OsdId(3), Err("connection refused".to_string()));
+        let refused = choose_forced(pg, &answers, removed).expect_err("refused");
+        assert!(
+            refused.starts_with("osd.3, a member of pg 1.0, did not answer"),
+            "{refused}"
+        );
+        answers.remove(&OsdId(3));
+        let refused = choose_forced(pg, &answers, removed).expect_err("refused");
+        assert!(refused.contains("not asked"), "{refused}");
+        // Unless it was removed too.
+        let gone = |osd: &OsdId| removed(osd) || *osd == OsdId(3);
+        assert_eq!(choose_forced(pg, &answers, gone).map(|c| c.0), Ok(OsdId(1)));
+        // No voter removed, or a leader: refused.
+        let refused = choose_forced(pg, &answers, |_| false).expect_err("refused");
+        assert!(
+            refused.contains("was removed from the cluster"),
+            "{refused}"
+        );
+        // A replica that applied a configuration with a quorum left: refused.
+        let mut moved = replica(3, 3, 40).1.expect("a state");
+        moved.voters = vec![OsdId(1), OsdId(3), OsdId(0)];
+        moved.conf_index = 30;
+        answers.insert(OsdId(3), Ok(moved));
+        let refused = choose_forced(pg, &answers, removed).expect_err("refused");
+        assert!(
+            refused.starts_with(
+                "the voters of pg 1.0 as osd.3 applied them (voters [osd.1, osd.3, osd.0]"
+            ),
+            "{refused}"
+        );
+        // Unless another applied a newer one.
+        let mut newer = replica(1, 4, 50).1.expect("a state");
+        newer.conf_index = 35;
+        answers.insert(OsdId(1), Ok(newer));
+        assert_eq!(
+            choose_forced(pg, &answers, removed).map(|c| c.0),
+            Ok(OsdId(1))
+        );
+        answers.remove(&OsdId(3));
+        let mut leading = replica(1, 4, 50).1.expect("a state");
+        leading.leader = Some(OsdId(1));
+        answers.insert(OsdId(1), Ok(leading));
+        let refused = choose_forced(pg, &answers, gone).expect_err("refused");
+        assert!(refused.contains("has a leader (osd.1)"), "{refused}");
+    }
+
     fn state(osd: u32, applied: u64, digest: u32) -> (OsdId, ReplicaState) {
         let state = PgReplicaState {
             osd: OsdId(osd),
@@ -1672,6 +1806,7 @@ mod tests {
             voters: vec![OsdId(0), OsdId(1), OsdId(2)],
             voters_outgoing: Vec::new(),
             learners: Vec::new(),
+            conf_index: 0,
             giving_up_from: None,
             voters_matched: None,
         };

@@ -327,6 +327,9 @@ pub struct PgReplicaState {
     /// Learners: new members catching up.
     #[serde(default)]
     pub learners: Vec<OsdId>,
+    /// The index of the change that led to that configuration (`MultiRaft::conf_index`).
+    #[serde(default)]
+    pub conf_index: u64,
     /// The first of the raft log entries this replica gives up, as the operator asked
     /// (`basalt pg mark-unfound-lost`), until a leader replaces them.
     #[serde(default)]
@@ -2307,6 +2310,7 @@ impl Core {
             voters: members.voters,
             voters_outgoing: members.voters_outgoing,
             learners: members.learners,
+            conf_index: self.raft.conf_index(pg).unwrap_or(0),
             giving_up_from: self.raft.conceding(pg),
             voters_matched: self.raft.voters_matched(pg),
         }
@@ -4307,6 +4311,7 @@ mod tests {
             voters: vec![OsdId(1), OsdId(2), OsdId(4)],
             voters_outgoing: Vec::new(),
             learners: Vec::new(),
+            conf_index: 0,
             giving_up_from: None,
             voters_matched: Some(80),
         };

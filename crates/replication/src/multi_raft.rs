@@ -329,6 +329,60 @@ fn conf_change_of(entry: &Entry) -> Option<ConfChangeV2> {
     }
 }
 
+/// Applies a configuration change to `prs` as raft-rs does (`Raft::apply_conf_change`).
+fn change_tracker(
+    prs: &mut raft::ProgressTracker,
+    change: &ConfChangeV2,
+    next: u64,
+) -> raft::Result<()> {
+    let mut changer = raft::Changer::new(prs);
+    let (conf, changes) = if change.leave_joint() {
+        changer.leave_joint()?
+    } else if let Some(auto_leave) = change.enter_joint() {
+        changer.enter_joint(auto_leave, change.get_changes())?
+    } else {
+        changer.simple(change.get_changes())?
+    };
+    prs.apply_conf(conf, changes, next);
+    Ok(())
+}
+
+/// Changes the configuration of `prs` to `target`, one change at a time (leaving a joint
+/// configuration first; voters are added before others are removed, so there always is
+/// one).
+fn set_tracker_conf(
+    prs: &mut raft::ProgressTracker,
+    target: &ConfState,
+    next: u64,
+) -> raft::Result<()> {
+    let (add, remove) = (ConfChangeType::AddNode, ConfChangeType::RemoveNode);
+    let learner = ConfChangeType::AddLearnerNode;
+    if !prs.conf().to_conf_state().voters_outgoing.is_empty() {
+        change_tracker(prs, &conf_change(&[], add, &[], remove), next)?;
+    }
+    let current = prs.conf().to_conf_state();
+    let missing = |from: &[u64], among: &[u64], kind| -> Vec<(u64, ConfChangeType)> {
+        from.iter()
+            .filter(|id| !among.contains(id))
+            .map(|id| (*id, kind))
+            .collect()
+    };
+    let kept: Vec<u64> = target
+        .voters
+        .iter()
+        .chain(&target.learners)
+        .copied()
+        .collect();
+    let mut changes = missing(&target.voters, &current.voters, add);
+    changes.extend(missing(&current.voters, &target.voters, remove));
+    changes.extend(missing(&current.learners, &kept, remove));
+    changes.extend(missing(&target.learners, &current.learners, learner));
+    for (id, kind) in changes {
+        change_tracker(prs, &conf_change(&[id], kind, &[], kind), next)?;
+    }
+    Ok(())
+}
+
 /// The configuration a change sets, if it is one that sets it ([`FORCED_CONTEXT`]).
 fn forced_conf_of(change: &ConfChangeV2) -> Option<ConfState> {
     if change.get_context() != FORCED_CONTEXT {
@@ -1407,7 +1461,9 @@ impl MultiRaft {
     /// among the PG's surviving replicas: that one holds every entry that any of them holds
     /// committed, so no replica is ever told to replace a committed entry. A write
     /// acknowledged with copies only on lost replicas is lost. Refused if it leads or
-    /// follows a leader (heard within an election timeout), if the voters left make a quorum, if `lost` names no voter, or if
+    /// follows a leader (heard within an election timeout), if the voters left make a
+    /// quorum in the configuration it applied or in one of a change it knows committed
+    /// (other replicas may have applied it), if `lost` names no voter, or if
     /// it cannot read back or has not made durable every entry of its log. Forgotten at a
     /// restart before the new configuration is in its log (ask again).
     pub fn force_quorum(&mut self, pg: PgId, lost: &[OsdId]) -> Result<u64, String> {
@@ -1435,7 +1491,15 @@ impl MultiRaft {
         let quorum_left = |half: &[u64]| {
             half.is_empty() || 2 * half.iter().filter(|id| !lost.contains(id)).count() > half.len()
         };
-        if quorum_left(&conf.voters) && quorum_left(&conf.voters_outgoing) {
+        // Other replicas may have applied the changes this one knows committed and has not
+        // applied yet: none of those configurations may leave a quorum either. (Those of
+        // entries it does not know committed, others may have applied too: the operator's
+        // command checks the configuration each replica applied.)
+        let ahead = Self::confs_ahead(raft).map_err(|error| format!("{me}, pg {pg}: {error}"))?;
+        if let Some(conf) = ahead
+            .iter()
+            .find(|conf| quorum_left(&conf.voters) && quorum_left(&conf.voters_outgoing))
+        {
             return Err(format!(
                 "the voters of pg {pg} that are not lost make a quorum (voters {:?}, outgoing \
                  {:?}): they elect a leader",
@@ -1531,51 +1595,51 @@ impl MultiRaft {
                     group.forcing = None;
                 }
             }
+            Some(Forcing::Announcing) if group.node.raft.state == StateRole::Follower => {
+                // Stepped down before its configuration was in its log (a higher term
+                // heard, say): the only voter, it elects itself again.
+                let _ = group.node.campaign();
+            }
             _ => {}
         }
     }
 
-    /// Changes the configuration of `raft` to `target`, one change at a time.
+    /// Changes the configuration of `raft` to `target`.
     fn set_conf(raft: &mut raft::Raft<PgStorage>, target: &ConfState) -> raft::Result<ConfState> {
-        let (add, remove) = (ConfChangeType::AddNode, ConfChangeType::RemoveNode);
-        let learner = ConfChangeType::AddLearnerNode;
-        if !raft.prs().conf().to_conf_state().voters_outgoing.is_empty() {
-            raft.apply_conf_change(&conf_change(&[], add, &[], remove))?;
+        let next = raft.raft_log.last_index() + 1;
+        set_tracker_conf(raft.mut_prs(), target, next)?;
+        Ok(raft.post_conf_change())
+    }
+
+    /// The configurations `raft` goes through as it applies the entries it knows committed:
+    /// the one applied, then the one after each change in those after it.
+    fn confs_ahead(raft: &raft::Raft<PgStorage>) -> Result<Vec<ConfState>, String> {
+        let mut prs = raft.prs().clone();
+        let mut confs = vec![prs.conf().to_conf_state()];
+        let (applied, last) = (raft.raft_log.applied, raft.raft_log.committed);
+        if applied >= last {
+            return Ok(confs);
         }
-        let current = raft.prs().conf().to_conf_state();
-        let mut changes: Vec<(u64, ConfChangeType)> = Vec::new();
-        changes.extend(
-            target
-                .voters
-                .iter()
-                .filter(|id| !current.voters.contains(id))
-                .map(|id| (*id, add)),
-        );
-        changes.extend(
-            current
-                .voters
-                .iter()
-                .filter(|id| !target.voters.contains(id))
-                .map(|id| (*id, remove)),
-        );
-        changes.extend(
-            current
-                .learners
-                .iter()
-                .filter(|id| !target.learners.contains(id) && !target.voters.contains(id))
-                .map(|id| (*id, remove)),
-        );
-        changes.extend(
-            target
-                .learners
-                .iter()
-                .filter(|id| !current.learners.contains(id))
-                .map(|id| (*id, learner)),
-        );
-        for (id, kind) in changes {
-            raft.apply_conf_change(&conf_change(&[id], kind, &[], kind))?;
+        let context = raft::GetEntriesContext::empty(false);
+        let entries = raft
+            .raft_log
+            .store
+            .entries(applied + 1, last + 1, None, context)
+            .map_err(|error| format!("its log after entry {applied} cannot be read: {error}"))?;
+        for entry in &entries {
+            let Some(change) = conf_change_of(entry) else {
+                continue;
+            };
+            let changed = match forced_conf_of(&change) {
+                Some(conf) => set_tracker_conf(&mut prs, &conf, last + 1),
+                None => change_tracker(&mut prs, &change, last + 1),
+            };
+            // (An invalid change is not applied: raft-rs refuses it the same way.)
+            if changed.is_ok() {
+                confs.push(prs.conf().to_conf_state());
+            }
         }
-        Ok(raft.prs().conf().to_conf_state())
+        Ok(confs)
     }
 
     /// A follower's request for a snapshot as recent as its last entry, of this leader's
@@ -1799,6 +1863,15 @@ impl MultiRaft {
             voters_outgoing: osd_list(&conf.voters_outgoing),
             learners: osd_list(&conf.learners),
         })
+    }
+
+    /// The index of the configuration change that led to this replica's configuration of
+    /// `pg` (the compaction point or a snapshot's index if none was applied since): of two
+    /// replicas, the one with the later index holds the newer configuration, which a quorum
+    /// committed, so no leader can be elected under the older one any more.
+    pub fn conf_index(&self, pg: PgId) -> Option<u64> {
+        let confs = self.groups.get(&pg)?.node.store().confs();
+        confs.last().map(|(index, _)| *index)
     }
 
     /// Stops hosting `pg` (this replica was removed from it).
@@ -2904,6 +2977,72 @@ mod tests {
             }
         }
         assert!(leads(&trio).is_some(), "no leader after the restart");
+    }
+
+    /// A replica is not made the only voter when its log holds, committed past what it
+    /// applied, changes that give the voters not lost a quorum: other replicas may have
+    /// applied them and elect a leader among themselves. Here OSDs 3 and 4 replace 0 and 2
+    /// in a joint configuration whose outgoing half has no quorum left, then the joint
+    /// configuration is left; without that last change, it is made the only voter.
+    #[test]
+    fn a_quorum_in_a_configuration_ahead_in_the_log_is_not_forced() {
+        use protobuf::Message as _;
+        let change = |index, change: ConfChangeV2| {
+            let mut entry = entry(index, 1);
+            entry.set_entry_type(EntryType::EntryConfChangeV2);
+            entry.data = change.write_to_bytes().expect("encodes").into();
+            entry
+        };
+        let (add, remove) = (ConfChangeType::AddNode, ConfChangeType::RemoveNode);
+        let learner = ConfChangeType::AddLearnerNode;
+        let (new, old) = (
+            [raft_id(OsdId(3)), raft_id(OsdId(4))],
+            [raft_id(OsdId(0)), raft_id(OsdId(2))],
+        );
+        let log = [
+            entry(1, 1),
+            entry(2, 1),
+            change(3, conf_change(&new[..1], learner, &[], learner)),
+            change(4, conf_change(&new[1..], learner, &[], learner)),
+            change(5, conf_change(&new, add, &old, remove)),
+            change(6, conf_change(&[], add, &[], remove)),
+        ];
+        let lost = [OsdId(0), OsdId(2)];
+        let replica = |entries: &[Entry]| {
+            let mut raft = MultiRaft::new(OsdId(1), 5);
+            let restored = Restored {
+                hard_state: HardState {
+                    term: 1,
+                    commit: entries.len() as u64,
+                    ..HardState::default()
+                },
+                entries: entries.to_vec(),
+                applied: 2,
+                ..Restored::default()
+            };
+            raft.create_group(PG, &[OsdId(0), OsdId(1), OsdId(2)], restored)
+                .expect("group");
+            raft
+        };
+        let refused = replica(&log).force_quorum(PG, &lost);
+        assert!(
+            refused.as_ref().is_err_and(|e| e.contains("make a quorum")),
+            "{refused:?}"
+        );
+        let mut joint = replica(&log[..5]);
+        assert_eq!(joint.force_quorum(PG, &lost), Ok(5));
+        let mut actions = Vec::new();
+        for _ in 0..4 {
+            joint.collect(&mut actions);
+            for action in actions.drain(..) {
+                if let Action::Persist { number, .. } = action {
+                    joint.on_persisted(PG, number);
+                }
+            }
+        }
+        assert!(joint.read_barrier(PG).is_some(), "not leading alone");
+        let members = joint.members(PG).expect("hosted");
+        assert_eq!(members.voters, vec![OsdId(1)]);
     }
 
     /// A replica whose log ends in entries the other live voter lacks, one of them with a

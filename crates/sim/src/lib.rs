@@ -1577,9 +1577,9 @@ impl Cluster {
 
     /// The operator's way out (`basalt pg force-quorum`) for PGs that have had no leader
     /// for [`OPERATOR_AFTER`] steps of the healed cluster, if voters were lost for good:
-    /// the member with the most up-to-date log (last term, then last index; a voter rather
-    /// than a learner) among the others is made the only voter; it refuses if the voters
-    /// left make a quorum.
+    /// the replica with the most up-to-date log (last term, then last index; a voter rather
+    /// than another) among the others (all up: every one answers) is made the only voter;
+    /// it refuses if the voters left make a quorum.
     fn force_quorum(&mut self, pgs: &[PgId]) {
         let lost: Vec<OsdId> = self
             .osds
@@ -1590,7 +1590,29 @@ impl Cluster {
         if lost.is_empty() {
             return;
         }
+        let lost_ids = &lost;
+        let quorum_left = |half: &[OsdId]| {
+            half.is_empty()
+                || 2 * half.iter().filter(|osd| !lost_ids.contains(osd)).count() > half.len()
+        };
         for &pg in pgs {
+            // As the command: the newest configuration a replica applied may not leave a
+            // quorum.
+            let confs: Vec<(u64, _)> = self
+                .osds
+                .iter()
+                .filter_map(|osd| {
+                    let raft = osd.raft.as_ref()?;
+                    Some((raft.conf_index(pg)?, raft.members(pg)?))
+                })
+                .collect();
+            let newest = confs.iter().map(|(index, _)| *index).max().unwrap_or(0);
+            let electable = confs.iter().any(|(index, m)| {
+                *index == newest && quorum_left(&m.voters) && quorum_left(&m.voters_outgoing)
+            });
+            if electable {
+                continue;
+            }
             let best = self
                 .osds
                 .iter()
@@ -1602,9 +1624,8 @@ impl Cluster {
                         .iter()
                         .chain(&members.voters_outgoing)
                         .any(|id| *id == osd.id);
-                    let member = voter || members.learners.contains(&osd.id);
                     let (index, term) = raft.last_log_id(pg)?;
-                    member.then_some(((term, index, voter), osd.id.0 as usize))
+                    Some(((term, index, voter), osd.id.0 as usize))
                 })
                 .max();
             if let Some((_, best)) = best
