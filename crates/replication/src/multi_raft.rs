@@ -1778,8 +1778,9 @@ impl MultiRaft {
                 let Some(change) = conf_change_of(entry) else {
                     continue;
                 };
-                let applied = match forced_conf_of(&change) {
-                    Some(conf) => Self::set_conf(&mut group.node.raft, &conf),
+                let forced = forced_conf_of(&change);
+                let applied = match &forced {
+                    Some(conf) => Self::set_conf(&mut group.node.raft, conf),
                     None => group.node.apply_conf_change(&change),
                 };
                 match applied {
@@ -1795,7 +1796,16 @@ impl MultiRaft {
                             let term = raft.term;
                             raft.become_follower(term, raft::INVALID_ID);
                         }
-                        group.node.mut_store().record_conf(entry.index, conf)
+                        let leads = group.node.raft.state == StateRole::Leader;
+                        let store = group.node.mut_store();
+                        store.record_conf(entry.index, conf);
+                        if forced.is_some() && leads {
+                            // The replica made the only voter sends the others a snapshot,
+                            // not its log: their data may hold entries past their logs (a
+                            // snapshot's fuzzy copy) of the old history, which its own
+                            // entries replace at those indexes.
+                            store.compact(entry.index);
+                        }
                     }
                     Err(error) => {
                         tracing::error!(%pg, index = entry.index, %error, "configuration change not applied")
@@ -2693,13 +2703,21 @@ mod tests {
         let state = storage.initial_state().expect("state");
         let last = storage.last_index().expect("last") - torn;
         let context = raft::GetEntriesContext::empty(false);
+        // A compacted log restarts from its compaction point, as from a checkpoint.
+        let compacted = storage.compacted();
         let entries = storage
-            .entries(1, last + 1, None, context)
+            .entries(compacted.0 + 1, last + 1, None, context)
             .expect("entries");
+        let confs = match compacted.0 {
+            0 => Vec::new(),
+            _ => storage.confs()[..1].to_vec(),
+        };
         let restored = Restored {
             hard_state: state.hard_state,
             entries,
-            ..Restored::default()
+            compacted,
+            applied: compacted.0,
+            confs,
         };
         let mut fresh = MultiRaft::new(OsdId(osd as u32), seed);
         if let Some(hydrate) = hydrate {
@@ -2886,9 +2904,10 @@ mod tests {
 
     /// Two voters of three lost for good leave the PG without a quorum; the survivor made
     /// the only voter (`basalt pg force-quorum`) counts its whole log committed, including
-    /// entries the lost leader never committed, leads alone, and a member it then adds,
-    /// which replays the log from the PG's first members, ends with the survivor's
-    /// configuration, not the lost one's; so does the survivor after a restart.
+    /// entries the lost leader never committed, leads alone, and a member it then adds
+    /// (by a snapshot: its log is compacted up to the entry that sets its configuration)
+    /// ends with the survivor's configuration, not the lost one's; so does the survivor
+    /// after a restart.
     #[test]
     fn a_survivor_made_the_only_voter_leads_and_gives_its_configuration_to_members_it_adds() {
         let mut trio = Trio::hosted_by(4);
@@ -2983,7 +3002,8 @@ mod tests {
     /// applied, changes that give the voters not lost a quorum: other replicas may have
     /// applied them and elect a leader among themselves. Here OSDs 3 and 4 replace 0 and 2
     /// in a joint configuration whose outgoing half has no quorum left, then the joint
-    /// configuration is left; without that last change, it is made the only voter.
+    /// configuration is left; without that last change, it is made the only voter. A
+    /// configuration set by the entry it then proposes is the one replayed.
     #[test]
     fn a_quorum_in_a_configuration_ahead_in_the_log_is_not_forced() {
         use protobuf::Message as _;
@@ -3029,6 +3049,15 @@ mod tests {
             refused.as_ref().is_err_and(|e| e.contains("make a quorum")),
             "{refused:?}"
         );
+        // Replayed after a restart with a configuration set at its end (as the replica made
+        // the only voter proposes it), the log ends in that configuration, whatever the
+        // changes before it made.
+        let mut set = conf_change(&[raft_id(OsdId(1))], add, &[], learner);
+        set.set_context(FORCED_CONTEXT.to_vec().into());
+        let mut replayed = replica(&[&log[..], &[change(7, set)]].concat());
+        replayed.collect(&mut Vec::new());
+        let members = replayed.members(PG).expect("hosted");
+        assert_eq!((members.voters, members.learners), (vec![OsdId(1)], vec![]));
         let mut joint = replica(&log[..5]);
         assert_eq!(joint.force_quorum(PG, &lost), Ok(5));
         let mut actions = Vec::new();

@@ -133,6 +133,11 @@ pub struct SimConfig {
     /// its voters. Damage with the only other good copy lost is lost data, not a fault the
     /// replication could survive.
     pub lose_osd: bool,
+    /// With [`SimConfig::lose_osd`], a second OSD is lost at the same step: PGs that had
+    /// both as voters may be left without a quorum, and writes acknowledged with copies on
+    /// the two alone are lost with them (the final check spares those; see
+    /// [`Outcome::forgone`]).
+    pub lose_two: bool,
 }
 
 impl SimConfig {
@@ -159,6 +164,7 @@ impl SimConfig {
             behind_entries: 16,
             damage: 0.0003,
             lose_osd: false,
+            lose_two: false,
         }
     }
 
@@ -227,6 +233,13 @@ pub struct Outcome {
     /// the operator asked (`basalt pg force-quorum`) of PGs the healed cluster left without
     /// a leader for [`OPERATOR_AFTER`] steps with voters lost for good.
     pub forced: u64,
+    /// Acknowledged writes lost with the OSDs lost for good: no surviving replica held
+    /// them when the operator forced a quorum ([`SimConfig::lose_two`]).
+    pub forgone: u64,
+    /// Acknowledged writes whose data the replica made the only voter held past the end of
+    /// its log, from a snapshot's fuzzy copy: entries of its own term take their indexes,
+    /// and the OSD keeps their data in its objects, outside any entry.
+    pub carried: u64,
 }
 
 /// Steps of the healed cluster for which a PG has had no leader before the operator has
@@ -417,6 +430,11 @@ struct Cluster {
     pending: BTreeMap<u64, (PgId, OsdId)>,
     /// Each PG's acknowledged writes, in the order they were acknowledged.
     acknowledged: BTreeMap<PgId, Vec<u64>>,
+    /// Acknowledged writes lost with the OSDs lost for good ([`Outcome::forgone`]).
+    forgone: std::collections::BTreeSet<u64>,
+    /// Acknowledged writes whose data a replica made the only voter holds outside its log
+    /// ([`Outcome::carried`]).
+    carried: std::collections::BTreeSet<u64>,
     /// Each PG's target members.
     targets: BTreeMap<PgId, Vec<OsdId>>,
     next_read: u64,
@@ -466,6 +484,8 @@ impl Cluster {
             next_write: 1,
             pending: BTreeMap::new(),
             acknowledged: BTreeMap::new(),
+            forgone: std::collections::BTreeSet::new(),
+            carried: std::collections::BTreeSet::new(),
             targets: BTreeMap::new(),
             next_read: 0,
             confirming: BTreeMap::new(),
@@ -713,6 +733,9 @@ impl Cluster {
             && self.osds.iter().all(|osd| osd.damaged.is_empty())
         {
             self.lose_osd();
+            if self.config.lose_two {
+                self.lose_osd();
+            }
         }
         if self.isolated.is_none() && self.rng.chance(self.config.partition) {
             let cut = OsdId(self.rng.below(u64::from(self.config.osds)) as u32);
@@ -766,7 +789,10 @@ impl Cluster {
     /// Loses an OSD for good: it crashes and never restarts, and the PGs it was a target
     /// member of get others.
     fn lose_osd(&mut self) {
-        let victim = self.rng.below(self.osds.len() as u64) as usize;
+        let alive: Vec<usize> = (0..self.osds.len())
+            .filter(|n| !self.osds[*n].lost)
+            .collect();
+        let victim = alive[self.rng.below(alive.len() as u64) as usize];
         if self.osds[victim].raft.is_some() {
             self.crash(victim);
         }
@@ -885,7 +911,11 @@ impl Cluster {
                 .acknowledged
                 .get(&read.pg)
                 .map_or(&[][..], |ids| &ids[..read.acknowledged]);
-            if let Some(missed) = acknowledged.iter().find(|id| !seen.contains(id)) {
+            let (forgone, carried) = (&self.forgone, &self.carried);
+            if let Some(missed) = acknowledged
+                .iter()
+                .find(|id| !seen.contains(id) && !forgone.contains(id) && !carried.contains(id))
+            {
                 self.fail(format!(
                     "pg {}: a read started at step {} and served by {} at index {at} misses \
                      write {missed}, acknowledged before it started",
@@ -1628,11 +1658,70 @@ impl Cluster {
                     Some(((term, index, voter), osd.id.0 as usize))
                 })
                 .max();
+            // What the survivors hold: acknowledged writes that none holds were lost with
+            // the lost OSDs; every other must survive the choice. (Not the data a
+            // snapshot's fuzzy copy brought a replica past its log: the replica made the
+            // only voter keeps its own, outside its log, and sends the others a snapshot.)
+            let held: std::collections::BTreeSet<u64> = self
+                .osds
+                .iter()
+                .filter(|osd| !osd.lost)
+                .flat_map(|osd| {
+                    let last = osd
+                        .raft
+                        .as_ref()
+                        .and_then(|raft| raft.last_index(pg))
+                        .unwrap_or(0);
+                    let applied = osd
+                        .applied
+                        .get(&pg)
+                        .into_iter()
+                        .flatten()
+                        .filter(move |(index, _)| *index <= last);
+                    let logged = osd
+                        .raft
+                        .as_ref()
+                        .and_then(|raft| raft.storage(pg))
+                        .map(|storage| storage.retained().to_vec())
+                        .unwrap_or_default();
+                    applied
+                        .filter_map(|(_, data)| write_id(data))
+                        .chain(logged.iter().filter_map(|entry| write_id(&entry.data)))
+                        .collect::<Vec<u64>>()
+                })
+                .collect();
             if let Some((_, best)) = best
                 && let Some(raft) = self.osds[best].raft.as_mut()
                 && raft.force_quorum(pg, &lost).is_ok()
             {
                 self.outcome.forced += 1;
+                // A snapshot's fuzzy copy may have brought it the data of entries past its
+                // log, which entries of its own term replace at their indexes now: the OSD
+                // keeps that data in its objects, outside any entry (snapshots copy it on).
+                let last = self.osds[best]
+                    .raft
+                    .as_ref()
+                    .and_then(|raft| raft.last_index(pg))
+                    .unwrap_or(0);
+                if let Some(state) = self.osds[best].applied.get_mut(&pg) {
+                    let past = state.partition_point(|(index, _)| *index <= last);
+                    let carried: Vec<u64> = state
+                        .drain(past..)
+                        .filter_map(|(_, data)| write_id(&data))
+                        .collect();
+                    self.outcome.carried += carried.len() as u64;
+                    self.carried.extend(carried);
+                }
+                let gone: Vec<u64> = self
+                    .acknowledged
+                    .get(&pg)
+                    .into_iter()
+                    .flatten()
+                    .filter(|id| !held.contains(id) && !self.forgone.contains(id))
+                    .copied()
+                    .collect();
+                self.outcome.forgone += gone.len() as u64;
+                self.forgone.extend(gone);
             }
         }
     }
@@ -1727,10 +1816,11 @@ impl Cluster {
                 .applied
                 .get(pg)
                 .map_or(&[][..], Vec::as_slice);
-            if let Some(id) = ids
-                .iter()
-                .find(|id| !log.iter().any(|(_, data)| write_id(data) == Some(**id)))
-            {
+            if let Some(id) = ids.iter().find(|id| {
+                !self.forgone.contains(id)
+                    && !self.carried.contains(id)
+                    && !log.iter().any(|(_, data)| write_id(data) == Some(**id))
+            }) {
                 return Err(format!("acknowledged write {id} of pg {pg} is lost"));
             }
         }

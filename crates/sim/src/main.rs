@@ -1,11 +1,12 @@
 //! `cargo run -p basalt-sim -- --seed N [--steps S] [--osds N] [--pgs N] [--faults X]
-//! [--members N] [--loss P] [--delay D] [--damage P] [--lose-osd]`: replays one simulation
+//! [--members N] [--loss P] [--delay D] [--damage P] [--lose-osd] [--lose-two]`: replays one simulation
 //! run. Beyond CI's runs, for sweeps by hand: `--osds` and `--pgs` set the cluster's size
 //! and `--faults` multiplies the chances of crashes, partitions, pauses, damage and
 //! membership changes ([`basalt_sim::SimConfig::harsher`]); `--members` sets the replicas
 //! per PG, `--loss` the chance that a message is lost, `--delay` the longest delay of one
 //! in steps, `--damage` the chance per step of damage to a copy (after `--faults`), and
-//! `--lose-osd` loses an OSD for good halfway ([`basalt_sim::SimConfig::lose_osd`]). A
+//! `--lose-osd` loses an OSD for good halfway ([`basalt_sim::SimConfig::lose_osd`]),
+//! `--lose-two` two at once ([`basalt_sim::SimConfig::lose_two`]). A
 //! failure names the flags given, to replay it; `BASALT_SIM_STATE=1` then describes every
 //! replica.
 
@@ -13,7 +14,7 @@ use std::process::ExitCode;
 use std::str::FromStr;
 
 const USAGE: &str = "usage: basalt-sim --seed N [--steps S] [--osds N] [--pgs N] [--faults X] \
-                     [--members N] [--loss P] [--delay D] [--damage P] [--lose-osd]";
+                     [--members N] [--loss P] [--delay D] [--damage P] [--lose-osd] [--lose-two]";
 
 /// The value after `flag` in `args`, if the flag is given; an error names a flag without a
 /// value or with one that does not parse.
@@ -40,6 +41,8 @@ fn config(args: &[String]) -> Result<basalt_sim::SimConfig, String> {
     config.delay_max = value(args, "--delay")?.unwrap_or(config.delay_max);
     config.damage = value(args, "--damage")?.unwrap_or(config.damage);
     config.lose_osd = args.iter().any(|a| a == "--lose-osd");
+    config.lose_two = args.iter().any(|a| a == "--lose-two");
+    config.lose_osd |= config.lose_two;
     Ok(config)
 }
 

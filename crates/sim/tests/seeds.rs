@@ -168,3 +168,24 @@ fn pgs_of_two_voters_that_lose_one_for_good_lead_again_from_the_survivor() {
     }
     assert!(forced > 0, "the operator forced a quorum {forced} times");
 }
+
+/// Runs that lose two OSDs for good at once (`basalt-sim --seed N --osds 5 --pgs 6
+/// --faults 2 --lose-two`): PGs of three voters that had both have no quorum left, and
+/// the operator makes the survivor with the most up-to-date log their only voter. Writes
+/// acknowledged with copies on the two lost OSDs alone are lost with them; every other
+/// must read back, which fails if the operator chooses another survivor (replicas then
+/// differ too).
+#[test]
+fn pgs_of_three_voters_that_lose_two_lead_again_from_the_most_up_to_date_survivor() {
+    let mut forced = 0;
+    for seed in 1..=4 {
+        let mut config = basalt_sim::SimConfig::new(seed).harsher(5, 6, 2.0);
+        config.lose_osd = true;
+        config.lose_two = true;
+        let outcome =
+            basalt_sim::run(&config).unwrap_or_else(|failure| panic!("{failure} (two osds lost)"));
+        assert_eq!(outcome.lost.0, 2, "seed {seed}");
+        forced += outcome.forced;
+    }
+    assert!(forced > 2, "the operator forced a quorum {forced} times");
+}
