@@ -1796,14 +1796,17 @@ impl MultiRaft {
                             let term = raft.term;
                             raft.become_follower(term, raft::INVALID_ID);
                         }
-                        let leads = group.node.raft.state == StateRole::Leader;
+                        let me = group.node.raft.id;
+                        let alone = forced.as_ref().is_some_and(|set| set.voters == [me]);
                         let store = group.node.mut_store();
                         store.record_conf(entry.index, conf);
-                        if forced.is_some() && leads {
+                        if alone {
                             // The replica made the only voter sends the others a snapshot,
                             // not its log: their data may hold entries past their logs (a
                             // snapshot's fuzzy copy) of the old history, which its own
-                            // entries replace at those indexes.
+                            // entries replace at those indexes. (Again when it replays the
+                            // entry after a restart: the compaction is durable only with
+                            // the next checkpoint.)
                             store.compact(entry.index);
                         }
                     }
@@ -3003,7 +3006,8 @@ mod tests {
     /// applied them and elect a leader among themselves. Here OSDs 3 and 4 replace 0 and 2
     /// in a joint configuration whose outgoing half has no quorum left, then the joint
     /// configuration is left; without that last change, it is made the only voter. A
-    /// configuration set by the entry it then proposes is the one replayed.
+    /// configuration set by the entry it then proposes is the one replayed, and the only
+    /// voter it names compacts its log there again.
     #[test]
     fn a_quorum_in_a_configuration_ahead_in_the_log_is_not_forced() {
         use protobuf::Message as _;
@@ -3056,6 +3060,10 @@ mod tests {
         set.set_context(FORCED_CONTEXT.to_vec().into());
         let mut replayed = replica(&[&log[..], &[change(7, set)]].concat());
         replayed.collect(&mut Vec::new());
+        // Its log is compacted there again (the compaction was in memory only): the others
+        // get a snapshot of it, not its entries.
+        let compacted = replayed.storage(PG).expect("hosted").compacted();
+        assert_eq!(compacted, (7, 1));
         let members = replayed.members(PG).expect("hosted");
         assert_eq!((members.voters, members.learners), (vec![OsdId(1)], vec![]));
         let mut joint = replica(&log[..5]);
