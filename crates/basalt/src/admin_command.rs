@@ -15,6 +15,7 @@ use basalt_mon::protocol::{
     CHECKSUM_ERROR_WARN_SECONDS, ClusterStatus, inconsistent_pgs, member_scrubs, odd_replicas,
 };
 use basalt_osd::daemon::PgReplicaState;
+use basalt_replication::quorum_without;
 use serde_json::json;
 
 use crate::daemon_command::{read_config, resolve_mons};
@@ -508,9 +509,6 @@ fn lost_quorum(
     states: &[(PgId, Vec<OsdId>, Option<OsdId>, &'static str)],
 ) -> Vec<String> {
     let removed = |osd: &OsdId| status.map.removed.contains_key(osd);
-    let quorum_left = |half: &[OsdId]| {
-        half.is_empty() || 2 * half.iter().filter(|osd| !removed(osd)).count() > half.len()
-    };
     states
         .iter()
         .filter(|(_, _, _, state)| state.starts_with("inactive"))
@@ -520,18 +518,16 @@ fn lost_quorum(
                 .iter()
                 .flat_map(|(_, report)| &report.leaderless)
                 .find(|leaderless| leaderless.pg == *pg)?;
-            if quorum_left(&conf.voters) && quorum_left(&conf.voters_outgoing) {
+            if quorum_without(&conf.voters, &conf.voters_outgoing, removed) {
                 return None;
             }
-            let gone: BTreeSet<String> = conf
+            let gone: BTreeSet<&OsdId> = conf
                 .voters
                 .iter()
                 .chain(&conf.voters_outgoing)
                 .filter(|osd| removed(osd))
-                .map(ToString::to_string)
                 .collect();
-            let gone: Vec<String> = gone.into_iter().collect();
-            Some(format!("pg {pg} (removed {})", gone.join(", ")))
+            Some(format!("pg {pg} (removed {})", osd_names(gone)))
         })
         .collect()
 }
@@ -800,25 +796,39 @@ async fn ask_members(
     let entry = map
         .pg(pg)
         .with_context(|| format!("pg {pg} does not exist"))?;
-    let queries: Vec<_> = entry
-        .members
+    Ok(ask_osds(map, &entry.members, request).await)
+}
+
+/// Asks `osds` at once; their answers in that order.
+async fn ask_osds(
+    map: &ClusterMap,
+    osds: &[OsdId],
+    request: basalt_osd::daemon::OsdRequest,
+) -> Vec<(OsdId, ReplicaState)> {
+    let queries: Vec<_> = osds
         .iter()
-        .map(|member| {
-            let (map, member, request) = (map.clone(), *member, request.clone());
+        .map(|osd| {
+            let (map, osd, request) = (map.clone(), *osd, request.clone());
             let query = tokio::spawn(async move {
-                ask_osd(&map, member, &request, std::time::Duration::from_secs(30)).await
+                ask_osd(&map, osd, &request, std::time::Duration::from_secs(30)).await
             });
-            (member, query)
+            (osd, query)
         })
         .collect();
     let mut states = Vec::new();
-    for (member, query) in queries {
+    for (osd, query) in queries {
         let state = query
             .await
             .unwrap_or_else(|error| Err(format!("the query failed: {error}")));
-        states.push((member, state));
+        states.push((osd, state));
     }
-    Ok(states)
+    states
+}
+
+/// OSDs as a list for people: `osd.1, osd.3`.
+fn osd_names<'a>(osds: impl IntoIterator<Item = &'a OsdId>) -> String {
+    let names: Vec<String> = osds.into_iter().map(ToString::to_string).collect();
+    names.join(", ")
 }
 
 /// Asks every member of a PG to give up the raft log entries it cannot send
@@ -884,35 +894,25 @@ async fn ask_replicas(map: &ClusterMap, pg: PgId) -> anyhow::Result<BTreeMap<Osd
         .pg(pg)
         .with_context(|| format!("pg {pg} does not exist"))?;
     let mut answers: BTreeMap<OsdId, ReplicaState> = BTreeMap::new();
-    let mut to_ask: BTreeSet<OsdId> = entry.members.iter().copied().collect();
+    let removed = |osd: &OsdId| map.removed.contains_key(osd);
+    let mut to_ask: Vec<OsdId> = entry
+        .members
+        .iter()
+        .copied()
+        .filter(|o| !removed(o))
+        .collect();
     while !to_ask.is_empty() {
-        let queries: Vec<_> = to_ask
-            .iter()
-            .filter(|osd| !map.removed.contains_key(osd))
-            .map(|osd| {
-                let (map, osd) = (map.clone(), *osd);
-                let query = tokio::spawn(async move {
-                    let request = OsdRequest::PgConf { pg };
-                    ask_osd(&map, osd, &request, std::time::Duration::from_secs(30)).await
-                });
-                (osd, query)
-            })
-            .collect();
-        for (osd, query) in queries {
-            let answer = query
-                .await
-                .unwrap_or_else(|error| Err(format!("the query failed: {error}")));
-            answers.insert(osd, answer);
-        }
-        to_ask = answers
+        answers.extend(ask_osds(map, &to_ask, OsdRequest::PgConf { pg }).await);
+        let named: BTreeSet<OsdId> = answers
             .values()
             .filter_map(|answer| answer.as_ref().ok())
             .filter(|state| state.hosted)
             .flat_map(|state| [&state.voters, &state.voters_outgoing, &state.learners])
             .flatten()
-            .filter(|osd| !answers.contains_key(osd) && !map.removed.contains_key(osd))
+            .filter(|osd| !answers.contains_key(osd) && !removed(osd))
             .copied()
             .collect();
+        to_ask = named.into_iter().collect();
     }
     Ok(answers)
 }
@@ -951,20 +951,16 @@ fn choose_forced(
     }
     let lost: Vec<OsdId> = voters.iter().filter(|osd| removed(osd)).copied().collect();
     if lost.is_empty() {
-        let voters: Vec<String> = voters.iter().map(ToString::to_string).collect();
         return Err(format!(
             "no voter of pg {pg} ({}) was removed from the cluster: this is for voters lost \
              for good; mark them out (`basalt osd out ID`) and remove them (`basalt osd rm \
              ID`) first",
-            voters.join(", ")
+            osd_names(&voters)
         ));
     }
     // The newest configuration a replica applied may not leave the voters not removed a
     // quorum: a leader could be elected under it. (An older one cannot elect any more: a
     // quorum of it committed the change after it.)
-    let quorum_left = |half: &[OsdId]| {
-        half.is_empty() || 2 * half.iter().filter(|osd| !removed(osd)).count() > half.len()
-    };
     let newest = hosted
         .iter()
         .map(|state| state.conf_index)
@@ -972,16 +968,14 @@ fn choose_forced(
         .unwrap_or(0);
     if let Some(state) = hosted.iter().find(|state| {
         state.conf_index == newest
-            && quorum_left(&state.voters)
-            && quorum_left(&state.voters_outgoing)
+            && quorum_without(&state.voters, &state.voters_outgoing, &removed)
     }) {
-        let list = |osds: &[OsdId]| osds.iter().map(ToString::to_string).collect::<Vec<_>>();
         return Err(format!(
             "the voters of pg {pg} as {} applied them (voters [{}], outgoing [{}]) make a \
              quorum without those removed: they can elect a leader",
             state.osd,
-            list(&state.voters).join(", "),
-            list(&state.voters_outgoing).join(", ")
+            osd_names(&state.voters),
+            osd_names(&state.voters_outgoing)
         ));
     }
     let named: BTreeSet<OsdId> = hosted
@@ -1008,11 +1002,7 @@ fn choose_forced(
     }
     let best = hosted
         .iter()
-        .max_by_key(|state| {
-            let voter =
-                state.voters.contains(&state.osd) || state.voters_outgoing.contains(&state.osd);
-            (state.last_term, state.last_index, voter)
-        })
+        .max_by_key(|state| (state.last_term, state.last_index, state.votes(state.osd)))
         .map(|state| state.osd)
         .ok_or_else(|| format!("no surviving replica of pg {pg} answered"))?;
     Ok((best, lost))
@@ -1035,12 +1025,6 @@ pub fn run_pg_force_quorum(
         let answers = ask_replicas(&map, pg).await?;
         let removed = |osd: &OsdId| map.removed.contains_key(osd);
         let (best, lost) = choose_forced(pg, &answers, removed).map_err(anyhow::Error::msg)?;
-        let names = |osds: &[OsdId]| {
-            osds.iter()
-                .map(|osd| osd.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         let request = OsdRequest::ForceQuorum {
             pg,
             lost: lost.clone(),
@@ -1071,9 +1055,9 @@ pub fn run_pg_force_quorum(
                 best,
                 state.last_index,
                 state.last_term,
-                names(&lost)
+                osd_names(&lost)
             );
-            let members = map.pg(pg).map(|entry| names(&entry.members));
+            let members = map.pg(pg).map(|entry| osd_names(&entry.members));
             println!(
                 "it {} and moves the PG to its members ({}) as it does any",
                 if leads {

@@ -174,8 +174,9 @@ enum PgCommand {
     /// Makes the surviving replica of a PG with the most of its raft log the PG's only
     /// voter, when its voters removed from the cluster (`basalt osd rm`: lost for good)
     /// leave it no quorum; it then moves the PG to its members as it does any. Every member
-    /// not removed (voter or learner) must answer. Its whole log counts committed, so a write acknowledged
-    /// with copies on the removed OSDs alone is lost: the operator's last resort.
+    /// not removed (voter or learner) must answer. Its whole log counts committed, so a
+    /// write acknowledged with copies on the removed OSDs alone is lost: the operator's
+    /// last resort.
     ForceQuorum {
         /// The PG, as `basalt pg ls` shows it (`1.3f`).
         pg: String,

@@ -679,11 +679,7 @@ fn a_follower_catching_up_is_never_sent_a_damaged_payload() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-damaged-entries");
     let mut cluster = ClusterProcesses::start(&dir.path, 3);
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "1", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
-    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
-    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    let (_target, uri) = one_pg_image(&dir.path, &cluster, "rbd", 3);
     cluster.wait_replicas_equal(Duration::from_secs(60));
     let leader = only_pg_leader(&cluster);
     let leader_process = cluster.osd_process(leader);
@@ -745,11 +741,7 @@ fn a_damaged_block_of_the_leader_is_never_read_back() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-damaged");
     let cluster = ClusterProcesses::start(&dir.path, 3);
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "1", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
-    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
-    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    let (_target, uri) = one_pg_image(&dir.path, &cluster, "rbd", 3);
     let leader = only_pg_leader(&cluster);
     let process = cluster.osd_process(leader);
     let name = format!("osd.{process}");
@@ -820,11 +812,7 @@ fn a_pg_whose_only_copy_of_entries_is_damaged_leads_again_once_they_are_given_up
     require("qemu-io");
     let dir = ScratchDir::new("cluster-unfound");
     let mut cluster = ClusterProcesses::start(&dir.path, 2);
-    cluster.cli_ok(&["pool", "create", "p", "--pg-count", "1", "--size", "2"]);
-    cluster.cli_ok(&["image", "create", "p/vol", "--size", "16MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
-    let (_target, uri) = export_image(&dir.path, &cluster, "p", "vol");
-    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    let (_target, uri) = one_pg_image(&dir.path, &cluster, "p", 2);
     let pg = cluster.cli_json(&["pg", "ls"])[0]["pg"]
         .as_str()
         .expect("a pg id")

@@ -342,11 +342,7 @@ fn a_pg_whose_voters_are_lost_for_good_leads_again_from_its_survivor() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-force-quorum");
     let mut cluster = ClusterProcesses::start(&dir.path, 3);
-    cluster.cli_ok(&["pool", "create", "p", "--pg-count", "1", "--size", "2"]);
-    cluster.cli_ok(&["image", "create", "p/vol", "--size", "16MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
-    let (_target, uri) = export_image(&dir.path, &cluster, "p", "vol");
-    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    let (_target, uri) = one_pg_image(&dir.path, &cluster, "p", 2);
     let pgs = cluster.cli_json(&["pg", "ls"]);
     let pg = pgs[0]["pg"].as_str().expect("a pg id").to_string();
     let members: Vec<u64> = pgs[0]["members"]

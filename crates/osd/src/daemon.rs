@@ -340,6 +340,11 @@ pub struct PgReplicaState {
 }
 
 impl PgReplicaState {
+    /// Whether `osd` votes in this replica's configuration (in either half of a joint one).
+    pub fn votes(&self, osd: OsdId) -> bool {
+        self.voters.contains(&osd) || self.voters_outgoing.contains(&osd)
+    }
+
     /// Whether `osd` is in this replica's configuration in any role.
     pub fn includes(&self, osd: OsdId) -> bool {
         [&self.voters, &self.voters_outgoing, &self.learners]
@@ -2430,8 +2435,7 @@ impl Core {
             .filter(|pg| raft.leaderless(*pg))
             .filter_map(|pg| {
                 let members = raft.members(pg)?;
-                let voter = members.voters.contains(&me) || members.voters_outgoing.contains(&me);
-                voter.then_some(LeaderlessPg {
+                members.votes(me).then_some(LeaderlessPg {
                     pg,
                     voters: members.voters,
                     voters_outgoing: members.voters_outgoing,
@@ -4286,6 +4290,7 @@ async fn poll_after_turns(poll: Duration, turns: Arc<tokio::sync::Notify>) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     /// A removed replica lets go of its copy only once the leader's voters hold what it
     /// holds (or what the leader's log holds, if that ends before).
@@ -4341,7 +4346,6 @@ mod tests {
             "an answer without the count"
         );
     }
-    use super::*;
 
     fn pg(index: u32) -> PgId {
         PgId {

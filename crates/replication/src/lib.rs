@@ -14,7 +14,7 @@ pub mod storage;
 
 pub use multi_raft::{
     Action, Concession, Members, MultiRaft, ProposeError, ReadStart, Reconfiguring, Restored,
-    beat_of, decode_conf, decode_message, encode_conf, encode_message, heartbeat,
+    beat_of, decode_conf, decode_message, encode_conf, encode_message, heartbeat, quorum_without,
 };
 pub use raft::eraftpb::{
     ConfState, Entry as RaftEntry, EntryType, HardState, Message as RaftMessage,

@@ -446,6 +446,21 @@ pub struct Members {
     pub learners: Vec<OsdId>,
 }
 
+impl Members {
+    /// Whether `osd` votes (in either half of a joint configuration).
+    pub fn votes(&self, osd: OsdId) -> bool {
+        self.voters.contains(&osd) || self.voters_outgoing.contains(&osd)
+    }
+}
+
+/// Whether the voters of a configuration (`voters`, and `outgoing` in a joint one) that are
+/// not `gone` make a quorum in each half: whether they can still elect a leader.
+pub fn quorum_without<T>(voters: &[T], outgoing: &[T], gone: impl Fn(&T) -> bool) -> bool {
+    let majority =
+        |half: &[T]| half.is_empty() || 2 * half.iter().filter(|id| !gone(id)).count() > half.len();
+    majority(voters) && majority(outgoing)
+}
+
 /// Every PG replica of one OSD.
 pub struct MultiRaft {
     osd: OsdId,
@@ -674,11 +689,9 @@ impl MultiRaft {
     /// with it (in both halves of a joint configuration).
     fn quorum_heard(group: &Group) -> bool {
         let conf = group.node.raft.prs().conf().to_conf_state();
-        let majority = |ids: &[u64]| {
-            let heard = ids.iter().filter(|id| Self::heard_lately(group, **id));
-            ids.is_empty() || 2 * heard.count() > ids.len()
-        };
-        majority(&conf.voters) && majority(&conf.voters_outgoing)
+        quorum_without(&conf.voters, &conf.voters_outgoing, |id| {
+            !Self::heard_lately(group, *id)
+        })
     }
 
     /// Hosts a replica of `pg` with these members, from its durable state after a restart
@@ -1488,18 +1501,14 @@ impl MultiRaft {
                 osd_list(voters)
             ));
         }
-        let quorum_left = |half: &[u64]| {
-            half.is_empty() || 2 * half.iter().filter(|id| !lost.contains(id)).count() > half.len()
-        };
         // Other replicas may have applied the changes this one knows committed and has not
         // applied yet: none of those configurations may leave a quorum either. (Those of
         // entries it does not know committed, others may have applied too: the operator's
         // command checks the configuration each replica applied.)
         let ahead = Self::confs_ahead(raft).map_err(|error| format!("{me}, pg {pg}: {error}"))?;
-        if let Some(conf) = ahead
-            .iter()
-            .find(|conf| quorum_left(&conf.voters) && quorum_left(&conf.voters_outgoing))
-        {
+        if let Some(conf) = ahead.iter().find(|conf| {
+            quorum_without(&conf.voters, &conf.voters_outgoing, |id| lost.contains(id))
+        }) {
             return Err(format!(
                 "the voters of pg {pg} that are not lost make a quorum (voters {:?}, outgoing \
                  {:?}): they elect a leader",
@@ -1553,13 +1562,6 @@ impl MultiRaft {
         self.groups.get(&pg).is_some_and(|group| {
             group.node.raft.state != StateRole::Leader && Self::heard_leader(group).is_none()
         })
-    }
-
-    /// Whether this replica of `pg` is becoming its only voter ([`MultiRaft::force_quorum`]).
-    pub fn forcing(&self, pg: PgId) -> bool {
-        self.groups
-            .get(&pg)
-            .is_some_and(|group| group.forcing.is_some())
     }
 
     /// Takes the next step of [`MultiRaft::force_quorum`], if it can.
@@ -1616,23 +1618,24 @@ impl MultiRaft {
     fn confs_ahead(raft: &raft::Raft<PgStorage>) -> Result<Vec<ConfState>, String> {
         let mut prs = raft.prs().clone();
         let mut confs = vec![prs.conf().to_conf_state()];
-        let (applied, last) = (raft.raft_log.applied, raft.raft_log.committed);
-        if applied >= last {
+        let (applied, committed) = (raft.raft_log.applied, raft.raft_log.committed);
+        if applied >= committed {
             return Ok(confs);
         }
         let context = raft::GetEntriesContext::empty(false);
         let entries = raft
             .raft_log
             .store
-            .entries(applied + 1, last + 1, None, context)
+            .entries(applied + 1, committed + 1, None, context)
             .map_err(|error| format!("its log after entry {applied} cannot be read: {error}"))?;
         for entry in &entries {
             let Some(change) = conf_change_of(entry) else {
                 continue;
             };
+            let next = raft.raft_log.last_index() + 1;
             let changed = match forced_conf_of(&change) {
-                Some(conf) => set_tracker_conf(&mut prs, &conf, last + 1),
-                None => change_tracker(&mut prs, &change, last + 1),
+                Some(conf) => set_tracker_conf(&mut prs, &conf, next),
+                None => change_tracker(&mut prs, &change, next),
             };
             // (An invalid change is not applied: raft-rs refuses it the same way.)
             if changed.is_ok() {
@@ -1796,8 +1799,8 @@ impl MultiRaft {
                             let term = raft.term;
                             raft.become_follower(term, raft::INVALID_ID);
                         }
-                        let me = group.node.raft.id;
-                        let alone = forced.as_ref().is_some_and(|set| set.voters == [me]);
+                        let id = group.node.raft.id;
+                        let alone = forced.as_ref().is_some_and(|set| set.voters == [id]);
                         let store = group.node.mut_store();
                         store.record_conf(entry.index, conf);
                         if alone {
@@ -2957,7 +2960,7 @@ mod tests {
             trio.replicas[survivor].read_barrier(PG).is_some(),
             "not leading"
         );
-        assert!(!trio.replicas[survivor].forcing(PG));
+        assert!(trio.replicas[survivor].groups[&PG].forcing.is_none());
         let members = trio.replicas[survivor].members(PG).expect("hosted");
         assert_eq!(members.voters, vec![osd(survivor)]);
         assert!(trio.replicas[survivor].committed(PG) > Some(last));

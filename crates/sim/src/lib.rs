@@ -62,6 +62,7 @@ use basalt_osd::{pg_log, snapshot};
 use basalt_replication::multi_raft::ELECTION_TICKS;
 use basalt_replication::{
     Action, HardState, MultiRaft, PayloadUnavailable, RaftEntry, RaftMessage, ReadStart,
+    quorum_without,
 };
 use basalt_store::batch::{Entry, META_SIZE};
 use basalt_store::checkpoint::Checkpoint;
@@ -430,11 +431,10 @@ struct Cluster {
     pending: BTreeMap<u64, (PgId, OsdId)>,
     /// Each PG's acknowledged writes, in the order they were acknowledged.
     acknowledged: BTreeMap<PgId, Vec<u64>>,
-    /// Acknowledged writes lost with the OSDs lost for good ([`Outcome::forgone`]).
-    forgone: std::collections::BTreeSet<u64>,
-    /// Acknowledged writes whose data a replica made the only voter holds outside its log
-    /// ([`Outcome::carried`]).
-    carried: std::collections::BTreeSet<u64>,
+    /// Acknowledged writes the checks spare since a quorum was forced: lost with the OSDs
+    /// lost for good ([`Outcome::forgone`]), or held by the replica made the only voter
+    /// outside its log ([`Outcome::carried`]).
+    spared: std::collections::BTreeSet<u64>,
     /// Each PG's target members.
     targets: BTreeMap<PgId, Vec<OsdId>>,
     next_read: u64,
@@ -484,8 +484,7 @@ impl Cluster {
             next_write: 1,
             pending: BTreeMap::new(),
             acknowledged: BTreeMap::new(),
-            forgone: std::collections::BTreeSet::new(),
-            carried: std::collections::BTreeSet::new(),
+            spared: std::collections::BTreeSet::new(),
             targets: BTreeMap::new(),
             next_read: 0,
             confirming: BTreeMap::new(),
@@ -911,10 +910,10 @@ impl Cluster {
                 .acknowledged
                 .get(&read.pg)
                 .map_or(&[][..], |ids| &ids[..read.acknowledged]);
-            let (forgone, carried) = (&self.forgone, &self.carried);
+            let spared = &self.spared;
             if let Some(missed) = acknowledged
                 .iter()
-                .find(|id| !seen.contains(id) && !forgone.contains(id) && !carried.contains(id))
+                .find(|id| !seen.contains(id) && !spared.contains(id))
             {
                 self.fail(format!(
                     "pg {}: a read started at step {} and served by {} at index {at} misses \
@@ -1620,11 +1619,6 @@ impl Cluster {
         if lost.is_empty() {
             return;
         }
-        let lost_ids = &lost;
-        let quorum_left = |half: &[OsdId]| {
-            half.is_empty()
-                || 2 * half.iter().filter(|osd| !lost_ids.contains(osd)).count() > half.len()
-        };
         for &pg in pgs {
             // As the command: the newest configuration a replica applied may not leave a
             // quorum.
@@ -1638,7 +1632,8 @@ impl Cluster {
                 .collect();
             let newest = confs.iter().map(|(index, _)| *index).max().unwrap_or(0);
             let electable = confs.iter().any(|(index, m)| {
-                *index == newest && quorum_left(&m.voters) && quorum_left(&m.voters_outgoing)
+                *index == newest
+                    && quorum_without(&m.voters, &m.voters_outgoing, |osd| lost.contains(osd))
             });
             if electable {
                 continue;
@@ -1648,12 +1643,7 @@ impl Cluster {
                 .iter()
                 .filter_map(|osd| {
                     let raft = osd.raft.as_ref()?;
-                    let members = raft.members(pg)?;
-                    let voter = members
-                        .voters
-                        .iter()
-                        .chain(&members.voters_outgoing)
-                        .any(|id| *id == osd.id);
+                    let voter = raft.members(pg)?.votes(osd.id);
                     let (index, term) = raft.last_log_id(pg)?;
                     Some(((term, index, voter), osd.id.0 as usize))
                 })
@@ -1667,27 +1657,16 @@ impl Cluster {
                 .iter()
                 .filter(|osd| !osd.lost)
                 .flat_map(|osd| {
-                    let last = osd
-                        .raft
-                        .as_ref()
-                        .and_then(|raft| raft.last_index(pg))
-                        .unwrap_or(0);
-                    let applied = osd
-                        .applied
-                        .get(&pg)
-                        .into_iter()
-                        .flatten()
-                        .filter(move |(index, _)| *index <= last);
-                    let logged = osd
-                        .raft
-                        .as_ref()
-                        .and_then(|raft| raft.storage(pg))
-                        .map(|storage| storage.retained().to_vec())
-                        .unwrap_or_default();
+                    let raft = osd.raft.as_ref();
+                    let last = raft.and_then(|raft| raft.last_index(pg)).unwrap_or(0);
+                    let storage = raft.and_then(|raft| raft.storage(pg));
+                    let applied = osd.applied.get(&pg).into_iter().flatten();
+                    let logged = storage.map_or(&[][..], |storage| storage.retained());
                     applied
-                        .filter_map(|(_, data)| write_id(data))
-                        .chain(logged.iter().filter_map(|entry| write_id(&entry.data)))
-                        .collect::<Vec<u64>>()
+                        .filter(move |(index, _)| *index <= last)
+                        .map(|(_, data)| &data[..])
+                        .chain(logged.iter().map(|entry| &entry.data[..]))
+                        .filter_map(write_id)
                 })
                 .collect();
             if let Some((_, best)) = best
@@ -1710,18 +1689,18 @@ impl Cluster {
                         .filter_map(|(_, data)| write_id(&data))
                         .collect();
                     self.outcome.carried += carried.len() as u64;
-                    self.carried.extend(carried);
+                    self.spared.extend(carried);
                 }
                 let gone: Vec<u64> = self
                     .acknowledged
                     .get(&pg)
                     .into_iter()
                     .flatten()
-                    .filter(|id| !held.contains(id) && !self.forgone.contains(id))
+                    .filter(|id| !held.contains(id) && !self.spared.contains(id))
                     .copied()
                     .collect();
                 self.outcome.forgone += gone.len() as u64;
-                self.forgone.extend(gone);
+                self.spared.extend(gone);
             }
         }
     }
@@ -1817,8 +1796,7 @@ impl Cluster {
                 .get(pg)
                 .map_or(&[][..], Vec::as_slice);
             if let Some(id) = ids.iter().find(|id| {
-                !self.forgone.contains(id)
-                    && !self.carried.contains(id)
+                !self.spared.contains(id)
                     && !log.iter().any(|(_, data)| write_id(data) == Some(**id))
             }) {
                 return Err(format!("acknowledged write {id} of pg {pg} is lost"));

@@ -734,6 +734,24 @@ pub fn export_image(
     (target, format!("nbd://127.0.0.1:{port}/img"))
 }
 
+/// A pool of one PG with `size` replicas and a 16 MiB image `POOL/vol` in it, exported by
+/// a target once the PG is clean, its first MiB written with 0x5a; the target and the
+/// export's URI.
+pub fn one_pg_image(
+    dir: &std::path::Path,
+    cluster: &ClusterProcesses,
+    pool: &str,
+    size: u32,
+) -> (TargetProcess, String) {
+    let size = size.to_string();
+    cluster.cli_ok(&["pool", "create", pool, "--pg-count", "1", "--size", &size]);
+    cluster.cli_ok(&["image", "create", &format!("{pool}/vol"), "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (target, uri) = export_image(dir, cluster, pool, "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x5a 0 1M"]);
+    (target, uri)
+}
+
 /// fio's arguments for a crc32c-verified random write of `size` (each block written once,
 /// so a later `--verify_only` run with the same arguments checks every block).
 pub fn verified_write(size: &str) -> Vec<String> {
