@@ -281,15 +281,54 @@ pub fn plan_relocations(
             let (term, index) = moved
                 .raft_entry
                 .map_or((0, 0), |(index, term)| (term, index));
-            relocations.push(Entry {
-                kind: RELOCATE,
-                pg: entry.pg,
-                term,
-                index,
-                meta: entry.meta,
-                data: entry.data,
-            });
-            moves.push(moved);
+            let runs = match moved.raft_entry {
+                // A raft entry refers to the whole payload.
+                Some(_) => Vec::new(),
+                None => objects
+                    .get(&entry.pg)
+                    .map(|objects| live_runs(objects, &from))
+                    .unwrap_or_default(),
+            };
+            let block = BLOCK_SIZE as u64;
+            let run_blocks: u64 = runs
+                .iter()
+                .map(|run| u64::from(run.len_bytes).div_ceil(block))
+                .sum();
+            if runs.is_empty() || run_blocks >= u64::from(from.len_bytes).div_ceil(block) {
+                relocations.push(Entry {
+                    kind: RELOCATE,
+                    pg: entry.pg,
+                    term,
+                    index,
+                    meta: entry.meta,
+                    data: entry.data,
+                });
+                moves.push(moved);
+                continue;
+            }
+            // Overwritten in part: only what the index still reads moves, or the dead
+            // bytes of the payload would go round the ring with it for good.
+            let damaged_blocks = std::mem::take(&mut moved.damaged_blocks);
+            for run in runs {
+                let skip = (run.device_offset_bytes - data_offset) as usize;
+                relocations.push(Entry {
+                    kind: RELOCATE,
+                    pg: entry.pg,
+                    term,
+                    index,
+                    meta: run.meta(),
+                    data: entry.data[skip..skip + run.len_bytes as usize].to_vec(),
+                });
+                let (device, len) = (run.device_offset_bytes, u64::from(run.len_bytes));
+                moves.push(Move {
+                    pg: entry.pg,
+                    from: run,
+                    raft_entry: None,
+                    damaged_blocks: moved_damage(device, len, |old| {
+                        damaged_blocks.contains(&((old - data_offset) / block))
+                    }),
+                });
+            }
         }
     }
     Relocations {
@@ -384,21 +423,10 @@ pub fn plan_rescue(
                     len_bytes: len as u32,
                     device_offset_bytes: device,
                 };
-                last = match last {
-                    // Of the same payload (the same distance between object and device
-                    // offsets) and less than a block further: one move.
-                    Some(mut run)
-                        if same_payload(&run, offset, device)
-                            && device
-                                < run.device_offset_bytes
-                                    + u64::from(run.len_bytes)
-                                    + BLOCK_SIZE as u64 =>
-                    {
-                        run.len_bytes = (device + len - run.device_offset_bytes) as u32;
-                        Some(run)
-                    }
+                last = match last.map(|run| (run, joined(&run, &extent))) {
+                    Some((_, Some(run))) => Some(run),
                     other => {
-                        if let Some(run) = other {
+                        if let Some((run, _)) = other {
                             candidates.push(candidate(*pg, run, None));
                         }
                         Some(extent)
@@ -438,6 +466,30 @@ pub fn plan_rescue(
     })
 }
 
+/// `run` with `extent` taken in, if it is of the same payload (the same distance between
+/// object and device offsets) and less than a block further: one move then.
+fn joined(run: &PayloadRef, extent: &PayloadRef) -> Option<PayloadRef> {
+    let end = run.device_offset_bytes + u64::from(run.len_bytes);
+    let (offset, device) = (u64::from(extent.offset_bytes), extent.device_offset_bytes);
+    (same_payload(run, offset, device) && device < end + BLOCK_SIZE as u64).then(|| PayloadRef {
+        len_bytes: (device + u64::from(extent.len_bytes) - run.device_offset_bytes) as u32,
+        ..*run
+    })
+}
+
+/// What the object index still reads of a payload, as moves: its live extents, those less
+/// than a block apart taken together.
+fn live_runs(objects: &PgObjects, payload: &PayloadRef) -> Vec<PayloadRef> {
+    let mut runs: Vec<PayloadRef> = Vec::new();
+    for extent in objects.live_extents(payload) {
+        match runs.last().and_then(|run| joined(run, &extent)) {
+            Some(run) => *runs.last_mut().expect("a run") = run,
+            None => runs.push(extent),
+        }
+    }
+    runs
+}
+
 /// Whether the object's bytes at `offset`, read at `device`, lie in `payload` where it
 /// holds them (at or after its start, at the same distance on the device as in the object).
 fn same_payload(payload: &PayloadRef, offset: u64, device: u64) -> bool {
@@ -452,20 +504,27 @@ fn same_payload(payload: &PayloadRef, offset: u64, device: u64) -> bool {
 /// within a block (an extent of a write overwritten in part), so a block at the new place
 /// may hold bytes of two blocks of the old.
 fn rescued_damage(sums: &BlockSums, start: u64, bytes: &[u8], from: &PayloadRef) -> Vec<u64> {
-    let block = BLOCK_SIZE as u64;
     let (device, len) = (from.device_offset_bytes, u64::from(from.len_bytes));
-    let bad = |old: u64| {
+    moved_damage(device, len, |old| {
         let at = (old - start) as usize;
         // Nothing vouches for a block of unknown checksum: the header is lost.
         block_damaged(sums, old, &bytes[at..at + BLOCK_SIZE], true)
-    };
+    })
+}
+
+/// The blocks, counted from the first at the new place, of `len` bytes moved from
+/// `device` that hold bytes of an old block (named by its device offset) that is `bad`.
+/// The bytes may start within a block, so a block at the new place may hold bytes of two
+/// blocks of the old.
+fn moved_damage(device: u64, len: u64, bad: impl Fn(u64) -> bool) -> Vec<u64> {
+    let block = BLOCK_SIZE as u64;
     (0..len.div_ceil(block))
         .filter(|j| {
             let first = device + j * block;
             let last = (first + block).min(device + len) - 1;
             (first - first % block..=last - last % block)
                 .step_by(BLOCK_SIZE)
-                .any(bad)
+                .any(&bad)
         })
         .collect()
 }
@@ -595,7 +654,7 @@ mod tests {
     use super::*;
     use crate::log_device::FLOOR_BYTES;
     use basalt_common::OsdId;
-    use basalt_common::{Lsn, PoolId};
+    use basalt_common::{ImageId, Lsn, ObjectKey, PoolId};
     use basalt_store::batch::DATA_SIZE_MAX;
     use basalt_store::log::{LogWriter, read_durable};
     use basalt_store::object_op::{ObjectOp, kind};
@@ -804,26 +863,37 @@ mod tests {
         assert_eq!(durable.bound(), 7);
     }
 
+    /// A ring of `blocks` blocks after a first block.
+    fn ring_of(blocks: u64) -> Ring {
+        Ring {
+            start_bytes: 4096,
+            len_bytes: blocks * BLOCK_SIZE as u64,
+        }
+    }
+
+    fn test_pg() -> PgId {
+        PgId {
+            pool: PoolId(1),
+            index: 0,
+        }
+    }
+
+    /// Object `number` of the tests' image.
+    fn object(number: u64) -> ObjectKey {
+        ObjectKey {
+            image: ImageId(7),
+            number,
+        }
+    }
+
     /// A batch whose header is damaged after it was written: what the index still reads
     /// in it is moved (the pieces of a write overwritten in the middle as one move, since
     /// they share its payload), nothing else, with the data it held; the block whose byte
     /// was flipped too is marked damaged, and only for the move that holds it.
     #[test]
     fn what_the_index_reads_in_a_batch_with_a_damaged_header_is_moved() {
-        use basalt_common::{ImageId, ObjectKey};
         use basalt_store::log::read_damaged;
-        let ring = Ring {
-            start_bytes: 4096,
-            len_bytes: 64 * BLOCK_SIZE as u64,
-        };
-        let pg = PgId {
-            pool: PoolId(1),
-            index: 0,
-        };
-        let object = |number| ObjectKey {
-            image: ImageId(7),
-            number,
-        };
+        let (ring, pg) = (ring_of(64), test_pg());
         let write = |number, offset_bytes, fill: u8, len: usize| ObjectOp::Write {
             object: object(number),
             offset_bytes,
@@ -903,5 +973,142 @@ mod tests {
         let mut expected = vec![0xa1; 4 * BLOCK_SIZE];
         expected[10] ^= 0xff;
         assert_eq!(relocated[0].data, expected);
+    }
+
+    /// A payload the index reads only in part moves only those parts, and reads return the
+    /// same after the moves, with the old copy gone. Moving whole payloads carried their
+    /// overwritten bytes round the ring for good: an OSD at half its ring in live data,
+    /// whose snapshot installs were then overwritten block by block, cleaned without end.
+    #[test]
+    fn only_what_the_index_reads_of_a_payload_moves() {
+        use basalt_store::extent_map::Piece;
+        let (ring, pg) = (ring_of(256), test_pg());
+        let block = BLOCK_SIZE as u32;
+        let write = |number, offset_bytes, fill: u8, len: u32| ObjectOp::Write {
+            object: object(number),
+            offset_bytes,
+            data: (0..len).map(|i| fill ^ (i % 251) as u8).collect(),
+        };
+        let mut disk = vec![0u8; (ring.start_bytes + ring.len_bytes) as usize];
+        let sums = BlockSums::new(ring);
+        let mut objects = PgObjects::new();
+        let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
+        let mut append = |disk: &mut Vec<u8>, log: &[Entry]| {
+            let placed = writer.append(log).expect("room");
+            let at = placed.offset_bytes as usize;
+            disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+            for (entry, offset) in log.iter().zip(&placed.data_offsets_bytes) {
+                sums.record(*offset, &entry.data);
+            }
+            placed
+        };
+        let entry = |op: &ObjectOp| Entry {
+            kind: op.kind(),
+            pg,
+            term: 1,
+            index: 0,
+            meta: op.meta(),
+            data: op.payload().to_vec(),
+        };
+        // Batch 1: 8 blocks of object 1, 2 of object 2. Batch 2 overwrites object 1's
+        // blocks 1 and 2, 1 KiB within its block 5, and its block 7.
+        let batches = [
+            vec![write(1, 0, 0xa1, 8 * block), write(2, 0, 0xa2, 2 * block)],
+            vec![
+                write(1, block, 0xb1, 2 * block),
+                write(1, 5 * block + 512, 0xb2, 1024),
+                write(1, 7 * block, 0xb3, block),
+            ],
+        ];
+        let mut placed = Vec::new();
+        for ops in &batches {
+            let log: Vec<Entry> = ops.iter().map(entry).collect();
+            let batch = append(&mut disk, &log);
+            for (op, offset) in ops.iter().zip(&batch.data_offsets_bytes) {
+                objects.apply(op, *offset);
+            }
+            placed.push(batch);
+        }
+        let read_object = |disk: &[u8], objects: &PgObjects, number| -> Vec<u8> {
+            let pieces = objects.plan_read(object(number), 0, 8 * BLOCK_SIZE as u64);
+            pieces
+                .iter()
+                .flat_map(|piece| match *piece {
+                    Piece::Mapped {
+                        len_bytes,
+                        device_offset_bytes,
+                        ..
+                    } => disk[device_offset_bytes as usize..][..len_bytes as usize].to_vec(),
+                    Piece::Hole { len_bytes, .. } => vec![0; len_bytes as usize],
+                })
+                .collect()
+        };
+        let before = [
+            read_object(&disk, &objects, 1),
+            read_object(&disk, &objects, 2),
+        ];
+
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            Ok(disk[offset as usize..offset as usize + len].to_vec())
+        };
+        let first = &placed[0];
+        let limit = first.position + first.bytes.len() as u64;
+        let found =
+            read_durable(read, ring, (0, first.lsn), (limit, placed[1].position)).expect("read");
+        assert_eq!(found.batches.len(), 1);
+        let mut raft = MultiRaft::new(OsdId(0), 1);
+        let mut index = HashMap::from([(pg, objects)]);
+        let planned = plan_relocations(found.batches, &raft, &index, &sums);
+        // Object 1 still reads its block 0, and its blocks 3 to 6 but for 1 KiB within
+        // block 5 (less than a block apart: one move); object 2 is read whole.
+        let data = &first.data_offsets_bytes;
+        let moved: Vec<(ObjectKey, u32, u32, u64)> = planned
+            .moves
+            .iter()
+            .map(|m| {
+                let from = m.from;
+                (
+                    from.object,
+                    from.offset_bytes,
+                    from.len_bytes,
+                    from.device_offset_bytes,
+                )
+            })
+            .collect();
+        assert_eq!(
+            moved,
+            vec![
+                (object(1), 0, block, data[0]),
+                (
+                    object(1),
+                    3 * block,
+                    4 * block,
+                    data[0] + 3 * u64::from(block)
+                ),
+                (object(2), 0, 2 * block, data[1]),
+            ]
+        );
+        let relocated: Vec<Entry> = planned.appends.concat();
+        let bytes: usize = relocated.iter().map(|entry| entry.data.len()).sum();
+        assert_eq!(bytes, 7 * BLOCK_SIZE);
+        for (entry, moved) in relocated.iter().zip(&planned.moves) {
+            assert_eq!(
+                PayloadRef::from_meta(&entry.meta, moved.from.device_offset_bytes),
+                moved.from
+            );
+        }
+        // The relocations written at the head and the moves applied: the old copy can go.
+        let batch = append(&mut disk, &relocated);
+        for (moved, to) in planned.moves.iter().zip(&batch.data_offsets_bytes) {
+            apply_move(moved, *to, &mut raft, &mut index);
+        }
+        let old = first.offset_bytes as usize;
+        disk[old..old + first.bytes.len()].fill(0xee);
+        let objects = &index[&pg];
+        let after = [
+            read_object(&disk, objects, 1),
+            read_object(&disk, objects, 2),
+        ];
+        assert_eq!(after, before);
     }
 }

@@ -173,17 +173,29 @@ impl ExtentMap {
     /// `device_offset` for that range (byte `offset + i` at `device_offset + i`): what of a
     /// log entry's payload is live.
     pub fn live_bytes(&self, offset_bytes: u64, len_bytes: u64, device_offset_bytes: u64) -> u64 {
+        self.live_pieces(offset_bytes, len_bytes, device_offset_bytes)
+            .map(|(_, len)| len)
+            .sum()
+    }
+
+    /// The parts of `[offset, offset + len)` that still map to the data written at
+    /// `device_offset` for that range, in order: (offset in the object, length).
+    pub fn live_pieces(
+        &self,
+        offset_bytes: u64,
+        len_bytes: u64,
+        device_offset_bytes: u64,
+    ) -> impl Iterator<Item = (u64, u64)> {
         self.lookup(offset_bytes, len_bytes)
             .into_iter()
-            .map(|piece| match piece {
+            .filter_map(move |piece| match piece {
                 Piece::Mapped {
                     offset_bytes: at,
                     len_bytes: len,
                     device_offset_bytes: device,
-                } if device == device_offset_bytes + (at - offset_bytes) => len,
-                _ => 0,
+                } if device == device_offset_bytes + (at - offset_bytes) => Some((at, len)),
+                _ => None,
             })
-            .sum()
     }
 
     /// Compare-and-swap of a move: every part of `[offset, offset + len)` that still maps

@@ -401,6 +401,23 @@ impl PgObjects {
         })
     }
 
+    /// The parts of a write's range that still read its payload, in order, each as the
+    /// reference of that part alone (its offset in the object and on the device).
+    pub fn live_extents(&self, write: &PayloadRef) -> Vec<PayloadRef> {
+        let Some(map) = self.objects.get(&write.object) else {
+            return Vec::new();
+        };
+        let (offset, device) = (u64::from(write.offset_bytes), write.device_offset_bytes);
+        map.live_pieces(offset, u64::from(write.len_bytes), device)
+            .map(|(at, len)| PayloadRef {
+                object: write.object,
+                offset_bytes: at as u32,
+                len_bytes: len as u32,
+                device_offset_bytes: device + (at - offset),
+            })
+            .collect()
+    }
+
     /// Moves the parts of a write's range that still read its payload at
     /// `write.device_offset_bytes` to `new_device_offset_bytes` (a compare-and-swap: parts
     /// overwritten or discarded since are left alone). Returns the bytes moved.
