@@ -76,6 +76,9 @@ pub const LOG_RESERVE_BYTES: u64 = 16 << 20;
 /// How long writes wait (`Busy`) for the cleaner without it freeing any space, before they
 /// are refused with `NoSpace`.
 const BUSY_WITHOUT_PROGRESS: Duration = Duration::from_secs(10);
+/// How long the cleaner works towards the room a snapshot install refused for want of it
+/// needs (the leader sends it again within that time).
+const WANTED_FREE_FOR: Duration = Duration::from_secs(30);
 /// Raft entries kept in memory behind the applied index, for followers a little behind.
 const RETAINED_ENTRIES: usize = 4096;
 /// The largest write or read one request may carry: it fits one log batch and one frame.
@@ -612,6 +615,8 @@ struct Installing {
     transfer: u64,
     /// The highest applied index of the leader among the chunks received.
     fuzzy_through: u64,
+    /// Log bytes its chunks took so far.
+    written: u64,
 }
 
 /// An append's completion.
@@ -667,6 +672,9 @@ struct Reclaim {
     /// A checkpoint is wanted whatever the log written since (a repair went in: replay
     /// must not go through the damaged data it replaced).
     asked: bool,
+    /// Free space a snapshot install refused for want of room needs, and until when the
+    /// cleaner works towards it (then the leader's next send finds the room).
+    wanted_free: (u64, std::time::Instant),
 }
 
 impl Reclaim {
@@ -779,6 +787,9 @@ struct Core {
     next_read: u64,
     /// Snapshots being installed here, by PG.
     installing: HashMap<PgId, Installing>,
+    /// The most log bytes a transfer given up wrote, by PG: what an install of it writes at
+    /// least (a new member has no copy of its own to go by).
+    install_written: HashMap<PgId, u64>,
     /// The last snapshot transfer started.
     next_transfer: u64,
     /// Snapshots sent to followers (PG, follower): when the follower was last heard asking
@@ -1179,8 +1190,12 @@ impl Core {
                     && (self.checkpoint_due()
                         || (self.log.free_bytes() < self.clean_low_mark()
                             && self.reclaimable_bytes() > 0))));
-        if full || reclaim_waits {
-            tracing::debug!(%pg, %leader, index, installing = self.installing.len(), full, reclaim_waits, "a snapshot refused for now");
+        // Nor while the log lacks room for what it is expected to write besides the
+        // installs under way: given up halfway, its data would only take room the cleaner
+        // must free again (it does not run meanwhile). The cleaner makes that room first.
+        let short = !self.repairs.contains_key(&pg) && !self.room_to_start_install(pg);
+        if full || reclaim_waits || short {
+            tracing::debug!(%pg, %leader, index, installing = self.installing.len(), full, reclaim_waits, short, "a snapshot refused for now");
             let refusal = self.raft.snapshot_refusal(leader, index);
             self.send(leader, pg, refusal);
             return;
@@ -1198,6 +1213,7 @@ impl Core {
                 stepped: false,
                 transfer,
                 fuzzy_through: 0,
+                written: 0,
             },
         );
         let events = self.events.clone();
@@ -1248,11 +1264,13 @@ impl Core {
         if !self.room_for_install(pg, log_bytes) {
             self.reclaim.press();
             self.abort_install(pg, "the log has no room for it now", true);
+            self.want_room_for_install(pg);
             let _ = ack.send(false);
             return;
         }
         if let Some(installing) = self.installing.get_mut(&pg) {
             installing.begun = true;
+            installing.written += log_bytes;
         }
         self.counters
             .snapshot_bytes_received
@@ -1339,6 +1357,67 @@ impl Core {
         free >= self.install_floor(pg) + log_bytes
     }
 
+    /// Log bytes an install of `pg` is expected to write: about the copy it replaces here
+    /// (a replica behind holds about as much), with a sixteenth more for batch headers, and
+    /// at least what a transfer of it given up wrote.
+    fn install_estimate(&self, pg: PgId) -> u64 {
+        let bytes = self.objects.get(&pg).map_or(0, PgObjects::mapped_bytes);
+        let given_up = self.install_written.get(&pg).copied().unwrap_or(0);
+        (bytes + bytes / 16).max(given_up)
+    }
+
+    /// The free space an install of `pg` needs to start: its floor, what it is expected to
+    /// write, and what the installs under way are expected to write still.
+    fn room_needed_for_install(&self, pg: PgId) -> u64 {
+        let to_come: u64 = self
+            .installing
+            .iter()
+            .filter(|(_, installing)| !installing.stepped)
+            .map(|(other, installing)| {
+                self.install_estimate(*other)
+                    .saturating_sub(installing.written)
+            })
+            .sum();
+        self.install_floor(pg) + to_come + self.install_estimate(pg)
+    }
+
+    /// Whether an install of `pg` may start: the log has the room it needs
+    /// ([`Core::room_needed_for_install`]), or could not have it however much were
+    /// cleaned, and no other install is under way (it is tried alone then, as before, and
+    /// may be given up). If not, the cleaner is asked for the room.
+    fn room_to_start_install(&mut self, pg: PgId) -> bool {
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        let needed = self.room_needed_for_install(pg);
+        if !self.reuse_allowed() || free >= needed {
+            return true;
+        }
+        if free + self.reclaimable_bytes() < needed {
+            return self.installing.is_empty();
+        }
+        self.want_room_for_install(pg);
+        false
+    }
+
+    /// Has the cleaner work towards the room an install of `pg` needs, for a while (the
+    /// leader sends the snapshot again meanwhile), as far as cleaning can free.
+    fn want_room_for_install(&mut self, pg: PgId) {
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        let attainable = free + self.reclaimable_bytes();
+        let wanted = self.room_needed_for_install(pg).min(attainable);
+        let until = std::time::Instant::now() + WANTED_FREE_FOR;
+        self.reclaim.wanted_free = (wanted.max(self.wanted_free()), until);
+    }
+
+    /// The free space the cleaner works towards for a snapshot install, while it does.
+    fn wanted_free(&self) -> u64 {
+        let (wanted, until) = self.reclaim.wanted_free;
+        if std::time::Instant::now() < until {
+            wanted
+        } else {
+            0
+        }
+    }
+
     /// What an install of `pg` leaves free. A repair's may take half the reserve: it
     /// rebuilds a copy found damaged, typically when the log is short of room (the cleaner
     /// meets damage when it needs space), and until then reads of the PG here fail.
@@ -1371,6 +1450,7 @@ impl Core {
     /// The persist that installs a snapshot is durable: the objects kept aside become the
     /// PG's, as of the snapshot's index. Returns the leader it came from, to be told.
     fn snapshot_installed(&mut self, pg: PgId, index: u64) -> Option<OsdId> {
+        self.install_written.remove(&pg);
         let leader = match self.installing.remove(&pg) {
             Some(installing) => {
                 self.objects.insert(pg, installing.aside);
@@ -1413,6 +1493,8 @@ impl Core {
     fn abort_install(&mut self, pg: PgId, reason: &str, tell_leader: bool) {
         if let Some(installing) = self.installing.remove(&pg) {
             tracing::warn!(%pg, leader = %installing.leader, reason, "snapshot not installed");
+            let written = self.install_written.entry(pg).or_default();
+            *written = (*written).max(installing.written);
             if tell_leader {
                 // The leader raft knows now, if any, else the one that sent it.
                 let leader = self
@@ -1861,7 +1943,13 @@ impl Core {
                 .0
                 .saturating_sub(self.log.tail_position());
         let low = self.clean_low_mark();
-        let high = low + ring / 16;
+        // Cleaning goes on past the high mark for a snapshot install that needs the room.
+        let wanted = self.wanted_free();
+        let high = (low + ring / 16).max(wanted);
+        if free < wanted {
+            self.reclaim.press();
+        }
+        let reclaim = &self.reclaim;
         if free >= high || (free >= low && !reclaim.pressed) || self.reclaimable_bytes() == 0 {
             self.reclaim.pressed = false;
             return;
@@ -2098,7 +2186,8 @@ impl Core {
         // What the cleaner moved takes free space until the next checkpoint frees what it
         // went through: with little free space, a checkpoint follows every step (the
         // cleaner counts what it went through as free; writes wait for it to be).
-        let trigger = if self.log.free_bytes() < self.clean_low_mark() {
+        // So too while the cleaner works towards the room a snapshot install needs.
+        let trigger = if self.log.free_bytes() < self.clean_low_mark().max(self.wanted_free()) {
             BLOCK_SIZE as u64
         } else {
             (ring / 16).min(self.log.reserve_bytes() / 2)
@@ -4117,11 +4206,13 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             live_bytes: 0,
             retained_bytes: 0,
             asked: false,
+            wanted_free: (0, std::time::Instant::now()),
         },
         outbox: BTreeMap::new(),
         confirming: HashMap::new(),
         next_read: 0,
         installing: HashMap::new(),
+        install_written: HashMap::new(),
         next_transfer: 0,
         snapshots_sent: HashMap::new(),
         membership_checks: std::collections::HashSet::new(),
