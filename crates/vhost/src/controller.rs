@@ -235,11 +235,12 @@ impl VhostServer {
         // vhost-user-backend's end of the relay: it connects to a socket in a directory
         // only this user may enter, so that no other process can pose as it.
         static RELAY_DIRS: AtomicU64 = AtomicU64::new(0);
-        let relay_dir = std::env::temp_dir().join(format!(
-            "basalt-vhost-{}-{}",
-            std::process::id(),
-            RELAY_DIRS.fetch_add(1, Ordering::Relaxed)
-        ));
+        let number = RELAY_DIRS.fetch_add(1, Ordering::Relaxed);
+        if number == 0 {
+            remove_dead_relay_dirs(&std::env::temp_dir());
+        }
+        let relay_dir =
+            std::env::temp_dir().join(format!("{RELAY_DIR_PREFIX}{}-{number}", std::process::id()));
         let _ = std::fs::remove_dir_all(&relay_dir);
         if let Err(error) = std::fs::DirBuilder::new().mode(0o700).create(&relay_dir) {
             let _ = std::fs::remove_file(&socket);
@@ -319,6 +320,31 @@ impl VhostServer {
         let controllers = std::mem::take(&mut *self.lock());
         for (_, mut controller) in controllers {
             stop(&mut controller);
+        }
+    }
+}
+
+/// How relay directories are named: this prefix, the target's process id, a number.
+const RELAY_DIR_PREFIX: &str = "basalt-vhost-";
+
+/// Removes the relay directories in `dir` left by targets no longer running (killed
+/// before they could remove their own).
+fn remove_dead_relay_dirs(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix(RELAY_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
         }
     }
 }
@@ -493,5 +519,30 @@ mod tests {
         for bad in ["0x0", "zz", "[1-]", "[3-1]", ""] {
             assert!(parse_cpumask(bad).is_err(), "{bad}");
         }
+    }
+
+    /// The relay directories of targets killed before they removed their own go; those of
+    /// running ones, and anything else, stay.
+    #[test]
+    fn relay_directories_of_dead_targets_are_removed() {
+        let dir = std::env::temp_dir().join(format!("relay-dirs-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut child = std::process::Command::new("true").spawn().expect("spawn");
+        let dead = child.id();
+        child.wait().expect("wait");
+        let alive = std::process::id();
+        let names = [
+            format!("{RELAY_DIR_PREFIX}{dead}-3"),
+            format!("{RELAY_DIR_PREFIX}{alive}-0"),
+            format!("{RELAY_DIR_PREFIX}inflight"),
+            "other-123-4".to_string(),
+        ];
+        for name in &names {
+            std::fs::create_dir_all(dir.join(name)).expect("mkdir");
+        }
+        remove_dead_relay_dirs(&dir);
+        let left: Vec<bool> = names.iter().map(|name| dir.join(name).exists()).collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(left, [false, true, true, true]);
     }
 }
