@@ -667,6 +667,9 @@ struct Reclaim {
     stopped: bool,
     /// Bytes the object index maps, refreshed on ticks.
     live_bytes: u64,
+    /// Bytes of the log blocks that data touches, refreshed with `live_bytes`: what the
+    /// cleaner could pack it into at best (a 512-byte write keeps a block in use).
+    occupied_bytes: u64,
     /// Payload bytes of the raft entries kept in memory, refreshed on ticks.
     retained_bytes: u64,
     /// A checkpoint is wanted whatever the log written since (a repair went in: replay
@@ -1834,7 +1837,8 @@ impl Core {
     }
 
     /// Whether this OSD is full, for the map: once everything else were cleaned, its live
-    /// data would leave less free than the reserve, the headroom and a margin. It does not
+    /// data would leave less free than the reserve, the headroom and a margin (live data
+    /// counted by the log blocks it keeps in use: a 512-byte write keeps one). It does not
     /// wait for the cleaner to find out (writes get `Busy` meanwhile): the leaders of its
     /// PGs, told by the map, must stop while the reserve, which a follower may fill with
     /// raft's entries, can still take what they accept until they hear of it. Retained
@@ -1847,7 +1851,7 @@ impl Core {
         let hysteresis = if flagged { ring / 32 } else { 0 };
         if self.reuse_allowed() {
             let writable = self.writable_bytes();
-            writable == 0 || self.reclaim.live_bytes + hysteresis > writable
+            writable == 0 || self.reclaim.occupied_bytes + hysteresis > writable
         } else {
             self.log.free_bytes() < self.kept_free_bytes() + hysteresis
         }
@@ -1908,15 +1912,18 @@ impl Core {
     }
 
     /// Bytes of the ring that cleaning could free (an estimate that errs low: used minus
-    /// live data, minus the payloads of retained raft entries, minus some slack for batch
-    /// headers and partly live payloads).
+    /// the log blocks live data keeps in use, minus the payloads of retained raft entries,
+    /// minus some slack for batch headers and partly live payloads). Counting live data by
+    /// its bytes instead, writes of less than a block (512 bytes keep a 4 KiB block in
+    /// use) looked reclaimable where they were not, and the cleaner moved them round the
+    /// ring without end.
     fn reclaimable_bytes(&self) -> u64 {
         if !self.reuse_allowed() {
             return 0;
         }
         let ring = self.log.ring().len_bytes;
         let used = ring - self.log.free_bytes();
-        used.saturating_sub(self.reclaim.live_bytes + self.reclaim.retained_bytes + ring / 32)
+        used.saturating_sub(self.reclaim.occupied_bytes + self.reclaim.retained_bytes + ring / 32)
     }
 
     /// Free space below which the cleaner runs.
@@ -3231,6 +3238,7 @@ impl Core {
     /// Counts the live bytes (a walk over the objects: their extent maps keep their counts).
     fn refresh_live_bytes(&mut self) {
         self.reclaim.live_bytes = self.objects.values().map(PgObjects::mapped_bytes).sum();
+        self.reclaim.occupied_bytes = self.objects.values().map(PgObjects::occupied_bytes).sum();
         self.counters
             .live_bytes
             .store(self.reclaim.live_bytes, Ordering::Relaxed);
@@ -3268,7 +3276,7 @@ impl Core {
         let full = self.is_full();
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = OsdReport {
             capacity_bytes,
-            used_bytes: self.reclaim.live_bytes,
+            used_bytes: self.reclaim.occupied_bytes,
             reads: c.reads.load(Ordering::Relaxed),
             writes: c.writes.load(Ordering::Relaxed),
             read_bytes: c.read_bytes.load(Ordering::Relaxed),
@@ -4204,6 +4212,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             writing: false,
             stopped: false,
             live_bytes: 0,
+            occupied_bytes: 0,
             retained_bytes: 0,
             asked: false,
             wanted_free: (0, std::time::Instant::now()),

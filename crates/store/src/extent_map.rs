@@ -6,12 +6,25 @@
 
 use std::collections::BTreeMap;
 
+use crate::batch::BLOCK_SIZE;
+
 /// A mapped range: `len_bytes` of the object starting at the key, stored at
 /// `device_offset_bytes` in the log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Mapping {
     len_bytes: u64,
     device_offset_bytes: u64,
+}
+
+impl Mapping {
+    /// The bytes of the log blocks its data touches: what it keeps in use there, since
+    /// the log stores data in whole blocks (a 512-byte write takes a block).
+    fn occupied_bytes(&self) -> u64 {
+        let block = BLOCK_SIZE as u64;
+        let first = self.device_offset_bytes / block;
+        let end = (self.device_offset_bytes + self.len_bytes).div_ceil(block);
+        (end - first) * block
+    }
 }
 
 /// One piece of a lookup.
@@ -41,6 +54,8 @@ pub struct ExtentMap {
     extents: BTreeMap<u64, Mapping>,
     /// The sum of the extents' lengths, kept as they change.
     mapped_bytes: u64,
+    /// The sum of the extents' [`Mapping::occupied_bytes`], kept as they change.
+    occupied_bytes: u64,
 }
 
 impl ExtentMap {
@@ -59,20 +74,45 @@ impl ExtentMap {
         self.mapped_bytes
     }
 
+    /// Bytes of the log blocks the extents' data touches (each extent counted alone: two
+    /// that share a block count it twice). What cleaning could pack the object's data
+    /// into at best, where [`ExtentMap::mapped_bytes`] counts 512 bytes for a 512-byte
+    /// write that keeps a whole block in use.
+    pub fn occupied_bytes(&self) -> u64 {
+        self.occupied_bytes
+    }
+
+    /// Puts `mapping` at `start`, replacing any at the same start, and counts it.
+    fn put(&mut self, start: u64, mapping: Mapping) {
+        if let Some(old) = self.extents.insert(start, mapping) {
+            self.mapped_bytes -= old.len_bytes;
+            self.occupied_bytes -= old.occupied_bytes();
+        }
+        self.mapped_bytes += mapping.len_bytes;
+        self.occupied_bytes += mapping.occupied_bytes();
+    }
+
+    /// Takes the mapping at `start` out, uncounted.
+    fn take(&mut self, start: u64) -> Option<Mapping> {
+        let old = self.extents.remove(&start)?;
+        self.mapped_bytes -= old.len_bytes;
+        self.occupied_bytes -= old.occupied_bytes();
+        Some(old)
+    }
+
     /// Maps `[offset, offset + len)` to `device_offset`, replacing what was there.
     pub fn insert(&mut self, offset_bytes: u64, len_bytes: u64, device_offset_bytes: u64) {
         if len_bytes == 0 {
             return;
         }
         self.remove(offset_bytes, len_bytes);
-        self.extents.insert(
+        self.put(
             offset_bytes,
             Mapping {
                 len_bytes,
                 device_offset_bytes,
             },
         );
-        self.mapped_bytes += len_bytes;
         debug_assert!(
             self.check_invariants().is_ok(),
             "{:?}",
@@ -87,8 +127,7 @@ impl ExtentMap {
         if let Some((&start, &mapping)) = self.extents.range(..offset_bytes).next_back() {
             let mapping_end = start + mapping.len_bytes;
             if mapping_end > offset_bytes {
-                self.mapped_bytes -= mapping_end.min(end) - offset_bytes;
-                self.extents.insert(
+                self.put(
                     start,
                     Mapping {
                         len_bytes: offset_bytes - start,
@@ -100,7 +139,7 @@ impl ExtentMap {
                         len_bytes: mapping_end - end,
                         device_offset_bytes: mapping.device_offset_bytes + (end - start),
                     };
-                    self.extents.insert(end, tail);
+                    self.put(end, tail);
                 }
             }
         }
@@ -111,15 +150,14 @@ impl ExtentMap {
             .map(|(k, v)| (*k, *v))
             .collect();
         for (start, mapping) in inside {
-            self.extents.remove(&start);
+            self.take(start);
             let mapping_end = start + mapping.len_bytes;
-            self.mapped_bytes -= mapping_end.min(end) - start;
             if mapping_end > end {
                 let tail = Mapping {
                     len_bytes: mapping_end - end,
                     device_offset_bytes: mapping.device_offset_bytes + (end - start),
                 };
-                self.extents.insert(end, tail);
+                self.put(end, tail);
             }
         }
     }
@@ -233,6 +271,13 @@ impl ExtentMap {
                 self.mapped_bytes
             ));
         }
+        let occupied: u64 = self.extents.values().map(Mapping::occupied_bytes).sum();
+        if occupied != self.occupied_bytes {
+            return Err(format!(
+                "extents occupy {occupied} bytes, {} counted",
+                self.occupied_bytes
+            ));
+        }
         let mut previous_end = 0;
         for (&start, mapping) in &self.extents {
             if mapping.len_bytes == 0 {
@@ -303,6 +348,27 @@ mod tests {
         );
         map.remove(0, 16384);
         assert!(map.is_empty());
+    }
+
+    /// Extents count the log blocks their data touches: whole blocks exactly, a 512-byte
+    /// write as a block, and the two pieces of a write overwritten in the middle of a
+    /// block each count that block.
+    #[test]
+    fn occupancy_counts_the_blocks_data_touches() {
+        let block = BLOCK_SIZE as u64;
+        let mut map = ExtentMap::new();
+        map.insert(0, 4 * block, 10 * block);
+        assert_eq!(map.occupied_bytes(), 4 * block);
+        map.insert(block + 512, 512, 20 * block);
+        assert_eq!(map.mapped_bytes(), 4 * block);
+        assert_eq!(map.occupied_bytes(), 6 * block);
+        for sector in 0..8 {
+            map.insert(8 * block + sector * 512, 512, (30 + sector) * block);
+        }
+        assert_eq!(map.mapped_bytes(), 5 * block);
+        assert_eq!(map.occupied_bytes(), 14 * block);
+        map.remove(0, 16 * block);
+        assert_eq!((map.mapped_bytes(), map.occupied_bytes()), (0, 0));
     }
 
     proptest! {

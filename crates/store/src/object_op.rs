@@ -436,6 +436,11 @@ impl PgObjects {
     pub fn mapped_bytes(&self) -> u64 {
         self.objects.values().map(ExtentMap::mapped_bytes).sum()
     }
+
+    /// Bytes of the log blocks all objects' data touches ([`ExtentMap::occupied_bytes`]).
+    pub fn occupied_bytes(&self) -> u64 {
+        self.objects.values().map(ExtentMap::occupied_bytes).sum()
+    }
 }
 
 #[cfg(test)]
