@@ -1204,6 +1204,8 @@ impl Core {
             return;
         }
         tracing::info!(%pg, %leader, index, "installing a snapshot");
+        // The room it was wanted for is there: no more cleaning towards it.
+        self.reclaim.wanted_free.0 = 0;
         self.next_transfer += 1;
         let transfer = self.next_transfer;
         self.installing.insert(
@@ -1266,6 +1268,11 @@ impl Core {
         // sends the snapshot again later, and the cleaner frees what it can.
         if !self.room_for_install(pg, log_bytes) {
             self.reclaim.press();
+            // What it would have written counts the chunk that found no room, or the next
+            // transfer could stop at the same one again.
+            if let Some(installing) = self.installing.get_mut(&pg) {
+                installing.written += log_bytes;
+            }
             self.abort_install(pg, "the log has no room for it now", true);
             self.want_room_for_install(pg);
             let _ = ack.send(false);
@@ -1414,11 +1421,12 @@ impl Core {
     /// The free space the cleaner works towards for a snapshot install, while it does.
     fn wanted_free(&self) -> u64 {
         let (wanted, until) = self.reclaim.wanted_free;
-        if std::time::Instant::now() < until {
-            wanted
-        } else {
-            0
+        if std::time::Instant::now() >= until {
+            return 0;
         }
+        // As far as cleaning can still free (live data may have grown since).
+        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        wanted.min(free + self.reclaimable_bytes())
     }
 
     /// What an install of `pg` leaves free. A repair's may take half the reserve: it
@@ -1898,8 +1906,11 @@ impl Core {
         } else {
             Err(Status::NoSpace {
                 message: format!(
-                    "{} is full: {} bytes of live data, {} in raft logs, {free} bytes free in its log, {keep} kept in reserve",
-                    self.id, self.reclaim.live_bytes, self.reclaim.retained_bytes
+                    "{} is full: {} bytes of live data in {} bytes of log blocks, {} in raft logs, {free} bytes free in its log, {keep} kept in reserve",
+                    self.id,
+                    self.reclaim.live_bytes,
+                    self.reclaim.occupied_bytes,
+                    self.reclaim.retained_bytes
                 ),
             })
         }
@@ -3210,6 +3221,7 @@ impl Core {
             return;
         }
         self.abort_install(pg, "the replica was removed from the pg", false);
+        self.install_written.remove(&pg);
         let removal = self.log.submit(vec![pg_log::removed_entry(pg)]);
         tokio::spawn(async move {
             if let Err(error) = removal.await {

@@ -290,10 +290,14 @@ pub fn plan_relocations(
                     .unwrap_or_default(),
             };
             let block = BLOCK_SIZE as u64;
-            let run_blocks: u64 = runs
-                .iter()
-                .map(|run| u64::from(run.len_bytes).div_ceil(block))
-                .sum();
+            // Each run is an entry of its own: a batch header per ENTRY_COUNT_MAX of them
+            // counts, or a step's relocations could outgrow what it read (the floor).
+            let headers = runs.len().div_ceil(batch::ENTRY_COUNT_MAX) as u64;
+            let run_blocks: u64 = headers
+                + runs
+                    .iter()
+                    .map(|run| u64::from(run.len_bytes).div_ceil(block))
+                    .sum::<u64>();
             if runs.is_empty() || run_blocks >= u64::from(from.len_bytes).div_ceil(block) {
                 relocations.push(Entry {
                     kind: RELOCATE,
@@ -1011,11 +1015,12 @@ mod tests {
             data: op.payload().to_vec(),
         };
         // Batch 1: 8 blocks of object 1, 2 of object 2. Batch 2 overwrites object 1's
-        // blocks 1 and 2, 1 KiB within its block 5, and its block 7.
+        // blocks 1 and 2 and the first KiB of block 3, 1 KiB within its block 5, and its
+        // block 7.
         let batches = [
             vec![write(1, 0, 0xa1, 8 * block), write(2, 0, 0xa2, 2 * block)],
             vec![
-                write(1, block, 0xb1, 2 * block),
+                write(1, block, 0xb1, 2 * block + 1024),
                 write(1, 5 * block + 512, 0xb2, 1024),
                 write(1, 7 * block, 0xb3, block),
             ],
@@ -1043,6 +1048,9 @@ mod tests {
                 })
                 .collect()
         };
+        // Object 1's block 4 in batch 1 is damaged since: moved as it is, marked damaged.
+        let data = placed[0].data_offsets_bytes.clone();
+        disk[(data[0] + 4 * u64::from(block)) as usize + 100] ^= 0xff;
         let before = [
             read_object(&disk, &objects, 1),
             read_object(&disk, &objects, 2),
@@ -1059,9 +1067,9 @@ mod tests {
         let mut raft = MultiRaft::new(OsdId(0), 1);
         let mut index = HashMap::from([(pg, objects)]);
         let planned = plan_relocations(found.batches, &raft, &index, &sums);
-        // Object 1 still reads its block 0, and its blocks 3 to 6 but for 1 KiB within
-        // block 5 (less than a block apart: one move); object 2 is read whole.
-        let data = &first.data_offsets_bytes;
+        // Object 1 still reads its block 0, and from 1 KiB into block 3 to the end of
+        // block 6 but for 1 KiB within block 5 (less than a block apart: one move, from
+        // within a block); object 2 is read whole.
         let moved: Vec<(ObjectKey, u32, u32, u64)> = planned
             .moves
             .iter()
@@ -1081,16 +1089,25 @@ mod tests {
                 (object(1), 0, block, data[0]),
                 (
                     object(1),
-                    3 * block,
-                    4 * block,
-                    data[0] + 3 * u64::from(block)
+                    3 * block + 1024,
+                    4 * block - 1024,
+                    data[0] + 3 * u64::from(block) + 1024
                 ),
                 (object(2), 0, 2 * block, data[1]),
             ]
         );
         let relocated: Vec<Entry> = planned.appends.concat();
         let bytes: usize = relocated.iter().map(|entry| entry.data.len()).sum();
-        assert_eq!(bytes, 7 * BLOCK_SIZE);
+        assert_eq!(bytes, 7 * BLOCK_SIZE - 1024);
+        // The second move's first two blocks at the new place hold bytes of the damaged
+        // block.
+        let damaged: Vec<&[u64]> = planned
+            .moves
+            .iter()
+            .map(|m| m.damaged_blocks.as_slice())
+            .collect();
+        assert_eq!(damaged, [&[][..], &[0, 1][..], &[][..]]);
+        assert_eq!(planned.damaged, vec![pg]);
         for (entry, moved) in relocated.iter().zip(&planned.moves) {
             assert_eq!(
                 PayloadRef::from_meta(&entry.meta, moved.from.device_offset_bytes),
