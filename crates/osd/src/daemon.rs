@@ -1363,7 +1363,7 @@ impl Core {
     /// Whether a snapshot of `pg` being installed may write `log_bytes` more: checkpoints
     /// wait for it, so the reserve (and the headroom) must stay free for everything else.
     fn room_for_install(&self, pg: PgId, log_bytes: u64) -> bool {
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        let free = self.free_for_writes();
         free >= self.install_floor(pg) + log_bytes
     }
 
@@ -1396,12 +1396,11 @@ impl Core {
     /// cleaned, and no other install is under way (it is tried alone then, as before, and
     /// may be given up). If not, the cleaner is asked for the room.
     fn room_to_start_install(&mut self, pg: PgId) -> bool {
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
         let needed = self.room_needed_for_install(pg);
-        if !self.reuse_allowed() || free >= needed {
+        if !self.reuse_allowed() || self.free_for_writes() >= needed {
             return true;
         }
-        if free + self.reclaimable_bytes() < needed {
+        if self.attainable_free() < needed {
             return self.installing.is_empty();
         }
         self.want_room_for_install(pg);
@@ -1411,11 +1410,20 @@ impl Core {
     /// Has the cleaner work towards the room an install of `pg` needs, for a while (the
     /// leader sends the snapshot again meanwhile), as far as cleaning can free.
     fn want_room_for_install(&mut self, pg: PgId) {
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
-        let attainable = free + self.reclaimable_bytes();
-        let wanted = self.room_needed_for_install(pg).min(attainable);
+        // Capped, when read, at what cleaning can free.
+        let wanted = self.room_needed_for_install(pg);
         let until = std::time::Instant::now() + WANTED_FREE_FOR;
         self.reclaim.wanted_free = (wanted.max(self.wanted_free()), until);
+    }
+
+    /// Free log space not promised to writes in flight.
+    fn free_for_writes(&self) -> u64 {
+        self.log.free_bytes().saturating_sub(self.pending_bytes)
+    }
+
+    /// What [`Core::free_for_writes`] would be once cleaning freed all it could.
+    fn attainable_free(&self) -> u64 {
+        self.free_for_writes() + self.reclaimable_bytes()
     }
 
     /// The free space the cleaner works towards for a snapshot install, while it does.
@@ -1425,8 +1433,7 @@ impl Core {
             return 0;
         }
         // As far as cleaning can still free (live data may have grown since).
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
-        wanted.min(free + self.reclaimable_bytes())
+        wanted.min(self.attainable_free())
     }
 
     /// What an install of `pg` leaves free. A repair's may take half the reserve: it
@@ -1888,7 +1895,7 @@ impl Core {
     /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
     /// while the cleaner can free space, `NoSpace` once live data fills the log.
     fn space_for(&self, log_bytes: u64) -> Result<(), Status> {
-        let free = self.log.free_bytes().saturating_sub(self.pending_bytes);
+        let free = self.free_for_writes();
         let keep = self.log.reserve_bytes() + self.headroom();
         if free >= keep + log_bytes {
             return Ok(());

@@ -257,7 +257,7 @@ pub fn plan_relocations(
     let mut damaged = Vec::new();
     for batch in batches {
         for (at, (entry, data_offset)) in batch.entries.into_iter().enumerate() {
-            let Some(mut moved) = live_payload(&entry, data_offset, raft, objects) else {
+            let Some((mut moved, runs)) = live_payload(&entry, data_offset, raft, objects) else {
                 continue;
             };
             // Blocks failing their checksums, or poisoned by an earlier move (the entry's
@@ -281,14 +281,6 @@ pub fn plan_relocations(
             let (term, index) = moved
                 .raft_entry
                 .map_or((0, 0), |(index, term)| (term, index));
-            let runs = match moved.raft_entry {
-                // A raft entry refers to the whole payload.
-                Some(_) => Vec::new(),
-                None => objects
-                    .get(&entry.pg)
-                    .map(|objects| live_runs(objects, &from))
-                    .unwrap_or_default(),
-            };
             let block = BLOCK_SIZE as u64;
             // Each run is an entry of its own: a batch header per ENTRY_COUNT_MAX of them
             // counts, or a step's relocations could outgrow what it read (the floor).
@@ -298,7 +290,11 @@ pub fn plan_relocations(
                     .iter()
                     .map(|run| u64::from(run.len_bytes).div_ceil(block))
                     .sum::<u64>();
-            if runs.is_empty() || run_blocks >= u64::from(from.len_bytes).div_ceil(block) {
+            // A raft entry refers to the whole payload.
+            if moved.raft_entry.is_some()
+                || runs.is_empty()
+                || run_blocks >= u64::from(from.len_bytes).div_ceil(block)
+            {
                 relocations.push(Entry {
                     kind: RELOCATE,
                     pg: entry.pg,
@@ -408,7 +404,7 @@ pub fn plan_rescue(
     for pg in pgs {
         let pg_objects = &objects[pg];
         for key in pg_objects.keys() {
-            let mut last: Option<PayloadRef> = None;
+            let mut extents = Vec::new();
             for (offset, len, device) in pg_objects.extents(key) {
                 let carried = candidates[..kept].iter().any(|other| {
                     let reference = &other.from;
@@ -421,25 +417,18 @@ pub fn plan_rescue(
                 if !inside(device, len)? || carried {
                     continue;
                 }
-                let extent = PayloadRef {
+                extents.push(PayloadRef {
                     object: key,
                     offset_bytes: offset as u32,
                     len_bytes: len as u32,
                     device_offset_bytes: device,
-                };
-                last = match last.map(|run| (run, joined(&run, &extent))) {
-                    Some((_, Some(run))) => Some(run),
-                    other => {
-                        if let Some((run, _)) = other {
-                            candidates.push(candidate(*pg, run, None));
-                        }
-                        Some(extent)
-                    }
-                };
+                });
             }
-            if let Some(run) = last {
-                candidates.push(candidate(*pg, run, None));
-            }
+            candidates.extend(
+                join_runs(extents)
+                    .into_iter()
+                    .map(|run| candidate(*pg, run, None)),
+            );
         }
     }
     let mut relocations = Vec::new();
@@ -481,11 +470,11 @@ fn joined(run: &PayloadRef, extent: &PayloadRef) -> Option<PayloadRef> {
     })
 }
 
-/// What the object index still reads of a payload, as moves: its live extents, those less
-/// than a block apart taken together.
-fn live_runs(objects: &PgObjects, payload: &PayloadRef) -> Vec<PayloadRef> {
+/// Extents, in order, as moves: those of one payload less than a block apart taken
+/// together.
+fn join_runs(extents: Vec<PayloadRef>) -> Vec<PayloadRef> {
     let mut runs: Vec<PayloadRef> = Vec::new();
-    for extent in objects.live_extents(payload) {
+    for extent in extents {
         match runs.last().and_then(|run| joined(run, &extent)) {
             Some(run) => *runs.last_mut().expect("a run") = run,
             None => runs.push(extent),
@@ -564,13 +553,14 @@ fn block_damaged(sums: &BlockSums, at: u64, chunk: &[u8], unknown_is_damaged: bo
 }
 
 /// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the
-/// object index, or a raft entry kept for followers.
+/// object index, or a raft entry kept for followers; with the runs of it the index reads
+/// ([`join_runs`] of its live extents).
 fn live_payload(
     entry: &Entry,
     data_offset: u64,
     raft: &MultiRaft,
     objects: &HashMap<PgId, PgObjects>,
-) -> Option<Move> {
+) -> Option<(Move, Vec<PayloadRef>)> {
     // A snapshot's object data is mapped like a write's once installed (the cleaner does
     // not run while one is being installed).
     if !PAYLOAD_KINDS.contains(&entry.kind) {
@@ -590,15 +580,19 @@ fn live_payload(
             (kept.term == entry.term && reference.device_offset_bytes == data_offset)
                 .then_some((entry.index, entry.term))
         });
-    let indexed = objects
-        .get(&pg)
-        .is_some_and(|objects| objects.live_bytes(&from) > 0);
-    (indexed || raft_entry.is_some()).then_some(Move {
+    let runs = join_runs(
+        objects
+            .get(&pg)
+            .map(|objects| objects.live_extents(&from))
+            .unwrap_or_default(),
+    );
+    let moved = Move {
         pg,
         from,
         raft_entry,
         damaged_blocks: Vec::new(),
-    })
+    };
+    (!runs.is_empty() || raft_entry.is_some()).then_some((moved, runs))
 }
 
 /// What of a PG reads blocks marked poisoned in `sums` (data found damaged, whose copy is
