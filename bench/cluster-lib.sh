@@ -14,11 +14,12 @@ trap cleanup EXIT
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
 free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
-# start_cluster DEVICE_SIZE: sets MON, metric_ports and osd_pids; waits until the three
+# start_cluster DEVICE_SIZE: sets MON, mon_pid, metric_ports and osd_pids; waits until the three
 # OSDs are up.
 start_cluster() {
     MON=127.0.0.1:$(free_port)
     "$BASALT" mon --data-dir "$BASE_DIR/mon" --listen "$MON" >"$BASE_DIR/mon.log" 2>&1 & pids+=($!)
+    mon_pid=$!
     metric_ports=(); osd_pids=()
     for n in 0 1 2; do
         metric_ports+=("$(free_port)")

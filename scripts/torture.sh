@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Crash torture, by hand (not part of the test suite): a monitor, three OSDs on small
 # devices (320 MiB, sparse, so the cleaner and checkpoints work) and a target exporting a
-# 160 MiB image over NBD. Each round, fio writes the whole image 4 KiB at a time with
-# crc32c verify headers (its own seed per round) while one OSD, chosen at random, is
-# killed with SIGKILL at a random moment and restarted a few seconds later; the round's
-# data is then verified. Every third round kills every OSD instead. After each
-# round the PGs must become active+clean, the data verify again and `basalt pg scrub`
-# find the replicas equal. A failure stops it with every process left running.
+# 160 MiB image over NBD. Each round, fio writes the whole image (or its first SIZE bytes)
+# BS bytes at a time with crc32c verify headers (its own seed per round) while one OSD,
+# chosen at random, is killed with SIGKILL at a random moment and restarted a few seconds
+# later; the round's data is then verified. Every third round kills every OSD instead, and
+# every fourth (not a third) the monitor with the OSD. After each round the PGs must
+# become active+clean, the data verify again and `basalt pg scrub` find the replicas
+# equal. A failure stops it with every process left running.
 #
 # Usage: scripts/torture.sh
 # Environment: ROUNDS (default 20), BASALT (default target/release/basalt), BASE_DIR
-# (default /var/tmp/torture), OSD_ARGS, KEEP=1 keeps the directory after a pass.
+# (default /var/tmp/torture), BS (default 4k), SIZE (default 160M), OSD_ARGS, KEEP=1
+# keeps the directory after a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BASE_DIR=${BASE_DIR:-/var/tmp/torture}
 BASALT=${BASALT:-target/release/basalt}
 ROUNDS=${ROUNDS:-20}
+BS=${BS:-4k}
+SIZE=${SIZE:-160M}
 OSD_ARGS="--sparse-device ${OSD_ARGS:-}"
 . bench/cluster-lib.sh
 set +e
@@ -50,7 +54,7 @@ restart_osd() { # n
 }
 fio_round() { # seed extra...
     local seed=$1; shift
-    fio --name=job --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=8 --size=160M \
+    fio --name=job --ioengine=nbd --uri="$URI" --rw=randwrite --bs="$BS" --iodepth=8 --size="$SIZE" \
         --verify=crc32c --randseed="$seed" --verify_fatal=1 --verify_state_save=0 \
         --output="$BASE_DIR/fio.$seed.out" "$@"
 }
@@ -76,6 +80,12 @@ for round in $(seq 1 "$ROUNDS"); do
     else
         victim=$((RANDOM % 3))
         kill -9 "${osd_pids[$victim]}"; log "round $round: killed osd.$victim"
+        if ((round % 4 == 0)); then
+            kill -9 "$mon_pid"; log "round $round: killed the monitor"
+            sleep 1
+            "$BASALT" mon --data-dir "$BASE_DIR/mon" --listen "$MON" >>"$BASE_DIR/mon.log" 2>&1 &
+            mon_pid=$!; pids+=($!)
+        fi
         sleep $((RANDOM % 5 + 1))
         restart_osd $victim
     fi

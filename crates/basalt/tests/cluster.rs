@@ -1431,29 +1431,41 @@ fn a_replica_behind_in_every_pg_catches_up_on_a_half_full_device() {
     fio(&uri, &args(&verify));
 }
 
-/// Writes of less than a block each keep a whole log block in use, which the cleaner
-/// cannot pack: once such blocks would fill the log, the OSDs report themselves full and
-/// writes fail with ENOSPC. Counting 512 bytes for each, the cleaner took them for
-/// reclaimable and moved them round the ring without end; writes crawled at about a
-/// hundred a second, without an error, and health stayed OK.
+/// Writes of less than a block each keep a whole log block in use until the cleaner packs
+/// the pieces of each block of an object into one block of the log: every 512-byte sector
+/// of 12 MiB written one by one, twice over, would keep 96 MiB of blocks in use on 96 MiB
+/// devices unpacked (ENOSPC after 7 MiB of such writes before packing), and goes through
+/// verified. Live data is counted by the blocks of the objects it takes packed, so a
+/// sector written in every block of the image fills the log, and the OSDs report
+/// themselves full and writes fail with ENOSPC. Counting 512 bytes for each write, the
+/// cleaner took them for reclaimable and moved them round the ring without end; writes
+/// crawled at about a hundred a second, without an error, and health stayed OK.
 #[test]
-fn writes_of_less_than_a_block_fill_the_log_by_the_blocks_they_keep() {
+fn writes_of_less_than_a_block_are_packed_and_fill_the_log_by_the_blocks_they_take() {
     require("fio");
     let dir = ScratchDir::new("cluster-sub-block");
-    let cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "32MiB");
+    let cluster = small_osd_cluster(&dir.path, 1, "96MiB", None, "96MiB");
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
-    // 16 MiB of 512-byte sectors written one by one would keep 128 MiB of blocks in use.
+    let mut sectors = verified_write("12M");
+    sectors.retain(|arg| arg != "--bs=4k");
+    sectors.extend(["--bs=512".to_string(), "--loops=2".to_string()]);
+    fio(&uri, &args(&sectors));
+    sectors.push("--verify_only".to_string());
+    fio(&uri, &args(&sectors));
+    let status = cluster.cli_ok(&["status"]);
+    assert!(!status.contains("full"), "{status}");
+
     let started = Instant::now();
     let output = run(Command::new("fio").args([
         "--name=job",
         "--ioengine=nbd",
         &format!("--uri={uri}"),
-        "--rw=randwrite",
+        // A sector, then 3.5 KiB skipped: a sector in every block, 12 MiB in all.
+        "--rw=write:3584",
         "--bs=512",
         "--iodepth=8",
-        "--size=16M",
-        "--time_based",
-        "--runtime=60",
+        "--size=96M",
+        "--io_size=12M",
         "--output-format=json",
     ]));
     let stdout = String::from_utf8_lossy(&output.stdout);

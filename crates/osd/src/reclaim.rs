@@ -17,12 +17,13 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use basalt_common::PgId;
+use basalt_common::{ObjectKey, PgId};
 use basalt_replication::{HardState, MultiRaft, PgStorage, RaftEntry, Restored};
 use basalt_store::batch::BLOCK_SIZE;
 use basalt_store::batch::{self, Entry};
 use basalt_store::block_sums::BlockSums;
 use basalt_store::checkpoint::{PgCheckpoint, RetainedEntry};
+use basalt_store::extent_map::Piece;
 use basalt_store::log::{DamagedBatch, ReplayedBatch, Ring};
 use basalt_store::object_op::{PayloadRef, PgObjects};
 
@@ -116,8 +117,10 @@ pub struct Retention {
     pub behind_bytes: u64,
 }
 
+/// The log an entry's payload keeps in use (its blocks), or its data's bytes if kept in
+/// memory only.
 fn payload_bytes(entry: &RaftEntry) -> u64 {
-    PayloadRef::decode(&entry.data).map_or(entry.data.len() as u64, |r| u64::from(r.len_bytes))
+    PayloadRef::decode(&entry.data).map_or(entry.data.len() as u64, |r| r.occupied_bytes())
 }
 
 /// The index before the oldest entry that `retention` keeps.
@@ -228,6 +231,27 @@ pub struct Move {
     /// Its blocks (counted from its first) whose data failed its checksum where it was:
     /// poisoned at the new place, so that reads of them still fail there.
     pub damaged_blocks: Vec<u64>,
+    /// For a block of an object packed ([`Pack`]; `from` is then the object's block), the
+    /// pieces it carries, each from where it was to its place in the block.
+    pub pieces: Vec<PayloadRef>,
+}
+
+/// A block of an object whose pieces lie in several blocks of the log (written less than a
+/// block at a time, or overwritten so): the cleaner reads them and writes them packed into
+/// one block, laid out as in the object, so that they keep one block in use, not one each.
+#[derive(Debug)]
+pub struct Pack {
+    /// The PG.
+    pub pg: PgId,
+    /// The object.
+    pub object: ObjectKey,
+    /// Where the block starts in the object.
+    pub block_start: u64,
+    /// Its pieces as the index maps them (holes included) when planned.
+    pub pieces: Vec<Piece>,
+    /// The relocations of what of the block the cleaner's step read, to append instead if
+    /// the pieces cannot be read back whole.
+    pub instead: Vec<(Entry, Move)>,
 }
 
 /// What the cleaner does with the batches it read from the ring's tail.
@@ -240,6 +264,128 @@ pub struct Relocations {
     /// The PGs of payloads still in use that failed their checksum: moved all the same,
     /// marked damaged, and these PGs' copies here are to be rebuilt.
     pub damaged: Vec<PgId>,
+    /// The blocks of objects to pack (read first, then appended before `appends`).
+    pub packs: Vec<Pack>,
+}
+
+impl Relocations {
+    /// Puts the packed blocks (each with its bytes read back, or `None` if they could not
+    /// be) before the other appends, or what the step read of them where they could not.
+    pub fn with_packs(mut self, read: Vec<Option<Vec<u8>>>) -> Self {
+        let mut entries = Vec::new();
+        let mut moves = Vec::new();
+        for (pack, data) in std::mem::take(&mut self.packs).into_iter().zip(read) {
+            match data {
+                Some(data) => {
+                    let (entry, moved) = pack.packed(data);
+                    entries.push(entry);
+                    moves.push(moved);
+                }
+                None => {
+                    for (entry, moved) in pack.instead {
+                        entries.push(entry);
+                        moves.push(moved);
+                    }
+                }
+            }
+        }
+        moves.append(&mut self.moves);
+        self.moves = moves;
+        let mut appends = batch::split(entries);
+        appends.append(&mut self.appends);
+        self.appends = appends;
+        self
+    }
+}
+
+impl Pack {
+    /// The block's pieces, if it is one to pack: those mapped lie in two blocks of the log
+    /// or more, and none of those blocks holds data still read of another block of the
+    /// object (so each is freed once they are moved). A piece of a large write whose
+    /// blocks in the log straddle the object's shares them with the object's blocks next
+    /// to it: moving it alone would free nothing.
+    fn pieces(objects: &PgObjects, object: ObjectKey, block_start: u64) -> Option<Vec<Piece>> {
+        let block = BLOCK_SIZE as u64;
+        let pieces = objects.plan_read(object, block_start, block);
+        let mut device_blocks = Vec::new();
+        for piece in &pieces {
+            let Piece::Mapped {
+                offset_bytes,
+                len_bytes,
+                device_offset_bytes,
+            } = *piece
+            else {
+                continue;
+            };
+            // The object's bytes that the blocks of the log it lies in would hold, written
+            // with it: those still read there must be within the block.
+            let first = device_offset_bytes / block;
+            let last = (device_offset_bytes + len_bytes - 1) / block;
+            let from = offset_bytes.saturating_sub(device_offset_bytes % block);
+            let to = offset_bytes + (last - first + 1) * block - device_offset_bytes % block;
+            let shared = objects
+                .plan_read(object, from, to - from)
+                .iter()
+                .any(|other| {
+                    matches!(*other, Piece::Mapped {
+                    offset_bytes: at,
+                    len_bytes: len,
+                    device_offset_bytes: device,
+                } if device.wrapping_sub(at) == device_offset_bytes.wrapping_sub(offset_bytes)
+                    && (at < block_start || at + len > block_start + block))
+                });
+            if shared {
+                return None;
+            }
+            device_blocks.extend(first..=last);
+        }
+        device_blocks.sort_unstable();
+        device_blocks.dedup();
+        (device_blocks.len() > 1).then_some(pieces)
+    }
+
+    /// The relocation of the block packed, with its bytes as read back.
+    fn packed(self, data: Vec<u8>) -> (Entry, Move) {
+        let block = PayloadRef {
+            object: self.object,
+            offset_bytes: self.block_start as u32,
+            len_bytes: BLOCK_SIZE as u32,
+            device_offset_bytes: 0,
+        };
+        let pieces = self
+            .pieces
+            .iter()
+            .filter_map(|piece| match *piece {
+                Piece::Mapped {
+                    offset_bytes,
+                    len_bytes,
+                    device_offset_bytes,
+                } => Some(PayloadRef {
+                    object: self.object,
+                    offset_bytes: offset_bytes as u32,
+                    len_bytes: len_bytes as u32,
+                    device_offset_bytes,
+                }),
+                Piece::Hole { .. } => None,
+            })
+            .collect();
+        let entry = Entry {
+            kind: RELOCATE,
+            pg: self.pg,
+            term: 0,
+            index: 0,
+            meta: block.meta(),
+            data,
+        };
+        let moved = Move {
+            pg: self.pg,
+            from: block,
+            raft_entry: None,
+            damaged_blocks: Vec::new(),
+            pieces,
+        };
+        (entry, moved)
+    }
 }
 
 /// Plans the relocations for a run of batches from the ring's tail. A payload still in use
@@ -255,6 +401,7 @@ pub fn plan_relocations(
     let mut relocations = Vec::new();
     let mut moves = Vec::new();
     let mut damaged = Vec::new();
+    let mut packs = Packs::default();
     for batch in batches {
         for (at, (entry, data_offset)) in batch.entries.into_iter().enumerate() {
             let Some((mut moved, runs)) = live_payload(&entry, data_offset, raft, objects) else {
@@ -282,6 +429,13 @@ pub fn plan_relocations(
                 .raft_entry
                 .map_or((0, 0), |(index, term)| (term, index));
             let block = BLOCK_SIZE as u64;
+            // The blocks of objects to pack that its runs start or end in go with the
+            // packs (a raft entry refers to the whole payload: it moves whole).
+            let (runs, cut) = match moved.raft_entry {
+                None => packs.cut(runs, entry.pg, objects),
+                Some(_) => (runs, Vec::new()),
+            };
+            let runs = join_runs(runs);
             // Each run is an entry of its own: a batch header per ENTRY_COUNT_MAX of them
             // counts, or a step's relocations could outgrow what it read (the floor).
             let headers = runs.len().div_ceil(batch::ENTRY_COUNT_MAX) as u64;
@@ -290,10 +444,10 @@ pub fn plan_relocations(
                     .iter()
                     .map(|run| u64::from(run.len_bytes).div_ceil(block))
                     .sum::<u64>();
-            // A raft entry refers to the whole payload.
-            if moved.raft_entry.is_some()
-                || runs.is_empty()
-                || run_blocks >= u64::from(from.len_bytes).div_ceil(block)
+            if cut.is_empty()
+                && (moved.raft_entry.is_some()
+                    || runs.is_empty()
+                    || run_blocks >= u64::from(from.len_bytes).div_ceil(block))
             {
                 relocations.push(Entry {
                     kind: RELOCATE,
@@ -309,25 +463,35 @@ pub fn plan_relocations(
             // Overwritten in part: only what the index still reads moves, or the dead
             // bytes of the payload would go round the ring with it for good.
             let damaged_blocks = std::mem::take(&mut moved.damaged_blocks);
-            for run in runs {
+            let relocation = |run: PayloadRef| {
                 let skip = (run.device_offset_bytes - data_offset) as usize;
-                relocations.push(Entry {
+                let relocated = Entry {
                     kind: RELOCATE,
                     pg: entry.pg,
                     term,
                     index,
                     meta: run.meta(),
                     data: entry.data[skip..skip + run.len_bytes as usize].to_vec(),
-                });
+                };
                 let (device, len) = (run.device_offset_bytes, u64::from(run.len_bytes));
-                moves.push(Move {
+                let moved = Move {
                     pg: entry.pg,
                     from: run,
                     raft_entry: None,
                     damaged_blocks: moved_damage(device, len, |old| {
                         damaged_blocks.contains(&((old - data_offset) / block))
                     }),
-                });
+                    pieces: Vec::new(),
+                };
+                (relocated, moved)
+            };
+            for run in runs {
+                let (relocated, moved) = relocation(run);
+                relocations.push(relocated);
+                moves.push(moved);
+            }
+            for (pack, run) in cut {
+                packs.packs[pack].instead.push(relocation(run));
             }
         }
     }
@@ -335,6 +499,77 @@ pub fn plan_relocations(
         appends: batch::split(relocations),
         moves,
         damaged,
+        packs: packs.packs,
+    }
+}
+
+/// The blocks of objects a cleaner step packs, by PG, object and block.
+#[derive(Default)]
+struct Packs {
+    packs: Vec<Pack>,
+    by_block: HashMap<(PgId, ObjectKey, u64), Option<usize>>,
+}
+
+impl Packs {
+    /// Cuts from the live extents of a payload of `pg` the parts in blocks of their object
+    /// to pack (only the first and last block of an extent can be: every block between is
+    /// either held whole by it, in one block of the log, or shares its blocks of the log
+    /// with its neighbours). Returns what is left of the extents, and the parts cut, each
+    /// with the index of its pack.
+    fn cut(
+        &mut self,
+        runs: Vec<PayloadRef>,
+        pg: PgId,
+        objects: &HashMap<PgId, PgObjects>,
+    ) -> (Vec<PayloadRef>, Vec<(usize, PayloadRef)>) {
+        let Some(pg_objects) = objects.get(&pg) else {
+            return (runs, Vec::new());
+        };
+        let block = BLOCK_SIZE as u64;
+        let mut left = Vec::new();
+        let mut cut = Vec::new();
+        for run in runs {
+            let start = u64::from(run.offset_bytes);
+            let end = start + u64::from(run.len_bytes);
+            let part = |from: u64, to: u64| PayloadRef {
+                offset_bytes: from as u32,
+                len_bytes: (to - from) as u32,
+                device_offset_bytes: run.device_offset_bytes + (from - start),
+                ..run
+            };
+            let mut pack_of = |block_start: u64| {
+                *self
+                    .by_block
+                    .entry((pg, run.object, block_start))
+                    .or_insert_with(|| {
+                        let pieces = Pack::pieces(pg_objects, run.object, block_start)?;
+                        self.packs.push(Pack {
+                            pg,
+                            object: run.object,
+                            block_start,
+                            pieces,
+                            instead: Vec::new(),
+                        });
+                        Some(self.packs.len() - 1)
+                    })
+            };
+            let (first, last) = (start / block * block, (end - 1) / block * block);
+            let (mut from, mut to) = (start, end);
+            if let Some(pack) = pack_of(first) {
+                from = (first + block).min(end);
+                cut.push((pack, part(start, from)));
+            }
+            if last > first
+                && let Some(pack) = pack_of(last)
+            {
+                to = last;
+                cut.push((pack, part(last, end)));
+            }
+            if from < to {
+                left.push(part(from, to));
+            }
+        }
+        (left, cut)
     }
 }
 
@@ -379,6 +614,7 @@ pub fn plan_rescue(
         from,
         raft_entry,
         damaged_blocks: Vec::new(),
+        pieces: Vec::new(),
     };
     let mut candidates: Vec<Move> = Vec::new();
     for pg in raft.pgs() {
@@ -456,6 +692,7 @@ pub fn plan_rescue(
         appends: batch::split(relocations),
         moves,
         damaged: damaged_pgs,
+        packs: Vec::new(),
     })
 }
 
@@ -553,8 +790,8 @@ fn block_damaged(sums: &BlockSums, at: u64, chunk: &[u8], unknown_is_damaged: bo
 }
 
 /// The move of `entry`'s payload (at `data_offset`) if something still reads it there: the
-/// object index, or a raft entry kept for followers; with the runs of it the index reads
-/// ([`join_runs`] of its live extents).
+/// object index, or a raft entry kept for followers; with the extents of it the index
+/// reads.
 fn live_payload(
     entry: &Entry,
     data_offset: u64,
@@ -580,17 +817,16 @@ fn live_payload(
             (kept.term == entry.term && reference.device_offset_bytes == data_offset)
                 .then_some((entry.index, entry.term))
         });
-    let runs = join_runs(
-        objects
-            .get(&pg)
-            .map(|objects| objects.live_extents(&from))
-            .unwrap_or_default(),
-    );
+    let runs = objects
+        .get(&pg)
+        .map(|objects| objects.live_extents(&from))
+        .unwrap_or_default();
     let moved = Move {
         pg,
         from,
         raft_entry,
         damaged_blocks: Vec::new(),
+        pieces: Vec::new(),
     };
     (!runs.is_empty() || raft_entry.is_some()).then_some((moved, runs))
 }
@@ -628,9 +864,18 @@ pub fn apply_move(
     raft: &mut MultiRaft,
     objects: &mut HashMap<PgId, PgObjects>,
 ) -> u64 {
-    let bytes = objects
-        .get_mut(&moved.pg)
-        .map_or(0, |objects| objects.relocate(&moved.from, to));
+    let bytes = objects.get_mut(&moved.pg).map_or(0, |objects| {
+        if moved.pieces.is_empty() {
+            return objects.relocate(&moved.from, to);
+        }
+        // A packed block: each piece to its place in it.
+        let start = u64::from(moved.from.offset_bytes);
+        moved
+            .pieces
+            .iter()
+            .map(|piece| objects.relocate(piece, to + (u64::from(piece.offset_bytes) - start)))
+            .sum()
+    });
     if let Some((index, term)) = moved.raft_entry {
         let old = moved.from.device_offset_bytes;
         raft.replace_entry_data(moved.pg, index, term, |data| {
@@ -912,17 +1157,7 @@ mod tests {
         ];
         let mut first_batch = None;
         for ops in batches {
-            let log: Vec<Entry> = ops
-                .iter()
-                .map(|op| Entry {
-                    kind: op.kind(),
-                    pg,
-                    term: 1,
-                    index: 1,
-                    meta: op.meta(),
-                    data: op.payload().to_vec(),
-                })
-                .collect();
+            let log: Vec<Entry> = ops.iter().map(|op| logged(op, pg, 1)).collect();
             let placed = writer.append(&log).expect("room");
             let at = placed.offset_bytes as usize;
             disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
@@ -973,63 +1208,89 @@ mod tests {
         assert_eq!(relocated[0].data, expected);
     }
 
-    /// A payload the index reads only in part moves only those parts, and reads return the
-    /// same after the moves, with the old copy gone. Moving whole payloads carried their
-    /// overwritten bytes round the ring for good: an OSD at half its ring in live data,
-    /// whose snapshot installs were then overwritten block by block, cleaned without end.
-    #[test]
-    fn only_what_the_index_reads_of_a_payload_moves() {
-        use basalt_store::extent_map::Piece;
-        let (ring, pg) = (ring_of(256), test_pg());
-        let block = BLOCK_SIZE as u32;
-        let write = |number, offset_bytes, fill: u8, len: u32| ObjectOp::Write {
-            object: object(number),
-            offset_bytes,
-            data: (0..len).map(|i| fill ^ (i % 251) as u8).collect(),
-        };
-        let mut disk = vec![0u8; (ring.start_bytes + ring.len_bytes) as usize];
-        let sums = BlockSums::new(ring);
-        let mut objects = PgObjects::new();
-        let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
-        let mut append = |disk: &mut Vec<u8>, log: &[Entry]| {
-            let placed = writer.append(log).expect("room");
-            let at = placed.offset_bytes as usize;
-            disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
-            for (entry, offset) in log.iter().zip(&placed.data_offsets_bytes) {
-                sums.record(*offset, &entry.data);
-            }
-            placed
-        };
-        let entry = |op: &ObjectOp| Entry {
+    /// A write as the log holds it (term 1).
+    fn logged(op: &ObjectOp, pg: PgId, index: u64) -> Entry {
+        Entry {
             kind: op.kind(),
             pg,
             term: 1,
-            index: 0,
+            index,
             meta: op.meta(),
             data: op.payload().to_vec(),
-        };
-        // Batch 1: 8 blocks of object 1, 2 of object 2. Batch 2 overwrites object 1's
-        // blocks 1 and 2 and the first KiB of block 3, 1 KiB within its block 5, and its
-        // block 7.
-        let batches = [
-            vec![write(1, 0, 0xa1, 8 * block), write(2, 0, 0xa2, 2 * block)],
-            vec![
-                write(1, block, 0xb1, 2 * block + 1024),
-                write(1, 5 * block + 512, 0xb2, 1024),
-                write(1, 7 * block, 0xb3, block),
-            ],
-        ];
-        let mut placed = Vec::new();
-        for ops in &batches {
-            let log: Vec<Entry> = ops.iter().map(entry).collect();
-            let batch = append(&mut disk, &log);
-            for (op, offset) in ops.iter().zip(&batch.data_offsets_bytes) {
-                objects.apply(op, *offset);
-            }
-            placed.push(batch);
         }
-        let read_object = |disk: &[u8], objects: &PgObjects, number| -> Vec<u8> {
-            let pieces = objects.plan_read(object(number), 0, 8 * BLOCK_SIZE as u64);
+    }
+
+    /// A log on a disk in memory, with an object index of what was written to it.
+    struct Written {
+        ring: Ring,
+        pg: PgId,
+        disk: Vec<u8>,
+        sums: BlockSums,
+        writer: LogWriter,
+        index: HashMap<PgId, PgObjects>,
+        raft: MultiRaft,
+        placed: Vec<basalt_store::log::PlacedBatch>,
+    }
+
+    impl Written {
+        /// Each list of writes (object, offset, fill byte, length) as a batch, applied.
+        fn new(batches: &[Vec<(u64, u32, u8, u32)>]) -> Self {
+            let ring = ring_of(256);
+            let mut written = Self {
+                ring,
+                pg: test_pg(),
+                disk: vec![0u8; (ring.start_bytes + ring.len_bytes) as usize],
+                sums: BlockSums::new(ring),
+                writer: LogWriter::new(ring, 0, Lsn(1), 0),
+                index: HashMap::new(),
+                raft: MultiRaft::new(OsdId(0), 1),
+                placed: Vec::new(),
+            };
+            for writes in batches {
+                let ops: Vec<ObjectOp> = writes
+                    .iter()
+                    .map(|&(number, offset_bytes, fill, len)| ObjectOp::Write {
+                        object: object(number),
+                        offset_bytes,
+                        data: (0..len).map(|i| fill ^ (i % 251) as u8).collect(),
+                    })
+                    .collect();
+                let pg = written.pg;
+                let log: Vec<Entry> = ops.iter().map(|op| logged(op, pg, 0)).collect();
+                let batch = written.append(&log);
+                let objects = written.index.entry(pg).or_default();
+                for (op, offset) in ops.iter().zip(&batch.data_offsets_bytes) {
+                    objects.apply(op, *offset);
+                }
+                written.placed.push(batch);
+            }
+            written
+        }
+
+        fn append(&mut self, log: &[Entry]) -> basalt_store::log::PlacedBatch {
+            let placed = self.writer.append(log).expect("room");
+            let at = placed.offset_bytes as usize;
+            self.disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+            for (entry, offset) in log.iter().zip(&placed.data_offsets_bytes) {
+                self.sums.record(*offset, &entry.data);
+            }
+            placed
+        }
+
+        fn objects(&self) -> &PgObjects {
+            &self.index[&self.pg]
+        }
+
+        /// The first 8 blocks of object `number` as the index reads them.
+        fn read_object(&self, number: u64) -> Vec<u8> {
+            let pieces = self
+                .objects()
+                .plan_read(object(number), 0, 8 * BLOCK_SIZE as u64);
+            self.read_pieces(&pieces)
+        }
+
+        fn read_pieces(&self, pieces: &[basalt_store::extent_map::Piece]) -> Vec<u8> {
+            use basalt_store::extent_map::Piece;
             pieces
                 .iter()
                 .flat_map(|piece| match *piece {
@@ -1037,33 +1298,72 @@ mod tests {
                         len_bytes,
                         device_offset_bytes,
                         ..
-                    } => disk[device_offset_bytes as usize..][..len_bytes as usize].to_vec(),
+                    } => self.disk[device_offset_bytes as usize..][..len_bytes as usize].to_vec(),
                     Piece::Hole { len_bytes, .. } => vec![0; len_bytes as usize],
                 })
                 .collect()
-        };
-        // Object 1's block 4 in batch 1 is damaged since: moved as it is, marked damaged.
-        let data = placed[0].data_offsets_bytes.clone();
-        disk[(data[0] + 4 * u64::from(block)) as usize + 100] ^= 0xff;
-        let before = [
-            read_object(&disk, &objects, 1),
-            read_object(&disk, &objects, 2),
-        ];
+        }
 
-        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
-            Ok(disk[offset as usize..offset as usize + len].to_vec())
-        };
-        let first = &placed[0];
-        let limit = first.position + first.bytes.len() as u64;
-        let found =
-            read_durable(read, ring, (0, first.lsn), (limit, placed[1].position)).expect("read");
-        assert_eq!(found.batches.len(), 1);
-        let mut raft = MultiRaft::new(OsdId(0), 1);
-        let mut index = HashMap::from([(pg, objects)]);
-        let planned = plan_relocations(found.batches, &raft, &index, &sums);
-        // Object 1 still reads its block 0, and from 1 KiB into block 3 to the end of
-        // block 6 but for 1 KiB within block 5 (less than a block apart: one move, from
-        // within a block); object 2 is read whole.
+        /// A cleaner step's plan for the first batch.
+        fn plan_first_batch(&self) -> Relocations {
+            let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+                Ok(self.disk[offset as usize..offset as usize + len].to_vec())
+            };
+            let (first, second) = (&self.placed[0], &self.placed[1]);
+            let limit = first.position + first.bytes.len() as u64;
+            let found = read_durable(read, self.ring, (0, first.lsn), (limit, second.position))
+                .expect("read");
+            assert_eq!(found.batches.len(), 1);
+            plan_relocations(found.batches, &self.raft, &self.index, &self.sums)
+        }
+
+        /// The relocations written at the head and the moves applied; the first batch is
+        /// overwritten then, as its place would be once freed.
+        fn relocate(&mut self, planned: Relocations) {
+            let relocated: Vec<Entry> = planned.appends.concat();
+            for (entry, moved) in relocated.iter().zip(&planned.moves) {
+                let from = PayloadRef::from_meta(&entry.meta, moved.from.device_offset_bytes);
+                assert_eq!(from, moved.from);
+            }
+            let batch = self.append(&relocated);
+            for (moved, to) in planned.moves.iter().zip(&batch.data_offsets_bytes) {
+                apply_move(moved, *to, &mut self.raft, &mut self.index);
+            }
+            let first = &self.placed[0];
+            let old = first.offset_bytes as usize;
+            self.disk[old..old + first.bytes.len()].fill(0xee);
+        }
+    }
+
+    /// A payload the index reads only in part moves only those parts, and reads return the
+    /// same after the moves, with the old copy gone. Moving whole payloads carried their
+    /// overwritten bytes round the ring for good: an OSD at half its ring in live data,
+    /// whose snapshot installs were then overwritten block by block, cleaned without end.
+    #[test]
+    fn only_what_the_index_reads_of_a_payload_moves() {
+        let block = BLOCK_SIZE as u32;
+        // Batch 1: 8 blocks of object 1, 2 of object 2. Batch 2 overwrites object 1 from
+        // 512 bytes into its block 1 to 1 KiB into block 3, a block from 512 bytes into
+        // its block 5, and its block 7. (Its first two writes straddle the object's blocks
+        // in the log, so no block of the object is packed.)
+        let mut written = Written::new(&[
+            vec![(1, 0, 0xa1, 8 * block), (2, 0, 0xa2, 2 * block)],
+            vec![
+                (1, block + 512, 0xb1, 2 * block + 512),
+                (1, 5 * block + 512, 0xb2, block),
+                (1, 7 * block, 0xb3, block),
+            ],
+        ]);
+        // Object 1's block 4 in batch 1 is damaged since: moved as it is, marked damaged.
+        let data = written.placed[0].data_offsets_bytes.clone();
+        written.disk[(data[0] + 4 * u64::from(block)) as usize + 100] ^= 0xff;
+        let before = [written.read_object(1), written.read_object(2)];
+
+        let planned = written.plan_first_batch();
+        assert!(planned.packs.is_empty());
+        // Object 1 still reads its block 0 and 512 bytes of block 1, from 1 KiB into block
+        // 3 to 512 bytes into block 5 (a move from within a block), and from 512 bytes
+        // into block 6 to its end; object 2 is read whole.
         let moved: Vec<(ObjectKey, u32, u32, u64)> = planned
             .moves
             .iter()
@@ -1080,19 +1380,24 @@ mod tests {
         assert_eq!(
             moved,
             vec![
-                (object(1), 0, block, data[0]),
+                (object(1), 0, block + 512, data[0]),
                 (
                     object(1),
                     3 * block + 1024,
-                    4 * block - 1024,
+                    2 * block - 512,
                     data[0] + 3 * u64::from(block) + 1024
+                ),
+                (
+                    object(1),
+                    6 * block + 512,
+                    block - 512,
+                    data[0] + 6 * u64::from(block) + 512
                 ),
                 (object(2), 0, 2 * block, data[1]),
             ]
         );
-        let relocated: Vec<Entry> = planned.appends.concat();
-        let bytes: usize = relocated.iter().map(|entry| entry.data.len()).sum();
-        assert_eq!(bytes, 7 * BLOCK_SIZE - 1024);
+        let bytes: usize = planned.appends.iter().flatten().map(|e| e.data.len()).sum();
+        assert_eq!(bytes, 6 * BLOCK_SIZE - 512);
         // The second move's first two blocks at the new place hold bytes of the damaged
         // block.
         let damaged: Vec<&[u64]> = planned
@@ -1100,26 +1405,70 @@ mod tests {
             .iter()
             .map(|m| m.damaged_blocks.as_slice())
             .collect();
-        assert_eq!(damaged, [&[][..], &[0, 1][..], &[][..]]);
-        assert_eq!(planned.damaged, vec![pg]);
-        for (entry, moved) in relocated.iter().zip(&planned.moves) {
+        assert_eq!(damaged, [&[][..], &[0, 1][..], &[][..], &[][..]]);
+        assert_eq!(planned.damaged, vec![written.pg]);
+        written.relocate(planned);
+        assert_eq!([written.read_object(1), written.read_object(2)], before);
+    }
+
+    /// A block of an object whose pieces lie in several blocks of the log (sectors written
+    /// one at a time) is packed into one when the cleaner meets one of them: the pieces it
+    /// did not read are read back from where they lie. Reads return the same after, with
+    /// the step's batch gone, and the object keeps a block of the log per block of its
+    /// own. If the pieces cannot be read back, what the step read of the block is moved
+    /// as it was instead.
+    #[test]
+    fn blocks_written_a_sector_at_a_time_are_packed_when_the_cleaner_meets_them() {
+        let (block, b) = (BLOCK_SIZE as u32, BLOCK_SIZE as u64);
+        for read_back in [true, false] {
+            // Batch 1: 4 blocks of object 1. Batch 2: two sectors of its block 1, each in a
+            // block of the log of its own, and a sector of its block 6 alone.
+            let mut written = Written::new(&[
+                vec![(1, 0, 0xa1, 4 * block)],
+                vec![
+                    (1, block + 1024, 0xb1, 512),
+                    (1, block + 2560, 0xb2, 512),
+                    (1, 6 * block, 0xb3, 512),
+                ],
+            ]);
+            let before = written.read_object(1);
+            let objects = written.objects();
+            // Unpacked, the pieces of block 1 keep the batch's block 1 in use (counted for
+            // each of its three pieces, not next to each other in the object) and one
+            // block per sector: 9 blocks counted, 5 once packed.
+            assert_eq!(objects.occupied_bytes(), 9 * b);
+            assert_eq!(objects.packable_bytes(), 4 * b);
+
+            let mut planned = written.plan_first_batch();
+            assert_eq!(planned.packs.len(), 1, "{:?}", planned.packs);
+            let pack = &planned.packs[0];
+            assert_eq!((pack.object, pack.block_start), (object(1), b));
+            // What is left of the batch moves as it was: blocks 0, 2 and 3.
+            let moved: Vec<(u32, u32)> = planned
+                .moves
+                .iter()
+                .map(|m| (m.from.offset_bytes, m.from.len_bytes))
+                .collect();
+            assert_eq!(moved, [(0, block), (2 * block, 2 * block)]);
+            // What the step read of block 1, should its pieces not be read back.
+            let instead: Vec<(u32, u32)> = pack
+                .instead
+                .iter()
+                .map(|(_, m)| (m.from.offset_bytes, m.from.len_bytes))
+                .collect();
             assert_eq!(
-                PayloadRef::from_meta(&entry.meta, moved.from.device_offset_bytes),
-                moved.from
+                instead,
+                [(block, 1024), (block + 1536, 1024), (block + 3072, 1024)]
             );
+            let read = read_back.then(|| written.read_pieces(&pack.pieces));
+            planned = planned.with_packs(vec![read]);
+            written.relocate(planned);
+            assert_eq!(written.read_object(1), before);
+            // Packed: blocks 0, 2 and 3 moved, block 1 packed into one, and block 6's
+            // sector. Not: the three parts of block 1 the step read moved, each into a
+            // block of its own, and the two sectors where they were.
+            let occupied = if read_back { 5 } else { 9 };
+            assert_eq!(written.objects().occupied_bytes(), occupied * b);
         }
-        // The relocations written at the head and the moves applied: the old copy can go.
-        let batch = append(&mut disk, &relocated);
-        for (moved, to) in planned.moves.iter().zip(&batch.data_offsets_bytes) {
-            apply_move(moved, *to, &mut raft, &mut index);
-        }
-        let old = first.offset_bytes as usize;
-        disk[old..old + first.bytes.len()].fill(0xee);
-        let objects = &index[&pg];
-        let after = [
-            read_object(&disk, objects, 1),
-            read_object(&disk, objects, 2),
-        ];
-        assert_eq!(after, before);
     }
 }

@@ -47,6 +47,13 @@ pub struct PayloadRef {
 }
 
 impl PayloadRef {
+    /// Bytes of the log blocks the payload keeps in use (a 512-byte write keeps one).
+    pub fn occupied_bytes(&self) -> u64 {
+        let block = BLOCK_SIZE as u64;
+        let (start, len) = (self.device_offset_bytes, u64::from(self.len_bytes));
+        ((start + len).div_ceil(block) - start / block) * block
+    }
+
     /// The reference for a write's meta (as the log stores it) and payload location.
     pub fn from_meta(meta: &[u8; META_SIZE], device_offset_bytes: u64) -> Self {
         let u64_at = |at: usize| u64::from_le_bytes(meta[at..at + 8].try_into().expect("8 bytes"));
@@ -440,6 +447,16 @@ impl PgObjects {
     /// Bytes of the log blocks all objects' data touches ([`ExtentMap::occupied_bytes`]).
     pub fn occupied_bytes(&self) -> u64 {
         self.objects.values().map(ExtentMap::occupied_bytes).sum()
+    }
+
+    /// Bytes of log blocks that packing each object's blocks into one block of the log
+    /// would free (for each object, what its data occupies beyond
+    /// [`ExtentMap::packed_bytes`]).
+    pub fn packable_bytes(&self) -> u64 {
+        self.objects
+            .values()
+            .map(|map| map.occupied_bytes().saturating_sub(map.packed_bytes()))
+            .sum()
     }
 }
 
