@@ -2140,12 +2140,24 @@ impl Core {
             let mut read = Vec::with_capacity(reads.len());
             for (_pin, start, pieces) in reads {
                 let block = BLOCK_SIZE as u64;
+                // Packed, the bytes get checksums anew: a block whose checksum is not
+                // known (its batch's header lost) is not vouched for, and stays where it
+                // is marked (the step's parts of it move as they were).
+                let vouched = pieces.iter().all(|piece| match *piece {
+                    Piece::Mapped {
+                        device_offset_bytes: at,
+                        len_bytes: len,
+                        ..
+                    } => (at / block..(at + len).div_ceil(block))
+                        .all(|n| sums.get(n * block).is_some()),
+                    Piece::Hole { .. } => true,
+                });
                 let back = read_pieces(&engine, &sums, start, block, &pieces).await;
                 read.push(match back {
                     Ok(ReadBack {
                         data,
                         damaged: None,
-                    }) => Some(data),
+                    }) if vouched => Some(data),
                     _ => None,
                 });
             }
@@ -3337,8 +3349,8 @@ impl Core {
     }
 
     /// Counts the log blocks that payloads of the raft entries kept in memory keep in use
-    /// and the object index reads nothing of (what it reads, its count has; a walk over
-    /// them all, every half second). Counted by their bytes, 512-byte writes whose index had
+    /// beyond those the object index's count has of them (at least the blocks its live
+    /// bytes there fill; a walk over them all, every half second). Counted by their bytes, 512-byte writes whose index had
     /// moved to a packed block kept eight times what was counted, and the cleaner took that
     /// for reclaimable, moving live data round the ring without end.
     fn refresh_retained_bytes(&mut self) {
@@ -3347,14 +3359,17 @@ impl Core {
             let (Some(storage), objects) = (self.raft.storage(pg), self.objects.get(&pg)) else {
                 continue;
             };
+            // Less the blocks the index's live bytes there take at least.
+            let block = BLOCK_SIZE as u64;
             bytes += storage
                 .retained()
                 .iter()
                 .filter_map(|entry| PayloadRef::decode(&entry.data))
-                .filter(|reference| {
-                    objects.is_none_or(|objects| objects.live_bytes(reference) == 0)
+                .map(|reference| {
+                    let live = objects.map_or(0, |objects| objects.live_bytes(&reference));
+                    let indexed = live.div_ceil(block) * block;
+                    reference.occupied_bytes().saturating_sub(indexed)
                 })
-                .map(|reference| reference.occupied_bytes())
                 .sum::<u64>();
         }
         self.reclaim.retained_bytes = bytes;

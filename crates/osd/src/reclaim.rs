@@ -291,9 +291,9 @@ impl Relocations {
         }
         moves.append(&mut self.moves);
         self.moves = moves;
-        let mut appends = batch::split(entries);
-        appends.append(&mut self.appends);
-        self.appends = appends;
+        // Split together, so that the packs take no batch header of their own.
+        entries.extend(std::mem::take(&mut self.appends).into_iter().flatten());
+        self.appends = batch::split(entries);
         self
     }
 }
