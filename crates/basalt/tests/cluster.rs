@@ -1434,8 +1434,7 @@ fn a_replica_behind_in_every_pg_catches_up_on_a_half_full_device() {
 /// Writes of less than a block each keep a whole log block in use until the cleaner packs
 /// the pieces of each block of an object into one block of the log: every 512-byte sector
 /// of 12 MiB written one by one, twice over, would keep 96 MiB of blocks in use on 96 MiB
-/// devices unpacked (ENOSPC after 7 MiB of such writes before packing), and goes through
-/// verified. Live data is counted by the blocks of the objects it takes packed, so a
+/// devices unpacked (with packing off, it gets ENOSPC), and goes through verified. Live data is counted by the blocks of the objects it takes packed, so a
 /// sector written in every block of the image fills the log, and the OSDs report
 /// themselves full and writes fail with ENOSPC. Counting 512 bytes for each write, the
 /// cleaner took them for reclaimable and moved them round the ring without end; writes

@@ -2148,8 +2148,7 @@ impl Core {
                         device_offset_bytes: at,
                         len_bytes: len,
                         ..
-                    } => (at / block..(at + len).div_ceil(block))
-                        .all(|n| sums.get(n * block).is_some()),
+                    } => batch::blocks_touched(at, len).all(|n| sums.get(n * block).is_some()),
                     Piece::Hole { .. } => true,
                 });
                 let back = read_pieces(&engine, &sums, start, block, &pieces).await;
@@ -3350,9 +3349,10 @@ impl Core {
 
     /// Counts the log blocks that payloads of the raft entries kept in memory keep in use
     /// beyond those the object index's count has of them (at least the blocks its live
-    /// bytes there fill; a walk over them all, every half second). Counted by their bytes, 512-byte writes whose index had
-    /// moved to a packed block kept eight times what was counted, and the cleaner took that
-    /// for reclaimable, moving live data round the ring without end.
+    /// bytes there fill; a walk over them all, every half second). Counted by their bytes,
+    /// 512-byte writes whose index had moved to a packed block kept eight times what was
+    /// counted, and the cleaner took that for reclaimable, moving live data round the ring
+    /// without end.
     fn refresh_retained_bytes(&mut self) {
         let mut bytes = 0;
         for pg in self.raft.pgs() {

@@ -319,10 +319,10 @@ impl Pack {
             };
             // The object's bytes that the blocks of the log it lies in would hold, written
             // with it: those still read there must be within the block.
-            let first = device_offset_bytes / block;
-            let last = (device_offset_bytes + len_bytes - 1) / block;
-            let from = offset_bytes.saturating_sub(device_offset_bytes % block);
-            let to = offset_bytes + (last - first + 1) * block - device_offset_bytes % block;
+            let touched = batch::blocks_touched(device_offset_bytes, len_bytes);
+            let into_first = device_offset_bytes % block;
+            let from = offset_bytes.saturating_sub(into_first);
+            let to = offset_bytes + (touched.end - touched.start) * block - into_first;
             let shared = objects
                 .plan_read(object, from, to - from)
                 .iter()
@@ -337,7 +337,7 @@ impl Pack {
             if shared {
                 return None;
             }
-            device_blocks.extend(first..=last);
+            device_blocks.extend(touched);
         }
         device_blocks.sort_unstable();
         device_blocks.dedup();

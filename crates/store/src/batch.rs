@@ -25,6 +25,13 @@ use basalt_common::{Lsn, PgId, PoolId};
 
 /// The block size of the log: every batch and every entry's data start on a block.
 pub const BLOCK_SIZE: usize = 4096;
+/// The blocks (numbered from the device's start) that `len_bytes` (more than none) from
+/// `offset_bytes` touch.
+pub fn blocks_touched(offset_bytes: u64, len_bytes: u64) -> std::ops::Range<u64> {
+    let block = BLOCK_SIZE as u64;
+    offset_bytes / block..(offset_bytes + len_bytes).div_ceil(block)
+}
+
 /// Bytes of a descriptor.
 pub const DESCRIPTOR_SIZE: usize = 64;
 /// Bytes before the first descriptor.

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::batch::BLOCK_SIZE;
+use crate::batch::{BLOCK_SIZE, blocks_touched};
 
 /// A mapped range: `len_bytes` of the object starting at the key, stored at
 /// `device_offset_bytes` in the log.
@@ -18,8 +18,8 @@ struct Mapping {
 
 /// The first and last blocks `len` bytes from `offset` touch.
 fn blocks(offset: u64, len: u64) -> (u64, u64) {
-    let block = BLOCK_SIZE as u64;
-    (offset / block, (offset + len - 1) / block)
+    let touched = blocks_touched(offset, len);
+    (touched.start, touched.end - 1)
 }
 
 impl Mapping {

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use basalt_common::{ImageId, ObjectKey};
 
-use crate::batch::{BLOCK_SIZE, META_SIZE};
+use crate::batch::{BLOCK_SIZE, META_SIZE, blocks_touched};
 use crate::extent_map::{ExtentMap, Piece};
 
 /// Entry kinds in the log; values are part of the on-disk format.
@@ -49,9 +49,8 @@ pub struct PayloadRef {
 impl PayloadRef {
     /// Bytes of the log blocks the payload keeps in use (a 512-byte write keeps one).
     pub fn occupied_bytes(&self) -> u64 {
-        let block = BLOCK_SIZE as u64;
-        let (start, len) = (self.device_offset_bytes, u64::from(self.len_bytes));
-        ((start + len).div_ceil(block) - start / block) * block
+        let touched = blocks_touched(self.device_offset_bytes, u64::from(self.len_bytes));
+        (touched.end - touched.start) * BLOCK_SIZE as u64
     }
 
     /// The reference for a write's meta (as the log stores it) and payload location.
@@ -344,11 +343,7 @@ impl PgObjects {
                     len_bytes,
                     device_offset_bytes,
                     ..
-                } => {
-                    let first = device_offset_bytes / block;
-                    let end = (device_offset_bytes + len_bytes).div_ceil(block);
-                    (first..end).contains(&wanted)
-                }
+                } => blocks_touched(device_offset_bytes, len_bytes).contains(&wanted),
                 Piece::Hole { .. } => false,
             })
     }
