@@ -50,7 +50,7 @@ metric_sum() {
     local total=0 value
     for port in "${metric_ports[@]}"; do
         value=$(curl -s "127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}')
-        total=$(python3 -c "print($total + float('${value:-nan}'))")
+        total=$(python3 -c "print(float('$total') + float('${value:-nan}'))")
     done
     echo "$total"
 }

@@ -1451,8 +1451,9 @@ fn writes_of_less_than_a_block_are_packed_and_fill_the_log_by_the_blocks_they_ta
     fio(&uri, &args(&sectors));
     sectors.push("--verify_only".to_string());
     fio(&uri, &args(&sectors));
+    // Sectors not packed yet take blocks: the OSDs may be nearly full, not full.
     let status = cluster.cli_ok(&["status"]);
-    assert!(!status.contains("full"), "{status}");
+    assert!(!status.contains("writes refused"), "{status}");
 
     let started = Instant::now();
     let output = run(Command::new("fio").args([

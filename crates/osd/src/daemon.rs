@@ -1900,18 +1900,22 @@ impl Core {
     }
 
     /// The live bytes this OSD holds at most before [`Core::is_full`] (once the log is a
-    /// ring; a thirty-second of it is left for what cleaning cannot pack): what the health
-    /// check's nearly-full warning counts from.
+    /// ring): what the health check's nearly-full warning counts from. Besides the free
+    /// space the cleaner keeps, an eighth of the ring is left to dead data and to what
+    /// cleaning cannot pack. The cleaner frees the ring from its tail, in the order it was
+    /// written, so the live data it moves per byte it frees grows as dead data thins out:
+    /// with a sixteenth left, 4 KiB random writes moved 16 bytes per byte written and ran
+    /// at a fifth of their speed on a half-full log; with an eighth, 4.5 bytes, at 40%
+    /// (`bench/near-full.sh`, docs/benchmarks.md).
     fn writable_bytes(&self) -> u64 {
         let ring = self.log.ring().len_bytes;
-        ring.saturating_sub(ring / 32 + self.kept_free_bytes())
+        ring.saturating_sub(ring / 8 + self.kept_free_bytes())
     }
 
     /// Free log space an OSD keeps before it reports itself full: the cleaner's reserve,
-    /// the headroom and a margin of a sixteenth of the ring, between 1 and 256 MiB.
+    /// the headroom, and up to twice the cleaner's span above them (its high mark).
     fn kept_free_bytes(&self) -> u64 {
-        let margin = (self.log.ring().len_bytes / 16).clamp(1 << 20, 256 << 20);
-        self.log.reserve_bytes() + self.headroom() + margin
+        self.log.reserve_bytes() + self.headroom() + 2 * self.clean_span()
     }
 
     /// Log space kept free besides the cleaner's reserve.
@@ -1973,7 +1977,18 @@ impl Core {
 
     /// Free space below which the cleaner runs.
     fn clean_low_mark(&self) -> u64 {
-        self.log.reserve_bytes() + self.headroom() + self.log.ring().len_bytes / 16
+        self.log.reserve_bytes() + self.headroom() + self.clean_span()
+    }
+
+    /// How far above what writes need free the cleaner starts, and how much further it
+    /// goes once started: a sixty-fourth of the ring, between one cleaner step and 64 MiB.
+    /// It only absorbs bursts of writes (writes get `Busy` while the cleaner catches up).
+    /// Free space it keeps is room dead data cannot take, and the less dead data the tail
+    /// holds, the more live data the cleaner moves per byte it frees: with a sixteenth of
+    /// the ring from either mark, it moved four times as much at 90% of what the OSD holds.
+    fn clean_span(&self) -> u64 {
+        let step = crate::log_device::MAX_BATCH_BYTES + BLOCK_SIZE as u64;
+        (self.log.ring().len_bytes / 64).clamp(step, 64 << 20)
     }
 
     /// Starts a cleaner step when free space runs low and cleaning can free some.
@@ -1997,7 +2012,7 @@ impl Core {
         let low = self.clean_low_mark();
         // Cleaning goes on past the high mark for a snapshot install that needs the room.
         let wanted = self.wanted_free();
-        let high = (low + ring / 16).max(wanted);
+        let high = (low + self.clean_span()).max(wanted);
         if free < wanted {
             self.reclaim.press();
         }
@@ -2292,11 +2307,18 @@ impl Core {
             .0
             .saturating_sub(self.log.tail_position());
         // What the cleaner moved takes free space until the next checkpoint frees what it
-        // went through: with little free space, a checkpoint follows every step (the
-        // cleaner counts what it went through as free; writes wait for it to be).
-        // So too while the cleaner works towards the room a snapshot install needs.
-        let trigger = if self.log.free_bytes() < self.clean_low_mark().max(self.wanted_free()) {
+        // went through (the cleaner counts what it went through as free; writes wait for
+        // it to be). Below the cleaner's low mark, a checkpoint follows every half span
+        // cleaned (each writes the whole index), and every step once free space is within
+        // half a span
+        // of what writes need, or while the cleaner works towards the room a snapshot
+        // install needs.
+        let free = self.log.free_bytes();
+        let (low, span) = (self.clean_low_mark(), self.clean_span());
+        let trigger = if free < self.wanted_free() || free + span / 2 < low {
             BLOCK_SIZE as u64
+        } else if free < low {
+            span / 2
         } else {
             (ring / 16).min(self.log.reserve_bytes() / 2)
         };
@@ -4195,6 +4217,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     stats.device_bytes as f64,
                 ),
                 (
+                    "checkpoint_bytes_total",
+                    counter,
+                    "Bytes of checkpoints written (outside the log).",
+                    stats.checkpoint_bytes as f64,
+                ),
+                (
                     "log_data_bytes_total",
                     counter,
                     "Entry data bytes written to the log.",
@@ -4229,6 +4257,12 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     gauge,
                     "Bytes of the device's log region.",
                     report.capacity_bytes as f64,
+                ),
+                (
+                    "writable_bytes",
+                    gauge,
+                    "Live bytes (counted by the log blocks they keep) this OSD holds before it reports itself full.",
+                    report.writable_bytes as f64,
                 ),
                 (
                     "map_epoch",

@@ -187,6 +187,8 @@ pub struct LogStats {
     pub device_bytes: u64,
     /// Bytes of entry data.
     pub data_bytes: u64,
+    /// Bytes of checkpoints written (outside the log's ring).
+    pub checkpoint_bytes: u64,
 }
 
 impl LogStats {
@@ -208,6 +210,7 @@ struct Counters {
     entries: AtomicU64,
     device_bytes: AtomicU64,
     data_bytes: AtomicU64,
+    checkpoint_bytes: AtomicU64,
     /// The position after the last batch placed.
     head_position: AtomicU64,
     /// The writer may reuse the ring before this position: the tail the checkpoints
@@ -651,6 +654,7 @@ impl LogDevice {
         let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
         let engine = self.engine.clone();
         let path = self.path.clone();
+        let counters = self.counters.clone();
         async move {
             if bytes.len() as u64 > area_bytes {
                 return Err(LogDeviceError::CheckpointTooLarge {
@@ -658,11 +662,13 @@ impl LogDevice {
                     area_bytes,
                 });
             }
+            let len = bytes.len() as u64;
             engine
                 .write(offset, DmaBuf::from_slice(&bytes), true)
                 .await
-                .map(|_| ())
-                .map_err(|source| LogDeviceError::Io { path, source })
+                .map_err(|source| LogDeviceError::Io { path, source })?;
+            counters.checkpoint_bytes.fetch_add(len, Ordering::Relaxed);
+            Ok(())
         }
     }
 
@@ -729,6 +735,7 @@ impl LogDevice {
             entries: c.entries.load(Ordering::Relaxed),
             device_bytes: c.device_bytes.load(Ordering::Relaxed),
             data_bytes: c.data_bytes.load(Ordering::Relaxed),
+            checkpoint_bytes: c.checkpoint_bytes.load(Ordering::Relaxed),
         }
     }
 }
