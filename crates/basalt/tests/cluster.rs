@@ -228,6 +228,19 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
     );
     refused(&["image", "info", "nopool/img"], "does not exist");
     refused(&["pg", "query", "zz"], "is not a PG id");
+    // An OSD whose device would hold next to nothing once the cleaner's room is kept.
+    let tiny = dir.path.join("tiny-osd");
+    refused(
+        &[
+            "osd",
+            "--data-dir",
+            tiny.to_str().expect("utf-8"),
+            "--device-size",
+            "40MiB",
+            "--sparse-device",
+        ],
+        "use a larger device",
+    );
     cluster.cli_ok(&["pool", "create", "p", "--pg-count", "4", "--size", "1"]);
     refused(
         &["pool", "create", "p", "--pg-count", "4", "--size", "1"],
@@ -1028,7 +1041,7 @@ fn three_monitors_survive_the_loss_of_their_leader() {
 fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-full");
-    let cluster = small_osd_cluster(&dir.path, 1, "48MiB", None, "64MiB");
+    let cluster = small_osd_cluster(&dir.path, 1, "64MiB", None, "64MiB");
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, false, &["write -P 0xab 0 8M"]);
 
@@ -1105,12 +1118,12 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
         written.len() >= 8,
         "some writes went before it filled: {written:?}"
     );
-    // The OSD says it is full once its live data passes 28 MiB (what its 62 MiB log keeps
-    // free for cleaning and raft's entries aside), and the reserve holds what its PGs'
+    // The OSD says it is full once its live data passes 18 MiB (what its 62 MiB log keeps
+    // free for cleaning and raft's entries, and leaves to dead data, aside), and the reserve holds what its PGs'
     // leaders accept until the map tells them (16 MiB above the cleaner's floor): past
     // that the full replica cannot persist its raft entries and falls behind for good.
     assert!(
-        written.len() <= 28 + 16,
+        written.len() <= 18 + 16,
         "osd.{small} reported full too late: {} MiB written",
         written.len()
     );

@@ -189,6 +189,21 @@ pub enum OsdError {
     /// An invariant broke; the OSD stops rather than serve wrong data (a restart replays).
     #[error("internal error: {0}")]
     Internal(String),
+    /// The device's log could hold next to no client data besides the room the cleaner
+    /// and raft's entries need.
+    #[error(
+        "{path}: a log of {capacity_bytes} bytes holds {writable_bytes} bytes of client data before it is full, less than {least}; use a larger device"
+    )]
+    TooSmall {
+        /// The device.
+        path: String,
+        /// Its log region.
+        capacity_bytes: u64,
+        /// What it would hold before it is full.
+        writable_bytes: u64,
+        /// The least it must hold.
+        least: u64,
+    },
 }
 
 /// What an OSD answers besides client I/O, as JSON in control frames.
@@ -1908,19 +1923,17 @@ impl Core {
     /// at a fifth of their speed on a half-full log; with an eighth, 4.5 bytes, at 40%
     /// (`bench/near-full.sh`, docs/benchmarks.md).
     fn writable_bytes(&self) -> u64 {
-        let ring = self.log.ring().len_bytes;
-        ring.saturating_sub(ring / 8 + self.kept_free_bytes())
+        writable_bytes(&self.log)
     }
 
-    /// Free log space an OSD keeps before it reports itself full: the cleaner's reserve,
-    /// the headroom, and up to twice the cleaner's span above them (its high mark).
+    /// Free log space an OSD keeps before it reports itself full.
     fn kept_free_bytes(&self) -> u64 {
-        self.log.reserve_bytes() + self.headroom() + 2 * self.clean_span()
+        kept_free_bytes(&self.log)
     }
 
     /// Log space kept free besides the cleaner's reserve.
     fn headroom(&self) -> u64 {
-        LOG_RESERVE_BYTES.min(self.log.ring().len_bytes / 16)
+        headroom(self.log.ring().len_bytes)
     }
 
     /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
@@ -1981,14 +1994,9 @@ impl Core {
     }
 
     /// How far above what writes need free the cleaner starts, and how much further it
-    /// goes once started: a sixty-fourth of the ring, between one cleaner step and 64 MiB.
-    /// It only absorbs bursts of writes (writes get `Busy` while the cleaner catches up).
-    /// Free space it keeps is room dead data cannot take, and the less dead data the tail
-    /// holds, the more live data the cleaner moves per byte it frees: with a sixteenth of
-    /// the ring from either mark, it moved four times as much at 90% of what the OSD holds.
+    /// goes once started.
     fn clean_span(&self) -> u64 {
-        let step = crate::log_device::MAX_BATCH_BYTES + BLOCK_SIZE as u64;
-        (self.log.ring().len_bytes / 64).clamp(step, 64 << 20)
+        clean_span(self.log.ring().len_bytes)
     }
 
     /// Starts a cleaner step when free space runs low and cleaning can free some.
@@ -2308,14 +2316,18 @@ impl Core {
             .saturating_sub(self.log.tail_position());
         // What the cleaner moved takes free space until the next checkpoint frees what it
         // went through (the cleaner counts what it went through as free; writes wait for
-        // it to be). Below the cleaner's low mark, a checkpoint follows every half span
-        // cleaned (each writes the whole index), and every step once free space is within
-        // half a span
-        // of what writes need, or while the cleaner works towards the room a snapshot
-        // install needs.
+        // it to be). Below the cleaner's low mark, while the cleaner works, a checkpoint
+        // follows every half span cleaned (each writes the whole index); it follows every
+        // step once free space is within half a span of what writes need, or while the
+        // cleaner works towards the room a snapshot install needs, and at once when the
+        // cleaner has stopped below the mark (counting what it cleaned as free, it would
+        // not start again, and installs wait while free space is below it).
         let free = self.log.free_bytes();
         let (low, span) = (self.clean_low_mark(), self.clean_span());
-        let trigger = if free < self.wanted_free() || free + span / 2 < low {
+        let trigger = if free < self.wanted_free()
+            || free + span / 2 < low
+            || (free < low && !self.reclaim.pressed)
+        {
             BLOCK_SIZE as u64
         } else if free < low {
             span / 2
@@ -3846,6 +3858,43 @@ impl Drop for Running {
     }
 }
 
+/// The live bytes an OSD holds at most before it reports itself full (once the log is a
+/// ring): what the health check's nearly-full warning counts from. Besides the free space
+/// the cleaner keeps, an eighth of the ring is left to dead data and to what cleaning
+/// cannot pack. The cleaner frees the ring from its tail, in the order it was written, so
+/// the live data it moves per byte it frees grows as dead data thins out: with a
+/// thirty-second left, 4 KiB random writes at 97% of the limit moved 28 bytes per byte
+/// written and ran at 13% of their speed on a half-full log; with an eighth, 3 bytes, at
+/// 45% (`bench/near-full.sh`, docs/benchmarks.md).
+fn writable_bytes(log: &LogDevice) -> u64 {
+    let ring = log.ring().len_bytes;
+    ring.saturating_sub(ring / 8 + kept_free_bytes(log))
+}
+
+/// Free log space an OSD keeps before it reports itself full: the cleaner's reserve, the
+/// headroom, and twice the cleaner's span above them (its high mark).
+fn kept_free_bytes(log: &LogDevice) -> u64 {
+    let ring = log.ring().len_bytes;
+    log.reserve_bytes() + headroom(ring) + 2 * clean_span(ring)
+}
+
+/// Log space kept free besides the cleaner's reserve, for a ring of `ring` bytes.
+fn headroom(ring: u64) -> u64 {
+    LOG_RESERVE_BYTES.min(ring / 16)
+}
+
+/// How far above what writes need free the cleaner starts, and how much further it goes
+/// once started, for a ring of `ring` bytes: a sixty-fourth of it, between one cleaner step
+/// and 64 MiB. It only absorbs bursts of writes (writes get `Busy` while the cleaner
+/// catches up). Free space it keeps is room dead data cannot take, and the less dead data
+/// the tail holds, the more live data the cleaner moves per byte it frees: with a
+/// sixteenth of the ring from either mark, it moved twice as much at 90% of what the OSD
+/// holds.
+fn clean_span(ring: u64) -> u64 {
+    let step = crate::log_device::MAX_BATCH_BYTES + BLOCK_SIZE as u64;
+    (ring / 64).clamp(step, 64 << 20)
+}
+
 /// Starts an OSD: opens (or creates) its device, replays its log, listens, registers with
 /// the monitors and hosts its PGs.
 pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
@@ -3854,6 +3903,16 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let superblock = prepare_device(&path, config.device_size_bytes, config.device_fill).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
+    // An OSD that could hold less than one largest write would report itself full at once.
+    let least = crate::log_device::MAX_BATCH_BYTES;
+    if writable_bytes(&opened.device) < least {
+        return Err(OsdError::TooSmall {
+            path: path.display().to_string(),
+            capacity_bytes,
+            writable_bytes: writable_bytes(&opened.device),
+            least,
+        });
+    }
     // Client data replay found damaged at rest, by PG, with its batch's LSN: marked so
     // (reads of it fail), and the copies of its PGs are rebuilt from the other replicas
     // once the OSD runs; so are those of PGs whose data the checkpoint marks damaged.
