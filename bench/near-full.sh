@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Writes as an OSD's log fills: for each fill level, a fresh monitor and three OSDs (release
 # build, device files of DEVICE_SIZE), a 3-replica image sized to that fraction of what an
-# OSD holds before it reports itself full (`basalt_osd_writable_bytes`), written once sequentially, then overwritten at random with `basalt bench
-# --image` (4 KiB, QD16) for RUNTIME seconds. Reports per level the random writes' IOPS and
-# latency, the bytes the cleaner moved per byte the clients wrote meanwhile, the bytes the
-# OSDs wrote to their devices (log and checkpoints) per byte the clients wrote, and what
-# `basalt status` said at the end.
+# OSD holds before it reports itself full (`basalt_osd_writable_bytes`), written once
+# sequentially (FILL_BS at a time), then overwritten at random with `basalt bench --image`
+# (4 KiB, QD16) for RUNTIME seconds. Reports per level the random writes' IOPS and latency,
+# the bytes the cleaner moved per byte the clients wrote meanwhile, the bytes the OSDs wrote
+# to their devices (log and checkpoints) and those of checkpoints alone per byte the clients
+# wrote, and what `basalt status` said at the end.
 #
 # Usage: bench/near-full.sh [REPORT.md]
 # Environment: BASE_DIR (default /var/tmp/basalt-bench-near-full), RUNTIME (default 20),
 # DEVICE_SIZE (default 512MiB), LEVELS (default "0.5 0.8 0.9 0.97"), or SIZES (image sizes in
 # MiB instead, for builds without that metric or to compare builds), PGS (default 16),
-# BASALT (default target/release/basalt), OSD_ARGS.
+# BASALT (default target/release/basalt), OSD_ARGS, FILL_BS (default 1MiB; 4KiB makes an
+# index entry per block, as data written 4 KiB at a time has).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPORT=${1:-}
@@ -20,6 +22,7 @@ RUNTIME=${RUNTIME:-20}
 DEVICE_SIZE=${DEVICE_SIZE:-512MiB}
 LEVELS=${LEVELS:-0.5 0.8 0.9 0.97}
 PGS=${PGS:-16}
+FILL_BS=${FILL_BS:-1MiB}
 BASALT=${BASALT:-target/release/basalt}
 [ -n "${BASALT_BUILT:-}" ] || [ "$BASALT" != target/release/basalt ] || cargo build --release -q --locked -p basalt
 . bench/cluster-lib.sh
@@ -47,10 +50,12 @@ for level in ${SIZES:-$LEVELS}; do
         mib=$(python3 -c "print(int($(writable) * $level) >> 20)")
     fi
     "$BASALT" image create nf/img --size "${mib}MiB" --mon "$MON" >/dev/null
-    "$BASALT" bench --image nf/img --mon "$MON" --rw write --bs 1MiB --iodepth 4 \
-        --io-count "$mib" --json >"$BASE_DIR/fill.json"
+    "$BASALT" bench --image nf/img --mon "$MON" --rw write --bs "$FILL_BS" --iodepth 16 \
+        --size "${mib}MiB" --io-count "$(python3 -c "print(($mib << 20) // $(numfmt --from=iec-i "${FILL_BS%B}"))")" \
+        --json >"$BASE_DIR/fill.json"
     moved0=$(metric_sum basalt_osd_relocated_bytes_total)
     device0=$(device_bytes)
+    checkpoints0=$(metric_sum basalt_osd_checkpoint_bytes_total)
     set +e
     "$BASALT" bench --image nf/img --mon "$MON" --rw randwrite --iodepth 16 \
         --runtime "$RUNTIME" --json >"$BASE_DIR/rand.json" 2>"$BASE_DIR/rand.err"
@@ -58,19 +63,20 @@ for level in ${SIZES:-$LEVELS}; do
     set -e
     moved=$(python3 -c "print($(metric_sum basalt_osd_relocated_bytes_total) - $moved0)")
     device=$(python3 -c "print(float('$(device_bytes)') - float('$device0'))")
+    checkpoints=$(python3 -c "print(float('$(metric_sum basalt_osd_checkpoint_bytes_total)') - float('$checkpoints0'))")
     health=$("$BASALT" status --mon "$MON" | awk '/health:/ {print $2}')
-    rows+=("$(python3 - "$level" "$mib" "$BASE_DIR/rand.json" "$rc" "$moved" "$device" "$health" "$BASE_DIR/rand.err" <<'PY'
+    rows+=("$(python3 - "$level" "$mib" "$BASE_DIR/rand.json" "$rc" "$moved" "$device" "$checkpoints" "$health" "$BASE_DIR/rand.err" <<'PY'
 import json, sys
-level, mib, path, rc, moved, device, health, err = sys.argv[1:]
+level, mib, path, rc, moved, device, checkpoints, health, err = sys.argv[1:]
 if rc != "0":
     first = open(err).read().strip().splitlines()
-    print(f"| {level} | {mib} | failed: {first[-1] if first else 'rc ' + rc} | | | | | | {health} |")
+    print(f"| {level} | {mib} | failed: {first[-1] if first else 'rc ' + rc} | | | | | | | {health} |")
     sys.exit()
 w = json.load(open(path))["write"]
 p = dict(w["latency"]["percentiles_us"])
 print(f"| {level} | {mib} | {w['iops']:,.0f} | {w['latency']['mean_us']:,.0f} | {p.get('p99', float('nan')):,.0f} "
       f"| {w['latency']['max_us'] / 1000:,.0f} | {float(moved) / 3 / w['bytes']:.2f} "
-      f"| {float(device) / 3 / w['bytes']:.2f} | {health} |")
+      f"| {float(device) / 3 / w['bytes']:.2f} | {float(checkpoints) / 3 / w['bytes']:.2f} | {health} |")
 PY
 )")
 done
@@ -78,9 +84,9 @@ done
 {
     echo "# Writes as the log fills ($(git rev-parse --short HEAD), $(date -u +%F))"
     echo
-    echo "Device $DEVICE_SIZE per OSD, $PGS PGs of 3 replicas, 4 KiB random writes at QD16 for ${RUNTIME} s over an image written once; OSD_ARGS='${OSD_ARGS:-}'."
+    echo "Device $DEVICE_SIZE per OSD, $PGS PGs of 3 replicas, 4 KiB random writes at QD16 for ${RUNTIME} s over an image written once ${FILL_BS} at a time; OSD_ARGS='${OSD_ARGS:-}'."
     echo
-    echo "| image / writable | image MiB | IOPS | mean µs | p99 µs | max ms | moved per byte written, per replica | device bytes per byte written, per replica | health after |"
-    echo "|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    echo "| image / writable | image MiB | IOPS | mean µs | p99 µs | max ms | moved per byte written, per replica | device bytes per byte written, per replica | of which checkpoints | health after |"
+    echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     printf '%s\n' "${rows[@]}"
 } | tee "${REPORT:-/dev/null}"

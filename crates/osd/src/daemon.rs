@@ -73,6 +73,9 @@ pub const CHECKSUM_ERRORS_FILE: &str = "checksum-errors";
 /// (at most a sixteenth of the ring), besides the log device's reserve for the cleaner:
 /// client writes wait (`Busy`) or are refused (`NoSpace`) below it.
 pub const LOG_RESERVE_BYTES: u64 = 16 << 20;
+/// Checkpoints write at most about one byte in this many of what the cleaner goes through
+/// ([`checkpoint_room`]).
+const CHECKPOINT_SHARE: u64 = 8;
 /// How long writes wait (`Busy`) for the cleaner without it freeing any space, before they
 /// are refused with `NoSpace`.
 const BUSY_WITHOUT_PROGRESS: Duration = Duration::from_secs(10);
@@ -1990,7 +1993,7 @@ impl Core {
 
     /// Free space below which the cleaner runs.
     fn clean_low_mark(&self) -> u64 {
-        self.log.reserve_bytes() + self.headroom() + self.clean_span()
+        clean_low_mark(&self.log)
     }
 
     /// How far above what writes need free the cleaner starts, and how much further it
@@ -2317,22 +2320,22 @@ impl Core {
         // What the cleaner moved takes free space until the next checkpoint frees what it
         // went through (the cleaner counts what it went through as free; writes wait for
         // it to be). Below the cleaner's low mark, while the cleaner works, a checkpoint
-        // follows every half span cleaned (each writes the whole index); it follows every
-        // step once free space is within half a span of what writes need, or while the
+        // follows every `checkpoint_room` cleaned (each writes the whole index); it follows
+        // every step once free space is within half a span of what writes need, or while the
         // cleaner works towards the room a snapshot install needs, and at once when the
         // cleaner has stopped below the mark (counting what it cleaned as free, it would
         // not start again, and installs wait while free space is below it).
         let free = self.log.free_bytes();
-        let (low, span) = (self.clean_low_mark(), self.clean_span());
+        let (low, room) = (self.clean_low_mark(), checkpoint_room(&self.log));
         let trigger = if free < self.wanted_free()
-            || free + span / 2 < low
+            || free + room < low
             || (free < low && !self.reclaim.pressed)
         {
             BLOCK_SIZE as u64
         } else if free < low {
-            span / 2
+            room
         } else {
-            (ring / 16).min(self.log.reserve_bytes() / 2)
+            (ring / 16).min(self.log.reserve_bytes() / 2).max(room)
         };
         since >= ring / 8 || cleaned >= trigger
     }
@@ -3871,11 +3874,31 @@ fn writable_bytes(log: &LogDevice) -> u64 {
     ring.saturating_sub(ring / 8 + kept_free_bytes(log))
 }
 
-/// Free log space an OSD keeps before it reports itself full: the cleaner's reserve, the
-/// headroom, and twice the cleaner's span above them (its high mark).
+/// Free log space an OSD keeps before it reports itself full: up to the cleaner's high
+/// mark, a span above its low mark.
 fn kept_free_bytes(log: &LogDevice) -> u64 {
+    clean_low_mark(log) + clean_span(log.ring().len_bytes)
+}
+
+/// Free space below which the cleaner runs: the reserve and the headroom (what writes
+/// need), half a span, and the room for what the cleaner goes through before a checkpoint
+/// frees it ([`checkpoint_room`]).
+fn clean_low_mark(log: &LogDevice) -> u64 {
     let ring = log.ring().len_bytes;
-    log.reserve_bytes() + headroom(ring) + 2 * clean_span(ring)
+    log.reserve_bytes() + headroom(ring) + clean_span(ring) / 2 + checkpoint_room(log)
+}
+
+/// What the cleaner goes through before a checkpoint frees it, while it works below its
+/// low mark: half a span, or eight times the last checkpoint's size if that is more (at
+/// most a sixteenth of the ring), so that checkpoints write at most an eighth of what the
+/// cleaner goes through. Each writes the whole index, about 28 bytes per extent: on a
+/// large device holding data written 4 KiB at a time, gigabytes, which a checkpoint after
+/// every half span (32 MiB at most) would write a hundred times over for every byte
+/// cleaned.
+fn checkpoint_room(log: &LogDevice) -> u64 {
+    let ring = log.ring().len_bytes;
+    let share = (CHECKPOINT_SHARE * log.last_checkpoint_bytes()).min(ring / 16);
+    (clean_span(ring) / 2).max(share)
 }
 
 /// Log space kept free besides the cleaner's reserve, for a ring of `ring` bytes.
@@ -4791,5 +4814,65 @@ mod tests {
         );
         // Room for all.
         assert_eq!(throttle(&led, 10).len(), led.len());
+    }
+
+    /// The cleaner leaves eight times the last checkpoint's size cleaned before a checkpoint
+    /// frees it (each writes the whole index), and the marks and what the OSD holds before
+    /// it is full make room for that; small checkpoints leave half a span.
+    #[test]
+    fn checkpoints_follow_the_cleaner_by_eight_times_their_size() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let path = std::env::temp_dir().join(format!("osd-marks-{}", std::process::id()));
+            std::fs::File::create(&path)
+                .expect("create")
+                .set_len(512 << 20)
+                .expect("set_len");
+            LogDevice::format_as(&path, [7; 16], Fill::Sparse)
+                .await
+                .expect("format");
+            let log = LogDevice::open(&path).await.expect("open").device;
+            let ring = log.ring().len_bytes;
+            let span = clean_span(ring);
+            assert_eq!(checkpoint_room(&log), span / 2, "before any checkpoint");
+            let (low, writable) = (clean_low_mark(&log), writable_bytes(&log));
+            assert_eq!(
+                low,
+                log.reserve_bytes() + headroom(ring) + span,
+                "half a span and half a span"
+            );
+            // A checkpoint with 3 MiB of block checksums: 24 MiB of room.
+            let checkpoint = basalt_store::checkpoint::Checkpoint {
+                sequence: 1,
+                replay_position: 0,
+                replay_lsn: Lsn::FIRST,
+                tail_position: 0,
+                tail_lsn: Lsn::FIRST,
+                pgs: Vec::new(),
+                block_sums: vec![(0, vec![0; 3 << 18])],
+                poisoned_blocks: Vec::new(),
+            };
+            log.write_checkpoint(0, &checkpoint)
+                .await
+                .expect("checkpoint");
+            let size = log.last_checkpoint_bytes();
+            assert!(size > 3 << 20, "{size}");
+            assert_eq!(checkpoint_room(&log), 8 * size);
+            let grown = 8 * size - span / 2;
+            assert_eq!(clean_low_mark(&log), low + grown);
+            assert_eq!(writable_bytes(&log), writable - grown);
+            // At most a sixteenth of the ring.
+            let huge = basalt_store::checkpoint::Checkpoint {
+                block_sums: vec![(0, vec![0; 5 << 18])],
+                ..checkpoint
+            };
+            log.write_checkpoint(1, &huge).await.expect("checkpoint");
+            assert_eq!(checkpoint_room(&log), ring / 16);
+            drop(log);
+            std::fs::remove_file(&path).expect("remove");
+        });
     }
 }

@@ -211,6 +211,8 @@ struct Counters {
     device_bytes: AtomicU64,
     data_bytes: AtomicU64,
     checkpoint_bytes: AtomicU64,
+    /// The size of the last checkpoint written (or being written).
+    last_checkpoint_bytes: AtomicU64,
     /// The position after the last batch placed.
     head_position: AtomicU64,
     /// The writer may reuse the ring before this position: the tail the checkpoints
@@ -650,6 +652,9 @@ impl LogDevice {
         checkpoint: &Checkpoint,
     ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<> {
         let bytes = checkpoint.encode();
+        self.counters
+            .last_checkpoint_bytes
+            .store(bytes.len() as u64, Ordering::Relaxed);
         let area_bytes = self.superblock.checkpoint_size_bytes;
         let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
         let engine = self.engine.clone();
@@ -670,6 +675,12 @@ impl LogDevice {
             counters.checkpoint_bytes.fetch_add(len, Ordering::Relaxed);
             Ok(())
         }
+    }
+
+    /// The size of the last checkpoint written since the device was opened (0 before the
+    /// first), counting one being written.
+    pub fn last_checkpoint_bytes(&self) -> u64 {
+        self.counters.last_checkpoint_bytes.load(Ordering::Relaxed)
     }
 
     /// Reads the batches from `position` (whose batch has `lsn`) up to `limit` whole, data
