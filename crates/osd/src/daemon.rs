@@ -4866,10 +4866,16 @@ mod tests {
             assert_eq!(writable_bytes(&log), writable - grown);
             // At most a sixteenth of the ring.
             let huge = basalt_store::checkpoint::Checkpoint {
+                sequence: 2,
                 block_sums: vec![(0, vec![0; 5 << 18])],
                 ..checkpoint
             };
             log.write_checkpoint(1, &huge).await.expect("checkpoint");
+            assert_eq!(checkpoint_room(&log), ring / 16);
+            // Opened again, the device counts the checkpoint it read.
+            drop(log);
+            let log = LogDevice::open(&path).await.expect("open").device;
+            assert!(log.last_checkpoint_bytes() > 5 << 20);
             assert_eq!(checkpoint_room(&log), ring / 16);
             drop(log);
             std::fs::remove_file(&path).expect("remove");

@@ -440,9 +440,10 @@ impl LogDevice {
             start_bytes: superblock.log_start_bytes,
             len_bytes: superblock.log_end_bytes - superblock.log_start_bytes,
         };
-        let checkpoint = read_checkpoints(path, superblock)
+        let (checkpoint, checkpoint_bytes) = read_checkpoints(path, superblock)
             .await
-            .map_err(io_error(path))?;
+            .map_err(io_error(path))?
+            .map_or((None, 0), |(checkpoint, len)| (Some(checkpoint), len));
         let (start, lsn, tail) = match &checkpoint {
             Some(c) => (c.replay_position, c.replay_lsn, c.tail_position),
             None => (0, superblock.first_lsn, 0),
@@ -475,6 +476,9 @@ impl LogDevice {
         let writer = LogWriter::new(ring, replayed.next_position, replayed.next_lsn, tail);
         let (queue, appends) = mpsc::unbounded_channel();
         let counters = Arc::new(Counters::default());
+        counters
+            .last_checkpoint_bytes
+            .store(checkpoint_bytes, Ordering::Relaxed);
         counters
             .fence_after_ms
             .store(FENCE_AFTER.as_millis() as u64, Ordering::Relaxed);
@@ -677,8 +681,8 @@ impl LogDevice {
         }
     }
 
-    /// The size of the last checkpoint written since the device was opened (0 before the
-    /// first), counting one being written.
+    /// The size of the last checkpoint written, counting one being written (at first, the
+    /// one read when the device was opened; 0 if none).
     pub fn last_checkpoint_bytes(&self) -> u64 {
         self.counters.last_checkpoint_bytes.load(Ordering::Relaxed)
     }
@@ -758,14 +762,14 @@ impl Drop for LogDevice {
 }
 
 /// Reads both checkpoint areas and returns the valid checkpoint with the higher sequence
-/// number (a torn or damaged one is passed over: the other is still whole).
+/// number (a torn or damaged one is passed over: the other is still whole), and its size.
 async fn read_checkpoints(
     path: &Path,
     superblock: Superblock,
-) -> std::io::Result<Option<Checkpoint>> {
+) -> std::io::Result<Option<(Checkpoint, u64)>> {
     let file = std::fs::File::open(path)?;
     tokio::task::spawn_blocking(move || {
-        let mut best: Option<Checkpoint> = None;
+        let mut best: Option<(Checkpoint, u64)> = None;
         for area in 0..2u64 {
             let offset =
                 superblock.checkpoint_start_bytes + area * superblock.checkpoint_size_bytes;
@@ -786,9 +790,9 @@ async fn read_checkpoints(
                 Ok(checkpoint) => {
                     if best
                         .as_ref()
-                        .is_none_or(|b| b.sequence < checkpoint.sequence)
+                        .is_none_or(|(b, _)| b.sequence < checkpoint.sequence)
                     {
-                        best = Some(checkpoint);
+                        best = Some((checkpoint, len as u64));
                     }
                 }
                 Err(error @ CheckpointError::Version { .. }) => {
