@@ -1117,6 +1117,12 @@ impl Core {
                     .relocated_bytes
                     .fetch_add(bytes, Ordering::Relaxed);
                 tracing::debug!(bytes, to = next.0, "relocated");
+                // What the step went through beyond what it moved is freed by the next
+                // checkpoint, which may be many steps away (`checkpoint_room`): progress
+                // all the same, so writes waiting meanwhile get `Busy`, not `NoSpace`.
+                if bytes < next.0.saturating_sub(self.reclaim.cleaned_to.0) {
+                    self.reclaim.progress_at = std::time::Instant::now();
+                }
                 self.reclaim.cleaned_to = next;
                 self.reclaim.cleaning = false;
             }
@@ -2279,6 +2285,10 @@ impl Core {
             "cleaner read"
         );
         if appends.is_empty() {
+            // Nothing live: all of it is freed by the next checkpoint.
+            if next.0 > self.reclaim.cleaned_to.0 {
+                self.reclaim.progress_at = std::time::Instant::now();
+            }
             self.reclaim.cleaned_to = next;
             self.reclaim.cleaning = false;
             return;
@@ -3874,10 +3884,15 @@ fn writable_bytes(log: &LogDevice) -> u64 {
     ring.saturating_sub(ring / 8 + kept_free_bytes(log))
 }
 
-/// Free log space an OSD keeps before it reports itself full: up to the cleaner's high
-/// mark, a span above its low mark.
+/// Free log space an OSD keeps before it reports itself full: the reserve, the headroom
+/// and two spans (the cleaner's high mark while checkpoints are small). Not the checkpoint
+/// room, which moves with the checkpoints' size (retained raft entries for a follower
+/// behind make one large): the limit would move with it, and a full flag set so could
+/// stay, with writes stopped and no checkpoint due; at most a sixteenth of the ring of the
+/// eighth left to dead data goes to it instead.
 fn kept_free_bytes(log: &LogDevice) -> u64 {
-    clean_low_mark(log) + clean_span(log.ring().len_bytes)
+    let ring = log.ring().len_bytes;
+    log.reserve_bytes() + headroom(ring) + 2 * clean_span(ring)
 }
 
 /// Free space below which the cleaner runs: the reserve and the headroom (what writes
@@ -3891,10 +3906,10 @@ fn clean_low_mark(log: &LogDevice) -> u64 {
 /// What the cleaner goes through before a checkpoint frees it, while it works below its
 /// low mark: half a span, or eight times the last checkpoint's size if that is more (at
 /// most a sixteenth of the ring), so that checkpoints write at most an eighth of what the
-/// cleaner goes through. Each writes the whole index, about 28 bytes per extent: on a
-/// large device holding data written 4 KiB at a time, gigabytes, which a checkpoint after
-/// every half span (32 MiB at most) would write a hundred times over for every byte
-/// cleaned.
+/// cleaner goes through while they are under a 128th of the ring. Each writes the whole
+/// index, about 28 bytes per extent: on a large device holding data written 4 KiB at a
+/// time, gigabytes, which a checkpoint after every half span (32 MiB at most) would write
+/// a hundred times over for every byte cleaned.
 fn checkpoint_room(log: &LogDevice) -> u64 {
     let ring = log.ring().len_bytes;
     let share = (CHECKPOINT_SHARE * log.last_checkpoint_bytes()).min(ring / 16);
@@ -4817,8 +4832,9 @@ mod tests {
     }
 
     /// The cleaner leaves eight times the last checkpoint's size cleaned before a checkpoint
-    /// frees it (each writes the whole index), and the marks and what the OSD holds before
-    /// it is full make room for that; small checkpoints leave half a span.
+    /// frees it (each writes the whole index), and its low mark makes room for that; small
+    /// checkpoints leave half a span. What the OSD holds before it is full does not move
+    /// with them.
     #[test]
     fn checkpoints_follow_the_cleaner_by_eight_times_their_size() {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -4861,9 +4877,12 @@ mod tests {
             let size = log.last_checkpoint_bytes();
             assert!(size > 3 << 20, "{size}");
             assert_eq!(checkpoint_room(&log), 8 * size);
-            let grown = 8 * size - span / 2;
-            assert_eq!(clean_low_mark(&log), low + grown);
-            assert_eq!(writable_bytes(&log), writable - grown);
+            assert_eq!(clean_low_mark(&log), low + 8 * size - span / 2);
+            assert_eq!(
+                writable_bytes(&log),
+                writable,
+                "the full limit does not move"
+            );
             // At most a sixteenth of the ring.
             let huge = basalt_store::checkpoint::Checkpoint {
                 sequence: 2,

@@ -656,10 +656,12 @@ impl LogDevice {
         checkpoint: &Checkpoint,
     ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<> {
         let bytes = checkpoint.encode();
-        self.counters
-            .last_checkpoint_bytes
-            .store(bytes.len() as u64, Ordering::Relaxed);
         let area_bytes = self.superblock.checkpoint_size_bytes;
+        if bytes.len() as u64 <= area_bytes {
+            self.counters
+                .last_checkpoint_bytes
+                .store(bytes.len() as u64, Ordering::Relaxed);
+        }
         let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
         let engine = self.engine.clone();
         let path = self.path.clone();
