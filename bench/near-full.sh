@@ -30,10 +30,10 @@ BASALT=${BASALT:-target/release/basalt}
 # What an OSD holds before it reports itself full.
 writable() { curl -s "127.0.0.1:${metric_ports[0]}/metrics" | awk '$1 == "basalt_osd_writable_bytes" {print $2}'; }
 
-# Bytes the OSDs wrote to their devices: log and checkpoints ("nan" for builds without
-# the checkpoint count).
-device_bytes() {
-    python3 -c "print(float('$(metric_sum basalt_osd_log_device_bytes_total)') + float('$(metric_sum basalt_osd_checkpoint_bytes_total)'))"
+# Summed over the OSDs: bytes the cleaner moved, of log written, of checkpoints written
+# ("nan" for builds without that count).
+counts() {
+    echo "$(metric_sum basalt_osd_relocated_bytes_total) $(metric_sum basalt_osd_log_device_bytes_total) $(metric_sum basalt_osd_checkpoint_bytes_total)"
 }
 
 rows=()
@@ -53,21 +53,19 @@ for level in ${SIZES:-$LEVELS}; do
     "$BASALT" bench --image nf/img --mon "$MON" --rw write --bs "$FILL_BS" --iodepth 16 \
         --size "${mib}MiB" --io-count "$(python3 -c "print(($mib << 20) // $(numfmt --from=iec-i "${FILL_BS%B}"))")" \
         --json >"$BASE_DIR/fill.json"
-    moved0=$(metric_sum basalt_osd_relocated_bytes_total)
-    device0=$(device_bytes)
-    checkpoints0=$(metric_sum basalt_osd_checkpoint_bytes_total)
+    before=$(counts)
     set +e
     "$BASALT" bench --image nf/img --mon "$MON" --rw randwrite --iodepth 16 \
         --runtime "$RUNTIME" --json >"$BASE_DIR/rand.json" 2>"$BASE_DIR/rand.err"
     rc=$?
     set -e
-    moved=$(python3 -c "print($(metric_sum basalt_osd_relocated_bytes_total) - $moved0)")
-    device=$(python3 -c "print(float('$(device_bytes)') - float('$device0'))")
-    checkpoints=$(python3 -c "print(float('$(metric_sum basalt_osd_checkpoint_bytes_total)') - float('$checkpoints0'))")
+    after=$(counts)
     health=$("$BASALT" status --mon "$MON" | awk '/health:/ {print $2}')
-    rows+=("$(python3 - "$level" "$mib" "$BASE_DIR/rand.json" "$rc" "$moved" "$device" "$checkpoints" "$health" "$BASE_DIR/rand.err" <<'PY'
+    rows+=("$(python3 - "$level" "$mib" "$BASE_DIR/rand.json" "$rc" "$before" "$after" "$health" "$BASE_DIR/rand.err" <<'PY'
 import json, sys
-level, mib, path, rc, moved, device, checkpoints, health, err = sys.argv[1:]
+level, mib, path, rc, before, after, health, err = sys.argv[1:]
+moved, log, checkpoints = (float(a) - float(b) for a, b in zip(after.split(), before.split()))
+device = log + checkpoints
 if rc != "0":
     first = open(err).read().strip().splitlines()
     print(f"| {level} | {mib} | failed: {first[-1] if first else 'rc ' + rc} | | | | | | | {health} |")
@@ -75,8 +73,8 @@ if rc != "0":
 w = json.load(open(path))["write"]
 p = dict(w["latency"]["percentiles_us"])
 print(f"| {level} | {mib} | {w['iops']:,.0f} | {w['latency']['mean_us']:,.0f} | {p.get('p99', float('nan')):,.0f} "
-      f"| {w['latency']['max_us'] / 1000:,.0f} | {float(moved) / 3 / w['bytes']:.2f} "
-      f"| {float(device) / 3 / w['bytes']:.2f} | {float(checkpoints) / 3 / w['bytes']:.2f} | {health} |")
+      f"| {w['latency']['max_us'] / 1000:,.0f} | {moved / 3 / w['bytes']:.2f} "
+      f"| {device / 3 / w['bytes']:.2f} | {checkpoints / 3 / w['bytes']:.2f} | {health} |")
 PY
 )")
 done

@@ -1119,9 +1119,10 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
         "some writes went before it filled: {written:?}"
     );
     // The OSD says it is full once its live data passes 18 MiB (what its 62 MiB log keeps
-    // free for cleaning and raft's entries, and leaves to dead data, aside), and the reserve holds what its PGs'
-    // leaders accept until the map tells them (16 MiB above the cleaner's floor): past
-    // that the full replica cannot persist its raft entries and falls behind for good.
+    // free for cleaning and raft's entries, and leaves to dead data, aside), and the
+    // reserve holds what its PGs' leaders accept until the map tells them (16 MiB above
+    // the cleaner's floor): past that the full replica cannot persist its raft entries
+    // and falls behind for good.
     assert!(
         written.len() <= 18 + 16,
         "osd.{small} reported full too late: {} MiB written",

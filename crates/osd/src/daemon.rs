@@ -1117,14 +1117,7 @@ impl Core {
                     .relocated_bytes
                     .fetch_add(bytes, Ordering::Relaxed);
                 tracing::debug!(bytes, to = next.0, "relocated");
-                // What the step went through beyond what it moved is freed by the next
-                // checkpoint, which may be many steps away (`checkpoint_room`): progress
-                // all the same, so writes waiting meanwhile get `Busy`, not `NoSpace`.
-                if bytes < next.0.saturating_sub(self.reclaim.cleaned_to.0) {
-                    self.reclaim.progress_at = std::time::Instant::now();
-                }
-                self.reclaim.cleaned_to = next;
-                self.reclaim.cleaning = false;
+                self.stepped(next, bytes);
             }
             Event::Checkpointed { result, checkpoint } => {
                 self.reclaim.writing = false;
@@ -1242,7 +1235,7 @@ impl Core {
             && (self.reclaim.asked
                 || (!self.repairs.contains_key(&pg)
                     && (self.checkpoint_due()
-                        || (self.log.free_bytes() < self.clean_low_mark()
+                        || (self.log.free_bytes() < clean_low_mark(&self.log)
                             && self.reclaimable_bytes() > 0))));
         // Nor while the log lacks room for what it is expected to write besides the
         // installs under way: given up halfway, its data would only take room the cleaner
@@ -1494,7 +1487,7 @@ impl Core {
         if self.repairs.contains_key(&pg) {
             self.log.reserve_bytes() / 2
         } else {
-            self.log.reserve_bytes() + self.headroom()
+            write_floor(&self.log)
         }
     }
 
@@ -1916,40 +1909,18 @@ impl Core {
         let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
         let hysteresis = if flagged { ring / 32 } else { 0 };
         if self.reuse_allowed() {
-            let writable = self.writable_bytes();
+            let writable = writable_bytes(&self.log);
             writable == 0 || self.reclaim.packed_bytes() + hysteresis > writable
         } else {
-            self.log.free_bytes() < self.kept_free_bytes() + hysteresis
+            self.log.free_bytes() < kept_free_bytes(&self.log) + hysteresis
         }
-    }
-
-    /// The live bytes this OSD holds at most before [`Core::is_full`] (once the log is a
-    /// ring): what the health check's nearly-full warning counts from. Besides the free
-    /// space the cleaner keeps, an eighth of the ring is left to dead data and to what
-    /// cleaning cannot pack. The cleaner frees the ring from its tail, in the order it was
-    /// written, so the live data it moves per byte it frees grows as dead data thins out:
-    /// with a sixteenth left, 4 KiB random writes moved 16 bytes per byte written and ran
-    /// at a fifth of their speed on a half-full log; with an eighth, 4.5 bytes, at 40%
-    /// (`bench/near-full.sh`, docs/benchmarks.md).
-    fn writable_bytes(&self) -> u64 {
-        writable_bytes(&self.log)
-    }
-
-    /// Free log space an OSD keeps before it reports itself full.
-    fn kept_free_bytes(&self) -> u64 {
-        kept_free_bytes(&self.log)
-    }
-
-    /// Log space kept free besides the cleaner's reserve.
-    fn headroom(&self) -> u64 {
-        headroom(self.log.ring().len_bytes)
     }
 
     /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
     /// while the cleaner can free space, `NoSpace` once live data fills the log.
     fn space_for(&self, log_bytes: u64) -> Result<(), Status> {
         let free = self.free_for_writes();
-        let keep = self.log.reserve_bytes() + self.headroom();
+        let keep = write_floor(&self.log);
         if free >= keep + log_bytes {
             return Ok(());
         }
@@ -1997,17 +1968,6 @@ impl Core {
         used.saturating_sub(self.reclaim.packed_bytes() + self.reclaim.retained_bytes + ring / 32)
     }
 
-    /// Free space below which the cleaner runs.
-    fn clean_low_mark(&self) -> u64 {
-        clean_low_mark(&self.log)
-    }
-
-    /// How far above what writes need free the cleaner starts, and how much further it
-    /// goes once started.
-    fn clean_span(&self) -> u64 {
-        clean_span(self.log.ring().len_bytes)
-    }
-
     /// Starts a cleaner step when free space runs low and cleaning can free some.
     fn maybe_clean(&mut self) {
         let reclaim = &self.reclaim;
@@ -2026,10 +1986,10 @@ impl Core {
                 .cleaned_to
                 .0
                 .saturating_sub(self.log.tail_position());
-        let low = self.clean_low_mark();
+        let low = clean_low_mark(&self.log);
         // Cleaning goes on past the high mark for a snapshot install that needs the room.
         let wanted = self.wanted_free();
-        let high = (low + self.clean_span()).max(wanted);
+        let high = (low + clean_span(ring)).max(wanted);
         if free < wanted {
             self.reclaim.press();
         }
@@ -2113,6 +2073,18 @@ impl Core {
             last_index: None,
             appends: vec![(append, Vec::new())],
         });
+    }
+
+    /// A cleaner step ended at `next`, having moved `moved` bytes. What it went through
+    /// beyond them is freed by the next checkpoint, which may be many steps away
+    /// ([`checkpoint_room`]): progress all the same, so writes waiting meanwhile get
+    /// `Busy`, not `NoSpace`.
+    fn stepped(&mut self, next: (u64, Lsn), moved: u64) {
+        if moved < next.0.saturating_sub(self.reclaim.cleaned_to.0) {
+            self.reclaim.progress_at = std::time::Instant::now();
+        }
+        self.reclaim.cleaned_to = next;
+        self.reclaim.cleaning = false;
     }
 
     /// The batches a cleaner step read: relocate what is live.
@@ -2285,12 +2257,7 @@ impl Core {
             "cleaner read"
         );
         if appends.is_empty() {
-            // Nothing live: all of it is freed by the next checkpoint.
-            if next.0 > self.reclaim.cleaned_to.0 {
-                self.reclaim.progress_at = std::time::Instant::now();
-            }
-            self.reclaim.cleaned_to = next;
-            self.reclaim.cleaning = false;
+            self.stepped(next, 0);
             return;
         }
         let pending: Vec<_> = appends
@@ -2336,7 +2303,7 @@ impl Core {
         // cleaner has stopped below the mark (counting what it cleaned as free, it would
         // not start again, and installs wait while free space is below it).
         let free = self.log.free_bytes();
-        let (low, room) = (self.clean_low_mark(), checkpoint_room(&self.log));
+        let (low, room) = (clean_low_mark(&self.log), checkpoint_room(&self.log));
         let trigger = if free < self.wanted_free()
             || free + room < low
             || (free < low && !self.reclaim.pressed)
@@ -3452,7 +3419,7 @@ impl Core {
             full,
             hosted: self.raft.pgs().count() as u32,
             moving,
-            writable_bytes: self.writable_bytes(),
+            writable_bytes: writable_bytes(&self.log),
             scrubs: self
                 .scrubs
                 .lock()
@@ -3891,16 +3858,14 @@ fn writable_bytes(log: &LogDevice) -> u64 {
 /// stay, with writes stopped and no checkpoint due; at most a sixteenth of the ring of the
 /// eighth left to dead data goes to it instead.
 fn kept_free_bytes(log: &LogDevice) -> u64 {
-    let ring = log.ring().len_bytes;
-    log.reserve_bytes() + headroom(ring) + 2 * clean_span(ring)
+    write_floor(log) + 2 * clean_span(log.ring().len_bytes)
 }
 
 /// Free space below which the cleaner runs: the reserve and the headroom (what writes
 /// need), half a span, and the room for what the cleaner goes through before a checkpoint
 /// frees it ([`checkpoint_room`]).
 fn clean_low_mark(log: &LogDevice) -> u64 {
-    let ring = log.ring().len_bytes;
-    log.reserve_bytes() + headroom(ring) + clean_span(ring) / 2 + checkpoint_room(log)
+    write_floor(log) + clean_span(log.ring().len_bytes) / 2 + checkpoint_room(log)
 }
 
 /// What the cleaner goes through before a checkpoint frees it, while it works below its
@@ -3916,9 +3881,11 @@ fn checkpoint_room(log: &LogDevice) -> u64 {
     (clean_span(ring) / 2).max(share)
 }
 
-/// Log space kept free besides the cleaner's reserve, for a ring of `ring` bytes.
-fn headroom(ring: u64) -> u64 {
-    LOG_RESERVE_BYTES.min(ring / 16)
+/// Free log space client writes need besides their own: the log device's reserve (for
+/// the cleaner and raft's entries) and a headroom of [`LOG_RESERVE_BYTES`], at most a
+/// sixteenth of the ring.
+fn write_floor(log: &LogDevice) -> u64 {
+    log.reserve_bytes() + LOG_RESERVE_BYTES.min(log.ring().len_bytes / 16)
 }
 
 /// How far above what writes need free the cleaner starts, and how much further it goes
@@ -3942,12 +3909,15 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
     // An OSD that could hold less than one largest write would report itself full at once.
-    let least = crate::log_device::MAX_BATCH_BYTES;
-    if writable_bytes(&opened.device) < least {
+    let (writable, least) = (
+        writable_bytes(&opened.device),
+        crate::log_device::MAX_BATCH_BYTES,
+    );
+    if writable < least {
         return Err(OsdError::TooSmall {
             path: path.display().to_string(),
             capacity_bytes,
-            writable_bytes: writable_bytes(&opened.device),
+            writable_bytes: writable,
             least,
         });
     }
@@ -4855,11 +4825,7 @@ mod tests {
             let span = clean_span(ring);
             assert_eq!(checkpoint_room(&log), span / 2, "before any checkpoint");
             let (low, writable) = (clean_low_mark(&log), writable_bytes(&log));
-            assert_eq!(
-                low,
-                log.reserve_bytes() + headroom(ring) + span,
-                "half a span and half a span"
-            );
+            assert_eq!(low, write_floor(&log) + span, "half a span and half a span");
             // A checkpoint with 3 MiB of block checksums: 24 MiB of room.
             let checkpoint = basalt_store::checkpoint::Checkpoint {
                 sequence: 1,

@@ -656,24 +656,23 @@ impl LogDevice {
         checkpoint: &Checkpoint,
     ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<> {
         let bytes = checkpoint.encode();
-        let area_bytes = self.superblock.checkpoint_size_bytes;
-        if bytes.len() as u64 <= area_bytes {
+        let (len, area_bytes) = (bytes.len() as u64, self.superblock.checkpoint_size_bytes);
+        if len <= area_bytes {
             self.counters
                 .last_checkpoint_bytes
-                .store(bytes.len() as u64, Ordering::Relaxed);
+                .store(len, Ordering::Relaxed);
         }
         let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
         let engine = self.engine.clone();
         let path = self.path.clone();
         let counters = self.counters.clone();
         async move {
-            if bytes.len() as u64 > area_bytes {
+            if len > area_bytes {
                 return Err(LogDeviceError::CheckpointTooLarge {
-                    bytes: bytes.len() as u64,
+                    bytes: len,
                     area_bytes,
                 });
             }
-            let len = bytes.len() as u64;
             engine
                 .write(offset, DmaBuf::from_slice(&bytes), true)
                 .await
