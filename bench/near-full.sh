@@ -3,17 +3,19 @@
 # build, device files of DEVICE_SIZE), a 3-replica image sized to that fraction of what an
 # OSD holds before it reports itself full (`basalt_osd_writable_bytes`), written once
 # sequentially (FILL_BS at a time), then overwritten at random with `basalt bench --image`
-# (4 KiB, QD16) for RUNTIME seconds. Reports per level the random writes' IOPS and latency,
+# (BS at a time, QD16) for RUNTIME seconds. Reports per level the random writes' IOPS and latency,
 # the bytes the cleaner moved per byte the clients wrote meanwhile, the bytes the OSDs wrote
 # to their devices (log and checkpoints) and those of checkpoints alone per byte the clients
-# wrote, and what `basalt status` said at the end.
+# wrote, and what `basalt status` said at the end (and whether an OSD stopped its
+# checkpoints, one having outgrown its area).
 #
 # Usage: bench/near-full.sh [REPORT.md]
 # Environment: BASE_DIR (default /var/tmp/basalt-bench-near-full), RUNTIME (default 20),
 # DEVICE_SIZE (default 512MiB), LEVELS (default "0.5 0.8 0.9 0.97"), or SIZES (image sizes in
 # MiB instead, for builds without that metric or to compare builds), PGS (default 16),
 # BASALT (default target/release/basalt), OSD_ARGS, FILL_BS (default 1MiB; 4KiB makes an
-# index entry per block, as data written 4 KiB at a time has).
+# index entry per block, as data written 4 KiB at a time has), BS (default 4KiB; 512 writes
+# sectors apart, eight index entries to a block once the cleaner packed them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPORT=${1:-}
@@ -23,6 +25,7 @@ DEVICE_SIZE=${DEVICE_SIZE:-512MiB}
 LEVELS=${LEVELS:-0.5 0.8 0.9 0.97}
 PGS=${PGS:-16}
 FILL_BS=${FILL_BS:-1MiB}
+BS=${BS:-4KiB}
 BASALT=${BASALT:-target/release/basalt}
 [ -n "${BASALT_BUILT:-}" ] || [ "$BASALT" != target/release/basalt ] || cargo build --release -q --locked -p basalt
 . bench/cluster-lib.sh
@@ -55,12 +58,13 @@ for level in ${SIZES:-$LEVELS}; do
         --json >"$BASE_DIR/fill.json"
     before=$(counts)
     set +e
-    "$BASALT" bench --image nf/img --mon "$MON" --rw randwrite --iodepth 16 \
+    "$BASALT" bench --image nf/img --mon "$MON" --rw randwrite --bs "$BS" --iodepth 16 \
         --runtime "$RUNTIME" --json >"$BASE_DIR/rand.json" 2>"$BASE_DIR/rand.err"
     rc=$?
     set -e
     after=$(counts)
     health=$("$BASALT" status --mon "$MON" | awk '/health:/ {print $2}')
+    if grep -q "checkpoints stop" "$BASE_DIR"/osd.*.log; then health+=", checkpoints stopped"; fi
     rows+=("$(python3 - "$level" "$mib" "$BASE_DIR/rand.json" "$rc" "$before" "$after" "$health" "$BASE_DIR/rand.err" <<'PY'
 import json, sys
 level, mib, path, rc, before, after, health, err = sys.argv[1:]
@@ -82,7 +86,7 @@ done
 {
     echo "# Writes as the log fills ($(git rev-parse --short HEAD), $(date -u +%F))"
     echo
-    echo "Device $DEVICE_SIZE per OSD, $PGS PGs of 3 replicas, 4 KiB random writes at QD16 for ${RUNTIME} s over an image written once ${FILL_BS} at a time; OSD_ARGS='${OSD_ARGS:-}'."
+    echo "Device $DEVICE_SIZE per OSD, $PGS PGs of 3 replicas, $BS random writes at QD16 for ${RUNTIME} s over an image written once ${FILL_BS} at a time; OSD_ARGS='${OSD_ARGS:-}'."
     echo
     echo "| image / writable | image MiB | IOPS | mean µs | p99 µs | max ms | moved per byte written, per replica | device bytes per byte written, per replica | of which checkpoints | health after |"
     echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"

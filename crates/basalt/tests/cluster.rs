@@ -1470,16 +1470,25 @@ fn writes_of_less_than_a_block_are_packed_and_fill_the_log_by_the_blocks_they_ta
     assert!(!status.contains("writes refused"), "{status}");
 
     let started = Instant::now();
+    // A sector, then 3.5 KiB skipped: a sector in every block, 12 MiB in all.
+    sectors_until_enospc(&uri, "--rw=write:3584", "96M", "12M");
+    assert!(started.elapsed() < Duration::from_secs(50));
+    let status = cluster.cli_ok(&["status"]);
+    assert!(status.contains("full, writes refused"), "{status}");
+}
+
+/// Writes 512-byte sectors with fio through `uri` (`rw`, over `size`, `io_size` in all),
+/// which must end in ENOSPC.
+fn sectors_until_enospc(uri: &str, rw: &str, size: &str, io_size: &str) {
     let output = run(Command::new("fio").args([
         "--name=job",
         "--ioengine=nbd",
         &format!("--uri={uri}"),
-        // A sector, then 3.5 KiB skipped: a sector in every block, 12 MiB in all.
-        "--rw=write:3584",
+        rw,
         "--bs=512",
         "--iodepth=8",
-        "--size=96M",
-        "--io_size=12M",
+        &format!("--size={size}"),
+        &format!("--io_size={io_size}"),
         "--output-format=json",
     ]));
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -1487,9 +1496,42 @@ fn writes_of_less_than_a_block_are_packed_and_fill_the_log_by_the_blocks_they_ta
         !output.status.success() && stdout.contains("\"error\" : 28"),
         "fio ended without ENOSPC: {stdout}"
     );
-    assert!(started.elapsed() < Duration::from_secs(50));
+}
+
+/// Sectors written apart, every other one, take an extent each in the object index (four to
+/// a block once packed: the holes keep them apart), about 40 bytes of every checkpoint per
+/// 512 bytes written. The OSDs report themselves full once the index would take three
+/// quarters of a checkpoint area (2 MiB on 128 MiB devices), before a checkpoint outgrows
+/// it, which would stop the log's reuse for good: writes get ENOSPC, and once the range is
+/// discarded the flag clears and writes go again. (Without the flag, fio wrote them all on
+/// devices this small, whose area is a larger share of what they hold than a large
+/// device's: the flag errs early, its count being an upper bound.)
+#[test]
+fn an_index_too_large_for_a_checkpoint_area_fills_the_osd() {
+    require("fio");
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-index-full");
+    let cluster = small_osd_cluster(&dir.path, 1, "128MiB", None, "64MiB");
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    // A sector, then one skipped: 61,440 writes, 2.4 MB of index by the count.
+    sectors_until_enospc(&uri, "--rw=write:512", "60M", "30M");
     let status = cluster.cli_ok(&["status"]);
     assert!(status.contains("full, writes refused"), "{status}");
+    let logs = ["osd.0", "osd.1", "osd.2"].map(|osd| cluster.log_text(osd));
+    for log in &logs {
+        assert!(!log.contains("checkpoints stop"), "{log}");
+    }
+    // The first to fill stops the writes of every PG (each OSD holds them all).
+    assert!(
+        logs.iter().any(|log| log.contains("the full flag changes")),
+        "{logs:?}"
+    );
+    qemu_io_ok(&uri, false, &["discard 0 64M"]);
+    wait_for("the full flag cleared", Duration::from_secs(60), || {
+        !cluster.cli_ok(&["status"]).contains("writes refused")
+    });
+    qemu_io_ok(&uri, false, &["write -P 7 0 1M"]);
+    qemu_io_ok(&uri, true, &["read -P 7 0 1M", "read -P 0 1M 63M"]);
 }
 
 /// The cleaner meets data in use that fails its checksum (cold data, on a replica that no

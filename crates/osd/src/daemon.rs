@@ -702,6 +702,9 @@ struct Reclaim {
     packable_bytes: u64,
     /// Payload bytes of the raft entries kept in memory, refreshed on ticks.
     retained_bytes: u64,
+    /// What the object index takes in a checkpoint at most, refreshed with `live_bytes`
+    /// ([`PgObjects::checkpoint_bytes`]).
+    index_bytes: u64,
     /// A checkpoint is wanted whatever the log written since (a repair went in: replay
     /// must not go through the damaged data it replaced).
     asked: bool,
@@ -1904,9 +1907,21 @@ impl Core {
     /// raft payloads are not counted: most are live data too, and the rest goes at the
     /// next checkpoint. Once the map says full, it stays so until a thirty-second of the
     /// ring more is free, so that the flag does not flap.
+    ///
+    /// Full too once the object index would take more than three quarters of a checkpoint
+    /// area (the rest is for raft's retained entries): a checkpoint that does not fit stops
+    /// the log's reuse for good, where a full flag stops writes until discards make the
+    /// index smaller (an eighth of the area, for the flag not to flap). Data written 4 KiB
+    /// at a time takes about half an area at the most an OSD holds; what fills it first is
+    /// 512-byte sectors written apart, eight extents to a block, where some are missing
+    /// between them (those written whole are joined).
     fn is_full(&self) -> bool {
         let ring = self.log.ring().len_bytes;
         let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
+        let area = self.log.checkpoint_area_bytes();
+        if self.reclaim.index_bytes + if flagged { area / 8 } else { 0 } > area / 4 * 3 {
+            return true;
+        }
         let hysteresis = if flagged { ring / 32 } else { 0 };
         if self.reuse_allowed() {
             let writable = writable_bytes(&self.log);
@@ -2327,7 +2342,14 @@ impl Core {
         if !self.checkpoint_due() {
             return;
         }
-        let checkpoint = self.cut_checkpoint();
+        let started = std::time::Instant::now();
+        let (checkpoint, objects) = self.cut_checkpoint();
+        tracing::debug!(
+            sequence = checkpoint.sequence,
+            extents = objects.iter().map(PgObjects::extent_count).sum::<usize>(),
+            loop_us = started.elapsed().as_micros() as u64,
+            "checkpoint cut"
+        );
         let asked = std::mem::take(&mut self.reclaim.asked);
         for repair in self.repairs.values_mut() {
             repair.covered |= repair.installed.is_some();
@@ -2339,9 +2361,10 @@ impl Core {
             asked,
         };
         self.reclaim.writing = true;
-        let write = self
-            .log
-            .write_checkpoint((checkpoint.sequence % 2) as usize, &checkpoint);
+        let (area, sums) = ((checkpoint.sequence % 2) as usize, self.log.block_sums());
+        let write = self.log.write_checkpoint(area, move || {
+            reclaim::complete_checkpoint(checkpoint, objects, &sums)
+        });
         let events = self.events.clone();
         tokio::spawn(async move {
             let result = write.await;
@@ -2352,10 +2375,12 @@ impl Core {
         });
     }
 
-    /// The checkpoint of this moment: every PG's durable raft state and object index, the
-    /// replay start after the last batch processed, and the tail the cleaner reached.
-    /// Raft logs are compacted first, as far as the retention allows.
-    fn cut_checkpoint(&mut self) -> Checkpoint {
+    /// The checkpoint of this moment: every PG's durable raft state, the replay start after
+    /// the last batch processed, and the tail the cleaner reached; and each PG's object
+    /// index as of now (in the order of the checkpoint's PGs), which
+    /// [`reclaim::complete_checkpoint`] puts in it off the loop. Raft logs are compacted
+    /// first, as far as the retention allows.
+    fn cut_checkpoint(&mut self) -> (Checkpoint, Vec<PgObjects>) {
         let pgs: Vec<PgId> = self.raft.pgs().collect();
         let ring = self.log.ring().len_bytes;
         let retention = Retention {
@@ -2365,7 +2390,7 @@ impl Core {
             // gets a snapshot): an eighth of the ring across PGs.
             behind_bytes: ring / 8 / pgs.len().max(1) as u64,
         };
-        let mut states = Vec::with_capacity(pgs.len());
+        let (mut states, mut objects) = (Vec::with_capacity(pgs.len()), Vec::new());
         for pg in pgs {
             let applied = self.applied.get(&pg).copied().unwrap_or(0);
             let matched = self.raft.followers_matched(pg);
@@ -2384,42 +2409,23 @@ impl Core {
                 storage,
                 durable.unwrap_or(&Durable::default()),
                 applied,
-                self.objects.get(&pg),
             ));
+            objects.push(self.objects.get(&pg).cloned().unwrap_or_default());
         }
         let reclaim = &self.reclaim;
         // The cleaner only goes through durable batches.
         debug_assert!(reclaim.cleaned_to.0 <= reclaim.durable_end.0);
         let tail = reclaim.cleaned_to;
-        // The checksums of the blocks the index and the retained entries refer to: after
-        // a restart, replay gives only those of the batches after this checkpoint.
-        let extents = states.iter().flat_map(|state| {
-            state
-                .objects
-                .iter()
-                .flat_map(|(_, extents)| extents.iter().map(|(_, len, device)| (*device, *len)))
-        });
-        let payloads = states.iter().flat_map(|state| {
-            state.entries.iter().filter_map(|entry| {
-                PayloadRef::decode(&entry.data).map(|reference| {
-                    (
-                        reference.device_offset_bytes,
-                        u64::from(reference.len_bytes),
-                    )
-                })
-            })
-        });
-        let (block_sums, poisoned_blocks) = self.log.block_sums().runs(extents.chain(payloads));
-        Checkpoint {
+        let checkpoint = Checkpoint {
             sequence: reclaim.sequence + 1,
             replay_position: reclaim.durable_end.0,
             replay_lsn: reclaim.durable_end.1,
             tail_position: tail.0,
             tail_lsn: tail.1,
             pgs: states,
-            block_sums,
-            poisoned_blocks,
-        }
+            ..Checkpoint::default()
+        };
+        (checkpoint, objects)
     }
 
     /// Starts a read: served at once under the PG's lease, else once a quorum confirmed the
@@ -3356,6 +3362,7 @@ impl Core {
         self.reclaim.live_bytes = self.objects.values().map(PgObjects::mapped_bytes).sum();
         self.reclaim.occupied_bytes = self.objects.values().map(PgObjects::occupied_bytes).sum();
         self.reclaim.packable_bytes = self.objects.values().map(PgObjects::packable_bytes).sum();
+        self.reclaim.index_bytes = self.objects.values().map(PgObjects::checkpoint_bytes).sum();
         self.counters
             .live_bytes
             .store(self.reclaim.live_bytes, Ordering::Relaxed);
@@ -4434,6 +4441,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             live_bytes: 0,
             occupied_bytes: 0,
             packable_bytes: 0,
+            index_bytes: 0,
             retained_bytes: 0,
             asked: false,
             wanted_free: (0, std::time::Instant::now()),
@@ -4519,6 +4527,14 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                         core.update_report(capacity_bytes);
                     }
                     if full_changed {
+                        tracing::warn!(
+                            full = core.is_full(),
+                            live_bytes = core.reclaim.packed_bytes(),
+                            writable_bytes = writable_bytes(&core.log),
+                            index_bytes = core.reclaim.index_bytes,
+                            checkpoint_area_bytes = core.log.checkpoint_area_bytes(),
+                            "the full flag changes"
+                        );
                         core.report_now.notify_one();
                     }
                 }
@@ -4837,7 +4853,8 @@ mod tests {
                 block_sums: vec![(0, vec![0; 3 << 18])],
                 poisoned_blocks: Vec::new(),
             };
-            log.write_checkpoint(0, &checkpoint)
+            let copy = checkpoint.clone();
+            log.write_checkpoint(0, move || copy)
                 .await
                 .expect("checkpoint");
             let size = log.last_checkpoint_bytes();
@@ -4855,7 +4872,9 @@ mod tests {
                 block_sums: vec![(0, vec![0; 5 << 18])],
                 ..checkpoint
             };
-            log.write_checkpoint(1, &huge).await.expect("checkpoint");
+            log.write_checkpoint(1, move || huge)
+                .await
+                .expect("checkpoint");
             assert_eq!(checkpoint_room(&log), ring / 16);
             // Opened again, the device counts the checkpoint it read.
             drop(log);

@@ -649,30 +649,34 @@ impl LogDevice {
         self.superblock.checkpoint_size_bytes
     }
 
-    /// Writes a checkpoint durably to area `area` (0 or 1).
-    pub fn write_checkpoint(
+    /// Writes the checkpoint that `build` gives durably to area `area` (0 or 1). `build`
+    /// and the encoding run on the blocking pool: a checkpoint of a large index takes a
+    /// while to list and encode.
+    pub fn write_checkpoint<B: FnOnce() -> Checkpoint + Send + 'static>(
         &self,
         area: usize,
-        checkpoint: &Checkpoint,
-    ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<> {
-        let bytes = checkpoint.encode();
-        let (len, area_bytes) = (bytes.len() as u64, self.superblock.checkpoint_size_bytes);
-        if len <= area_bytes {
-            self.counters
-                .last_checkpoint_bytes
-                .store(len, Ordering::Relaxed);
-        }
+        build: B,
+    ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<B> {
+        let area_bytes = self.superblock.checkpoint_size_bytes;
         let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
         let engine = self.engine.clone();
         let path = self.path.clone();
         let counters = self.counters.clone();
         async move {
+            let bytes = tokio::task::spawn_blocking(move || build().encode())
+                .await
+                .map_err(|error| LogDeviceError::Io {
+                    path: path.clone(),
+                    source: std::io::Error::other(format!("checkpoint task failed: {error}")),
+                })?;
+            let len = bytes.len() as u64;
             if len > area_bytes {
                 return Err(LogDeviceError::CheckpointTooLarge {
                     bytes: len,
                     area_bytes,
                 });
             }
+            counters.last_checkpoint_bytes.store(len, Ordering::Relaxed);
             engine
                 .write(offset, DmaBuf::from_slice(&bytes), true)
                 .await

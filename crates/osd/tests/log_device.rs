@@ -33,7 +33,10 @@ async fn checkpoint_and_reopen(
     checkpoint: &basalt_store::checkpoint::Checkpoint,
 ) -> Result<Opened, LogDeviceError> {
     device
-        .write_checkpoint(0, checkpoint)
+        .write_checkpoint(0, {
+            let copy = checkpoint.clone();
+            move || copy
+        })
         .await
         .expect("checkpoint");
     drop(device);
@@ -322,7 +325,10 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
         poisoned_blocks: Vec::new(),
     };
     device
-        .write_checkpoint(1, &checkpoint)
+        .write_checkpoint(1, {
+            let copy = checkpoint.clone();
+            move || copy
+        })
         .await
         .expect("checkpoint");
     let newer = Checkpoint {
@@ -330,7 +336,10 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
         ..checkpoint.clone()
     };
     device
-        .write_checkpoint(0, &newer)
+        .write_checkpoint(0, {
+            let copy = newer.clone();
+            move || copy
+        })
         .await
         .expect("checkpoint");
     drop(device);
@@ -463,7 +472,10 @@ async fn block_checksums_are_known_again_after_a_restart() {
         ..Checkpoint::default()
     };
     device
-        .write_checkpoint(0, &checkpoint)
+        .write_checkpoint(0, {
+            let copy = checkpoint.clone();
+            move || copy
+        })
         .await
         .expect("checkpoint");
     let later = device.submit(vec![entry(1, 3, 0x33)]).await.expect("room");

@@ -1253,7 +1253,7 @@ impl Cluster {
             checkpoint
                 .checkpoint
                 .pgs
-                .push(reclaim::pg_checkpoint(pg, storage, &durable, applied, None));
+                .push(reclaim::pg_checkpoint(pg, storage, &durable, applied));
             let state = osd.applied.get(&pg).cloned().unwrap_or_default();
             checkpoint.states.insert(pg, state);
         }

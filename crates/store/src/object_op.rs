@@ -9,6 +9,7 @@
 //! length u32.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use basalt_common::{ImageId, ObjectKey};
 
@@ -272,9 +273,13 @@ impl ObjectOp {
 }
 
 /// The objects of one PG replica: where each object's bytes are in the log.
+///
+/// A clone is cheap, a pointer per object: each object's extents are shared until one of
+/// the two copies changes them, when that copy takes the object's own. So a checkpoint can
+/// take the index as of its cut on the OSD's loop and encode it elsewhere, however large.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PgObjects {
-    objects: HashMap<ObjectKey, ExtentMap>,
+    objects: HashMap<ObjectKey, Arc<ExtentMap>>,
 }
 
 impl PgObjects {
@@ -292,7 +297,7 @@ impl PgObjects {
                 offset_bytes,
                 data,
             } => {
-                let map = self.objects.entry(*object).or_default();
+                let map = Arc::make_mut(self.objects.entry(*object).or_default());
                 map.insert(
                     u64::from(*offset_bytes),
                     data.len() as u64,
@@ -305,6 +310,7 @@ impl PgObjects {
                 len_bytes,
             } => {
                 if let Some(map) = self.objects.get_mut(object) {
+                    let map = Arc::make_mut(map);
                     map.remove(u64::from(*offset_bytes), u64::from(*len_bytes));
                     if map.is_empty() {
                         self.objects.remove(object);
@@ -350,7 +356,7 @@ impl PgObjects {
 
     /// Applies a durable write known by reference.
     pub fn apply_ref(&mut self, write: &PayloadRef) {
-        self.objects.entry(write.object).or_default().insert(
+        Arc::make_mut(self.objects.entry(write.object).or_default()).insert(
             u64::from(write.offset_bytes),
             u64::from(write.len_bytes),
             write.device_offset_bytes,
@@ -360,6 +366,21 @@ impl PgObjects {
     /// Objects with any byte mapped.
     pub fn object_count(&self) -> usize {
         self.objects.len()
+    }
+
+    /// What the objects' index takes in a checkpoint at most: 20 bytes an object, 24 an
+    /// extent, and the checksums of the blocks they refer to (4 bytes a block, and 12 a run
+    /// of blocks: at most one run an extent).
+    pub fn checkpoint_bytes(&self) -> u64 {
+        self.objects
+            .values()
+            .map(|map| 20 + 36 * map.len() as u64 + map.occupied_bytes() / BLOCK_SIZE as u64 * 4)
+            .sum()
+    }
+
+    /// Extents in all objects.
+    pub fn extent_count(&self) -> usize {
+        self.objects.values().map(|map| map.len()).sum()
     }
 
     /// The objects with any byte mapped, in key order.
@@ -385,7 +406,7 @@ impl PgObjects {
         len_bytes: u64,
         device_offset_bytes: u64,
     ) {
-        self.objects.entry(object).or_default().insert(
+        Arc::make_mut(self.objects.entry(object).or_default()).insert(
             offset_bytes,
             len_bytes,
             device_offset_bytes,
@@ -424,8 +445,13 @@ impl PgObjects {
     /// `write.device_offset_bytes` to `new_device_offset_bytes` (a compare-and-swap: parts
     /// overwritten or discarded since are left alone). Returns the bytes moved.
     pub fn relocate(&mut self, write: &PayloadRef, new_device_offset_bytes: u64) -> u64 {
+        // A map still shared with a checkpoint being encoded is copied only when a part
+        // moves.
+        if self.live_bytes(write) == 0 {
+            return 0;
+        }
         self.objects.get_mut(&write.object).map_or(0, |map| {
-            map.relocate(
+            Arc::make_mut(map).relocate(
                 u64::from(write.offset_bytes),
                 u64::from(write.len_bytes),
                 write.device_offset_bytes,
@@ -436,12 +462,12 @@ impl PgObjects {
 
     /// Bytes mapped in all objects.
     pub fn mapped_bytes(&self) -> u64 {
-        self.objects.values().map(ExtentMap::mapped_bytes).sum()
+        self.objects.values().map(|map| map.mapped_bytes()).sum()
     }
 
     /// Bytes of the log blocks all objects' data touches ([`ExtentMap::occupied_bytes`]).
     pub fn occupied_bytes(&self) -> u64 {
-        self.objects.values().map(ExtentMap::occupied_bytes).sum()
+        self.objects.values().map(|map| map.occupied_bytes()).sum()
     }
 
     /// Bytes of log blocks that packing each object's blocks into one block of the log
