@@ -705,6 +705,9 @@ struct Reclaim {
     /// What the object index takes in a checkpoint at most, refreshed with `live_bytes`
     /// ([`PgObjects::checkpoint_bytes`]).
     index_bytes: u64,
+    /// Whether live data, and whether the index, made this OSD full at the last tick
+    /// ([`Core::full_by`]).
+    full_by: [bool; 2],
     /// A checkpoint is wanted whatever the log written since (a repair went in: replay
     /// must not go through the damaged data it replaced).
     asked: bool,
@@ -1916,19 +1919,27 @@ impl Core {
     /// 512-byte sectors written apart, eight extents to a block, where some are missing
     /// between them (those written whole are joined).
     fn is_full(&self) -> bool {
-        let ring = self.log.ring().len_bytes;
+        self.full_by().contains(&true)
+    }
+
+    /// Whether live data, and whether the index, make this OSD full ([`Core::is_full`]).
+    /// Each keeps its margin against flapping only while the map says full and it was
+    /// what made it so at the last tick (`Reclaim::full_by`): the other's margin would
+    /// keep the flag once what set it is gone.
+    fn full_by(&self) -> [bool; 2] {
         let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
-        let area = self.log.checkpoint_area_bytes();
-        if self.reclaim.index_bytes + if flagged { area / 8 } else { 0 } > area / 4 * 3 {
-            return true;
-        }
-        let hysteresis = if flagged { ring / 32 } else { 0 };
-        if self.reuse_allowed() {
+        let [by_data, by_index] = self.reclaim.full_by.map(|by| flagged && by);
+        let ring = self.log.ring().len_bytes;
+        let hysteresis = if by_data { ring / 32 } else { 0 };
+        let data = if self.reuse_allowed() {
             let writable = writable_bytes(&self.log);
             writable == 0 || self.reclaim.packed_bytes() + hysteresis > writable
         } else {
             self.log.free_bytes() < kept_free_bytes(&self.log) + hysteresis
-        }
+        };
+        let area = self.log.checkpoint_area_bytes();
+        let margin = if by_index { area / 8 } else { 0 };
+        [data, self.reclaim.index_bytes + margin > area / 4 * 3]
     }
 
     /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
@@ -4442,6 +4453,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             occupied_bytes: 0,
             packable_bytes: 0,
             index_bytes: 0,
+            full_by: [false; 2],
             retained_bytes: 0,
             asked: false,
             wanted_free: (0, std::time::Instant::now()),
@@ -4523,6 +4535,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     // Becoming full is told at once: the leaders of this OSD's PGs accept
                     // writes until the map says so, and the reserve must hold them.
                     let full_changed = core.full_changed();
+                    core.reclaim.full_by = core.full_by();
                     if full_changed || ticks.is_multiple_of(5) {
                         core.update_report(capacity_bytes);
                     }

@@ -676,23 +676,38 @@ pub fn plan_rescue(
         for key in pg_objects.keys() {
             let mut extents = Vec::new();
             for (offset, len, device) in pg_objects.extents(key) {
-                let carried = candidates[..kept].iter().any(|other| {
-                    let reference = &other.from;
-                    other.pg == *pg
-                        && reference.object == key
-                        && same_payload(reference, offset, device)
-                        && device + len
-                            <= reference.device_offset_bytes + u64::from(reference.len_bytes)
-                });
-                if !inside(device, len)? || carried {
+                if !inside(device, len)? {
                     continue;
                 }
-                extents.push(PayloadRef {
-                    object: key,
-                    offset_bytes: offset as u32,
-                    len_bytes: len as u32,
-                    device_offset_bytes: device,
+                // Less what kept entries' payloads carry (an extent may span the payloads
+                // of writes next to each other in the batch, joined).
+                let shift = |at: u64, offset: u64| i128::from(at) - i128::from(offset);
+                let carriers = candidates[..kept].iter().filter(|other| {
+                    let from = &other.from;
+                    other.pg == *pg
+                        && from.object == key
+                        && shift(from.device_offset_bytes, u64::from(from.offset_bytes))
+                            == shift(device, offset)
                 });
+                let mut parts = vec![(device, len)];
+                for carrier in carriers {
+                    let from = carrier.from.device_offset_bytes;
+                    let to = from + u64::from(carrier.from.len_bytes);
+                    parts = parts
+                        .into_iter()
+                        .flat_map(|(at, n)| {
+                            let before = (at < from).then(|| (at, from.min(at + n) - at));
+                            let after = (at + n > to).then(|| (to.max(at), at + n - to.max(at)));
+                            before.into_iter().chain(after)
+                        })
+                        .collect();
+                }
+                extents.extend(parts.into_iter().map(|(at, n)| PayloadRef {
+                    object: key,
+                    offset_bytes: (offset + (at - device)) as u32,
+                    len_bytes: n as u32,
+                    device_offset_bytes: at,
+                }));
             }
             candidates.extend(
                 join_runs(extents)
@@ -1169,53 +1184,17 @@ mod tests {
     /// was flipped too is marked damaged, and only for the move that holds it.
     #[test]
     fn what_the_index_reads_in_a_batch_with_a_damaged_header_is_moved() {
-        use basalt_store::log::read_damaged;
-        let (ring, pg) = (ring_of(64), test_pg());
-        let write = |number, offset_bytes, fill: u8, len: usize| ObjectOp::Write {
-            object: object(number),
-            offset_bytes,
-            data: vec![fill; len],
-        };
+        let pg = test_pg();
         let blocks = |n| n * BLOCK_SIZE;
-        let mut disk = vec![0u8; (ring.start_bytes + ring.len_bytes) as usize];
-        let sums = BlockSums::new(ring);
-        let mut objects = PgObjects::new();
-        let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
         // Batch 1 (damaged later): object 1 gets 4 blocks, object 2 gets 2 blocks.
         // Batch 2 overwrites 1 KiB inside object 1's second block and all of object 2;
         // batch 3 follows.
-        let batches = [
+        let (first, damaged, objects, sums) = a_damaged_first_batch(&[
             vec![write(1, 0, 0xa1, blocks(4)), write(2, 0, 0xa2, blocks(2))],
             vec![write(1, 4608, 0xb1, 1024), write(2, 0, 0xb2, blocks(2))],
             vec![write(3, 0, 0xc3, blocks(1))],
-        ];
-        let mut first_batch = None;
-        for ops in batches {
-            let log: Vec<Entry> = ops.iter().map(|op| logged(op, pg, 1)).collect();
-            let placed = writer.append(&log).expect("room");
-            let at = placed.offset_bytes as usize;
-            disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
-            for (op, offset) in ops.iter().zip(&placed.data_offsets_bytes) {
-                sums.record(*offset, op.payload());
-                objects.apply(op, *offset);
-            }
-            first_batch.get_or_insert(placed);
-        }
-        let first = first_batch.expect("written");
-        // The header, and the first block of object 1's data (an extent before the
-        // overwritten block), are damaged.
-        let header = first.offset_bytes as usize;
-        disk[header + 100] ^= 0xff;
-        let object_1_data = first.data_offsets_bytes[0] as usize;
-        disk[object_1_data + 10] ^= 0xff;
-        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
-            Ok(disk[offset as usize..offset as usize + len].to_vec())
-        };
-        let damaged = read_damaged(read, ring, (0, Lsn(1)), ring.len_bytes)
-            .expect("reads")
-            .expect("a damaged batch");
-        assert_eq!(damaged.end_position, first.bytes.len() as u64);
-
+        ]);
+        let ring = ring_of(64);
         let raft = MultiRaft::new(OsdId(0), 1);
         let index = HashMap::from([(pg, objects)]);
         let planned = plan_rescue(&damaged, ring, &raft, &index, &sums).expect("a plan");
@@ -1240,6 +1219,111 @@ mod tests {
         let mut expected = vec![0xa1; 4 * BLOCK_SIZE];
         expected[10] ^= 0xff;
         assert_eq!(relocated[0].data, expected);
+    }
+
+    /// Two writes next to each other in an object and in a damaged batch are one extent of
+    /// the index; a raft entry kept for a follower carries the second's payload, so the
+    /// index's move out of the batch takes only the first, not both again.
+    #[test]
+    fn a_joined_extent_is_moved_less_what_a_kept_entry_carries() {
+        let pg = test_pg();
+        let block = BLOCK_SIZE;
+        let (first, damaged, objects, sums) = a_damaged_first_batch(&[
+            vec![
+                write(1, 0, 0xa1, block),
+                write(1, block as u32, 0xa2, block),
+            ],
+            vec![write(3, 0, 0xc3, block)],
+        ]);
+        let [a, b] = [0, 1].map(|n| first.data_offsets_bytes[n]);
+        assert_eq!(b, a + block as u64, "the two payloads run on");
+        assert_eq!(objects.extents(object(1)), vec![(0, 2 * block as u64, a)]);
+        let kept = PayloadRef {
+            object: object(1),
+            offset_bytes: block as u32,
+            len_bytes: block as u32,
+            device_offset_bytes: b,
+        };
+        let mut raft = MultiRaft::new(OsdId(0), 1);
+        let entry = RaftEntry {
+            index: 1,
+            term: 1,
+            data: kept.encode().into(),
+            ..RaftEntry::default()
+        };
+        let restored = Restored {
+            entries: vec![entry],
+            ..Restored::default()
+        };
+        raft.create_group(pg, &[OsdId(0)], restored).expect("group");
+        let index = HashMap::from([(pg, objects)]);
+        let planned = plan_rescue(&damaged, ring_of(64), &raft, &index, &sums).expect("a plan");
+        let moved: Vec<(PayloadRef, Option<(u64, u64)>)> = planned
+            .moves
+            .iter()
+            .map(|moved| (moved.from, moved.raft_entry))
+            .collect();
+        let first_write = PayloadRef {
+            len_bytes: block as u32,
+            offset_bytes: 0,
+            device_offset_bytes: a,
+            ..kept
+        };
+        assert_eq!(moved, vec![(kept, Some((1, 1))), (first_write, None)]);
+    }
+
+    /// A write of `len` bytes of `fill` at `offset_bytes` into object `number`.
+    fn write(number: u64, offset_bytes: u32, fill: u8, len: usize) -> ObjectOp {
+        ObjectOp::Write {
+            object: object(number),
+            offset_bytes,
+            data: vec![fill; len],
+        }
+    }
+
+    /// Writes `batches` (of the tests' PG) into a 64-block ring and its index, then damages
+    /// the first batch's header and its first data block: that batch as placed, read as
+    /// damaged, and the index and checksums.
+    fn a_damaged_first_batch(
+        batches: &[Vec<ObjectOp>],
+    ) -> (
+        basalt_store::log::PlacedBatch,
+        DamagedBatch,
+        PgObjects,
+        BlockSums,
+    ) {
+        use basalt_store::log::read_damaged;
+        let (ring, pg) = (ring_of(64), test_pg());
+        let mut disk = vec![0u8; (ring.start_bytes + ring.len_bytes) as usize];
+        let sums = BlockSums::new(ring);
+        let mut objects = PgObjects::new();
+        let mut writer = LogWriter::new(ring, 0, Lsn(1), 0);
+        let mut first_batch = None;
+        for ops in batches {
+            let log: Vec<Entry> = ops.iter().map(|op| logged(op, pg, 1)).collect();
+            let placed = writer.append(&log).expect("room");
+            let at = placed.offset_bytes as usize;
+            disk[at..at + placed.bytes.len()].copy_from_slice(&placed.bytes);
+            for (op, offset) in ops.iter().zip(&placed.data_offsets_bytes) {
+                sums.record(*offset, op.payload());
+                objects.apply(op, *offset);
+            }
+            first_batch.get_or_insert(placed);
+        }
+        let first = first_batch.expect("written");
+        // The header, and the first block of the first write's data, are damaged.
+        let header = first.offset_bytes as usize;
+        disk[header + 100] ^= 0xff;
+        let object_1_data = first.data_offsets_bytes[0] as usize;
+        disk[object_1_data + 10] ^= 0xff;
+        let read = |offset: u64, len: usize| -> Result<Vec<u8>, ()> {
+            Ok(disk[offset as usize..offset as usize + len].to_vec())
+        };
+        let damaged = read_damaged(read, ring, (0, Lsn(1)), ring.len_bytes)
+            .expect("reads")
+            .expect("a damaged batch");
+        assert_eq!(damaged.end_position, first.bytes.len() as u64);
+        (first, damaged, objects, sums)
     }
 
     /// A write as the log holds it (term 1).

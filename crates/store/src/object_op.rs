@@ -309,9 +309,19 @@ impl PgObjects {
                 offset_bytes,
                 len_bytes,
             } => {
-                if let Some(map) = self.objects.get_mut(object) {
+                // A map shared with a checkpoint being encoded is copied only if the
+                // range maps anything.
+                let (offset, len) = (u64::from(*offset_bytes), u64::from(*len_bytes));
+                let mapped = |map: &ExtentMap| {
+                    map.lookup(offset, len)
+                        .iter()
+                        .any(|piece| matches!(piece, Piece::Mapped { .. }))
+                };
+                if let Some(map) = self.objects.get_mut(object)
+                    && mapped(map)
+                {
                     let map = Arc::make_mut(map);
-                    map.remove(u64::from(*offset_bytes), u64::from(*len_bytes));
+                    map.remove(offset, len);
                     if map.is_empty() {
                         self.objects.remove(object);
                     }
@@ -370,7 +380,8 @@ impl PgObjects {
 
     /// What the objects' index takes in a checkpoint at most: 20 bytes an object, 24 an
     /// extent, and the checksums of the blocks they refer to (4 bytes a block, and 12 a run
-    /// of blocks: at most one run an extent).
+    /// of blocks: one run an extent at most, unless blocks of unknown checksum or poisoned
+    /// ones break an extent's run, 12 bytes more each, which only damage makes).
     pub fn checkpoint_bytes(&self) -> u64 {
         self.objects
             .values()
