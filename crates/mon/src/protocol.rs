@@ -66,6 +66,13 @@ pub struct OsdReport {
     /// cluster (lost for good) leave no quorum (`basalt pg force-quorum`).
     #[serde(default)]
     pub leaderless: Vec<LeaderlessPg>,
+    /// How near it is to full, in percent of the nearer of its two limits: its live data
+    /// counted as the cleaner will pack it against `writable_bytes`, and its object index
+    /// against what a checkpoint holds of it. `used_bytes` counts blocks not packed yet
+    /// (512-byte writes keep one each), which may pass `writable_bytes` while the OSD is
+    /// not full. `None` from an OSD that does not say: `used_bytes` counts then.
+    #[serde(default)]
+    pub fill_percent: Option<u64>,
 }
 
 /// A PG that no replica leads as far as one of its voters knows ([`OsdReport::leaderless`]).
@@ -182,9 +189,10 @@ impl OsdReport {
         if self.full || limit == 0 {
             return None;
         }
-        let percent = u128::from(self.used_bytes) * 100 / u128::from(limit);
-        (percent >= u128::from(NEARFULL_PERCENT))
-            .then(|| u64::try_from(percent).unwrap_or(u64::MAX))
+        let percent = self.fill_percent.unwrap_or_else(|| {
+            u64::try_from(u128::from(self.used_bytes) * 100 / u128::from(limit)).unwrap_or(u64::MAX)
+        });
+        (percent >= NEARFULL_PERCENT).then_some(percent)
     }
 }
 
@@ -350,6 +358,14 @@ mod tests {
         )
         .expect("old report");
         assert_eq!(old.nearly_full_percent(), Some(95));
+        // An OSD's own figure counts when it gives one: sectors not packed yet keep blocks
+        // past its limit while it is not full, and its index may near its limit first.
+        let own = |fill_percent| OsdReport {
+            fill_percent: Some(fill_percent),
+            ..report(640, 600, false)
+        };
+        assert_eq!(own(60).nearly_full_percent(), None);
+        assert_eq!(own(90).nearly_full_percent(), Some(90));
     }
 
     #[test]

@@ -1942,6 +1942,20 @@ impl Core {
         [data, self.reclaim.index_bytes + margin > area / 4 * 3]
     }
 
+    /// How near this OSD is to full, in percent of the nearer of the limits
+    /// [`Core::full_by`] checks (without their margins against flapping).
+    fn fill_percent(&self) -> u64 {
+        let share = |part: u64, whole: u64| {
+            u64::try_from(u128::from(part) * 100 / u128::from(whole.max(1))).unwrap_or(u64::MAX)
+        };
+        let data = share(self.reclaim.packed_bytes(), writable_bytes(&self.log));
+        let index = share(
+            self.reclaim.index_bytes,
+            self.log.checkpoint_area_bytes() / 4 * 3,
+        );
+        data.max(index)
+    }
+
     /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
     /// while the cleaner can free space, `NoSpace` once live data fills the log.
     fn space_for(&self, log_bytes: u64) -> Result<(), Status> {
@@ -3438,6 +3452,7 @@ impl Core {
             hosted: self.raft.pgs().count() as u32,
             moving,
             writable_bytes: writable_bytes(&self.log),
+            fill_percent: Some(self.fill_percent()),
             scrubs: self
                 .scrubs
                 .lock()
