@@ -1937,9 +1937,15 @@ impl Core {
         } else {
             self.log.free_bytes() < kept_free_bytes(&self.log) + hysteresis
         };
-        let area = self.log.checkpoint_area_bytes();
-        let margin = if by_index { area / 8 } else { 0 };
-        [data, self.reclaim.index_bytes + margin > area / 4 * 3]
+        let margin = if by_index {
+            self.log.checkpoint_area_bytes() / 8
+        } else {
+            0
+        };
+        [
+            data,
+            self.reclaim.index_bytes + margin > index_limit(&self.log),
+        ]
     }
 
     /// How near this OSD is to full, in percent of the nearer of the limits
@@ -1949,11 +1955,7 @@ impl Core {
             u64::try_from(u128::from(part) * 100 / u128::from(whole.max(1))).unwrap_or(u64::MAX)
         };
         let data = share(self.reclaim.packed_bytes(), writable_bytes(&self.log));
-        let index = share(
-            self.reclaim.index_bytes,
-            self.log.checkpoint_area_bytes() / 4 * 3,
-        );
-        data.max(index)
+        data.max(share(self.reclaim.index_bytes, index_limit(&self.log)))
     }
 
     /// Whether the log has room for a write of `log_bytes` now; if not, the answer: `Busy`
@@ -3892,6 +3894,13 @@ fn writable_bytes(log: &LogDevice) -> u64 {
 /// eighth left to dead data goes to it instead.
 fn kept_free_bytes(log: &LogDevice) -> u64 {
     write_floor(log) + 2 * clean_span(log.ring().len_bytes)
+}
+
+/// What the object index may take of a checkpoint before the OSD is full
+/// ([`Core::full_by`]): three quarters of a checkpoint area, the rest for raft's retained
+/// entries.
+fn index_limit(log: &LogDevice) -> u64 {
+    log.checkpoint_area_bytes() / 4 * 3
 }
 
 /// Free space below which the cleaner runs: the reserve and the headroom (what writes

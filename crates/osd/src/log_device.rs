@@ -663,7 +663,8 @@ impl LogDevice {
         let path = self.path.clone();
         let counters = self.counters.clone();
         async move {
-            let bytes = tokio::task::spawn_blocking(move || build().encode())
+            // The copy into a buffer for the device too: a checkpoint may be hundreds of MB.
+            let bytes = tokio::task::spawn_blocking(move || DmaBuf::from_slice(&build().encode()))
                 .await
                 .map_err(|error| LogDeviceError::Io {
                     path: path.clone(),

@@ -26,6 +26,14 @@ async fn formatted_device(name: &str, len: u64, uuid: u8) -> (PathBuf, LogDevice
     (path, device)
 }
 
+/// What `LogDevice::write_checkpoint` builds, given ready.
+fn given(
+    checkpoint: &basalt_store::checkpoint::Checkpoint,
+) -> impl FnOnce() -> basalt_store::checkpoint::Checkpoint + Send + 'static {
+    let checkpoint = checkpoint.clone();
+    move || checkpoint
+}
+
 /// Writes `checkpoint` to area 0 of `device`, closes it and opens it again.
 async fn checkpoint_and_reopen(
     device: LogDevice,
@@ -33,10 +41,7 @@ async fn checkpoint_and_reopen(
     checkpoint: &basalt_store::checkpoint::Checkpoint,
 ) -> Result<Opened, LogDeviceError> {
     device
-        .write_checkpoint(0, {
-            let copy = checkpoint.clone();
-            move || copy
-        })
+        .write_checkpoint(0, given(checkpoint))
         .await
         .expect("checkpoint");
     drop(device);
@@ -325,10 +330,7 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
         poisoned_blocks: Vec::new(),
     };
     device
-        .write_checkpoint(1, {
-            let copy = checkpoint.clone();
-            move || copy
-        })
+        .write_checkpoint(1, given(&checkpoint))
         .await
         .expect("checkpoint");
     let newer = Checkpoint {
@@ -336,10 +338,7 @@ async fn the_ring_is_reused_and_replay_starts_at_the_checkpoint() {
         ..checkpoint.clone()
     };
     device
-        .write_checkpoint(0, {
-            let copy = newer.clone();
-            move || copy
-        })
+        .write_checkpoint(0, given(&newer))
         .await
         .expect("checkpoint");
     drop(device);
@@ -472,10 +471,7 @@ async fn block_checksums_are_known_again_after_a_restart() {
         ..Checkpoint::default()
     };
     device
-        .write_checkpoint(0, {
-            let copy = checkpoint.clone();
-            move || copy
-        })
+        .write_checkpoint(0, given(&checkpoint))
         .await
         .expect("checkpoint");
     let later = device.submit(vec![entry(1, 3, 0x33)]).await.expect("room");

@@ -309,22 +309,18 @@ impl PgObjects {
                 offset_bytes,
                 len_bytes,
             } => {
-                // A map shared with a checkpoint being encoded is copied only if the
-                // range maps anything.
                 let (offset, len) = (u64::from(*offset_bytes), u64::from(*len_bytes));
-                let mapped = |map: &ExtentMap| {
+                let maps_any = |map: &ExtentMap| {
                     map.lookup(offset, len)
                         .iter()
                         .any(|piece| matches!(piece, Piece::Mapped { .. }))
                 };
-                if let Some(map) = self.objects.get_mut(object)
-                    && mapped(map)
-                {
-                    let map = Arc::make_mut(map);
+                let emptied = self.changing(object, maps_any).map(|map| {
                     map.remove(offset, len);
-                    if map.is_empty() {
-                        self.objects.remove(object);
-                    }
+                    map.is_empty()
+                });
+                if emptied == Some(true) {
+                    self.objects.remove(object);
                 }
             }
         }
@@ -362,6 +358,21 @@ impl PgObjects {
                 } => blocks_touched(device_offset_bytes, len_bytes).contains(&wanted),
                 Piece::Hole { .. } => false,
             })
+    }
+
+    /// The extents of `object`, to change: in place if this index alone holds them; if a
+    /// clone shares them (a checkpoint being encoded), copied, but only if `touched` says
+    /// the change touches them.
+    fn changing(
+        &mut self,
+        object: &ObjectKey,
+        touched: impl FnOnce(&ExtentMap) -> bool,
+    ) -> Option<&mut ExtentMap> {
+        let map = self.objects.get_mut(object)?;
+        if Arc::get_mut(map).is_none() && !touched(map) {
+            return None;
+        }
+        Some(Arc::make_mut(map))
     }
 
     /// Applies a durable write known by reference.
@@ -456,19 +467,12 @@ impl PgObjects {
     /// `write.device_offset_bytes` to `new_device_offset_bytes` (a compare-and-swap: parts
     /// overwritten or discarded since are left alone). Returns the bytes moved.
     pub fn relocate(&mut self, write: &PayloadRef, new_device_offset_bytes: u64) -> u64 {
-        // A map still shared with a checkpoint being encoded is copied only when a part
-        // moves.
-        if self.live_bytes(write) == 0 {
-            return 0;
-        }
-        self.objects.get_mut(&write.object).map_or(0, |map| {
-            Arc::make_mut(map).relocate(
-                u64::from(write.offset_bytes),
-                u64::from(write.len_bytes),
-                write.device_offset_bytes,
-                new_device_offset_bytes,
-            )
-        })
+        let (offset, len) = (u64::from(write.offset_bytes), u64::from(write.len_bytes));
+        let old = write.device_offset_bytes;
+        self.changing(&write.object, |map| map.live_bytes(offset, len, old) > 0)
+            .map_or(0, |map| {
+                map.relocate(offset, len, old, new_device_offset_bytes)
+            })
     }
 
     /// Bytes mapped in all objects.
