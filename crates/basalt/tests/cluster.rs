@@ -1057,15 +1057,59 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
         "every osd is still up: {osds:#}"
     );
     qemu_io_ok(&uri, true, &["read -P 0xab 0 8M"]);
-    wait_for(
-        "status to name the full osds",
-        Duration::from_secs(30),
-        || {
-            cluster
-                .cli_ok(&["status"])
-                .contains("osds full, writes refused")
-        },
+    wait_for_full_status(&cluster);
+}
+
+/// Two OSDs of 192 MiB and one of 64 MiB (the third, which fills first), a pool of 8 PGs
+/// of 3 replicas and a 128 MiB image exported over NBD: the cluster, the small OSD's id,
+/// the target and the image's URI.
+fn a_cluster_with_a_small_osd(
+    dir: &std::path::Path,
+) -> (ClusterProcesses, u32, TargetProcess, String) {
+    let device = |size: &str| (None, vec!["--device-size".to_string(), size.to_string()]);
+    let cluster = ClusterProcesses::start_custom(
+        dir,
+        vec![format!("127.0.0.1:{}", free_port())],
+        vec![device("192MiB"), device("192MiB"), device("64MiB")],
     );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "128MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let small = cluster.osd_id(2);
+    let (target, uri) = export_image(dir, &cluster, "rbd", "vol");
+    (cluster, small, target, uri)
+}
+
+/// Writes MiB number `mib` of the image at `uri` with a pattern of its own: false if it is
+/// refused with ENOSPC.
+fn write_mib(uri: &str, mib: u64) -> bool {
+    let command = format!("write -P {} {mib}M 1M", mib % 250 + 1);
+    let (success, text) = qemu_io(uri, false, &[&command]);
+    if text.contains("No space left on device") {
+        false
+    } else {
+        assert!(success && text.contains("wrote"), "{text}");
+        true
+    }
+}
+
+/// Reads back each MiB of `written` with its pattern ([`write_mib`]).
+fn read_mibs(uri: &str, written: &[u64]) {
+    let reads: Vec<String> = written
+        .iter()
+        .map(|mib| format!("read -P {} {mib}M 1M", mib % 250 + 1))
+        .collect();
+    qemu_io_ok(uri, true, &args(&reads));
+}
+
+/// Whether the map says OSD `id` is full.
+fn flagged_full(cluster: &ClusterProcesses, id: u32) -> bool {
+    cluster
+        .cli_json(&["osd", "ls"])
+        .as_array()
+        .expect("osds")
+        .iter()
+        .any(|osd| osd["id"] == id && osd["full"] == true)
 }
 
 /// One OSD's device is smaller than its peers': it fills first. Once it reports itself
@@ -1076,35 +1120,9 @@ fn full_osds_refuse_writes_with_enospc_and_keep_the_data() {
 fn a_full_replica_stops_the_writes_of_its_pgs() {
     require("qemu-io");
     let dir = ScratchDir::new("cluster-full-replica");
-    let device = |size: &str| (None, vec!["--device-size".to_string(), size.to_string()]);
-    let cluster = ClusterProcesses::start_custom(
-        &dir.path,
-        vec![format!("127.0.0.1:{}", free_port())],
-        vec![device("192MiB"), device("192MiB"), device("64MiB")],
-    );
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "128MiB"]);
-    cluster.wait_clean(Duration::from_secs(60));
-    let small = cluster.osd_id(2);
-    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
-    let write = |mib: u64| {
-        let command = format!("write -P {} {mib}M 1M", mib % 250 + 1);
-        let (success, text) = qemu_io(&uri, false, &[&command]);
-        if text.contains("No space left on device") {
-            false
-        } else {
-            assert!(success && text.contains("wrote"), "{text}");
-            true
-        }
-    };
-    let flagged = || {
-        cluster
-            .cli_json(&["osd", "ls"])
-            .as_array()
-            .expect("osds")
-            .iter()
-            .any(|osd| osd["id"] == small && osd["full"] == true)
-    };
+    let (cluster, small, _target, uri) = a_cluster_with_a_small_osd(&dir.path);
+    let write = |mib: u64| write_mib(&uri, mib);
+    let flagged = || flagged_full(&cluster, small);
     let mut written = Vec::new();
     let mut next = 0;
     while !flagged() {
@@ -1157,23 +1175,65 @@ fn a_full_replica_stops_the_writes_of_its_pgs() {
         );
     }
     cluster.wait_replicas_equal(Duration::from_secs(60));
-    let reads: Vec<String> = written
-        .iter()
-        .map(|mib| format!("read -P {} {mib}M 1M", mib % 250 + 1))
-        .collect();
-    qemu_io_ok(&uri, true, &args(&reads));
-    // Discarding frees the log: the cleaner makes room, the flag goes, writes go again.
-    qemu_io_ok(&uri, false, &["discard 0 128M"]);
+    read_mibs(&uri, &written);
+    discard_and_write_again(&cluster, small, &uri);
+}
+
+/// Discards the whole image at `uri`: the cleaner makes room on OSD `small`, its full flag
+/// goes, writes go again.
+fn discard_and_write_again(cluster: &ClusterProcesses, small: u32, uri: &str) {
+    qemu_io_ok(uri, false, &["discard 0 128M"]);
     wait_for("the full flag to clear", Duration::from_secs(60), || {
-        !flagged()
+        !flagged_full(cluster, small)
     });
     // The leaders hear of it a moment later.
     wait_for(
         "a write to go after the discard",
         Duration::from_secs(10),
-        || write(0),
+        || write_mib(uri, 0),
     );
-    qemu_io_ok(&uri, true, &["read -P 1 0 1M"]);
+    qemu_io_ok(uri, true, &["read -P 1 0 1M"]);
+}
+
+/// As above with the monitor down while the small OSD fills: the map cannot tell the
+/// leaders, its raft frames do. Writes stop as soon as it is full, none goes past it (none
+/// of the PGs it is a replica of goes on without it), and once the monitor is back the
+/// replicas are equal and every acknowledged write reads back.
+#[test]
+fn a_full_replica_stops_the_writes_of_its_pgs_with_the_monitor_down() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-full-replica-no-mon");
+    let (mut cluster, small, _target, uri) = a_cluster_with_a_small_osd(&dir.path);
+    cluster.kill_mon();
+    let mut written = Vec::new();
+    for mib in 0.. {
+        assert!(mib < 96, "osd.{small} never stopped the writes");
+        if !write_mib(&uri, mib) {
+            break;
+        }
+        written.push(mib);
+    }
+    eprintln!("writes refused after {} MiB", written.len());
+    // Where the map stops them in the test above (its live data past 18 MiB, and what the
+    // leaders accept before they hear of it).
+    assert!(
+        (8..=18 + 16).contains(&written.len()),
+        "osd.{small} stopped the writes after {} MiB",
+        written.len()
+    );
+    // Each leader hears within a tick or two.
+    std::thread::sleep(Duration::from_secs(1));
+    for object in 0..32 {
+        let mib = object * 4 + 2;
+        assert!(
+            !write_mib(&uri, mib),
+            "a write at {mib} MiB went with osd.{small} full and the monitor down"
+        );
+    }
+    cluster.start_mon();
+    cluster.wait_replicas_equal(Duration::from_secs(60));
+    read_mibs(&uri, &written);
+    discard_and_write_again(&cluster, small, &uri);
 }
 
 #[test]
@@ -1473,8 +1533,16 @@ fn writes_of_less_than_a_block_are_packed_and_fill_the_log_by_the_blocks_they_ta
     // A sector, then 3.5 KiB skipped: a sector in every block, 12 MiB in all.
     sectors_until_enospc(&uri, "--rw=write:3584", "96M", "12M");
     assert!(started.elapsed() < Duration::from_secs(50));
-    let status = cluster.cli_ok(&["status"]);
-    assert!(status.contains("full, writes refused"), "{status}");
+    // The leaders may refuse writes before the map says full (the OSD's raft frames say so
+    // first).
+    wait_for_full_status(&cluster);
+}
+
+/// Waits for `basalt status` to say that writes are refused for a full OSD.
+fn wait_for_full_status(cluster: &ClusterProcesses) {
+    wait_for("status to name a full osd", Duration::from_secs(30), || {
+        cluster.cli_ok(&["status"]).contains("full, writes refused")
+    });
 }
 
 /// Writes 512-byte sectors with fio through `uri` (`rw`, over `size`, `io_size` in all),
@@ -1515,8 +1583,9 @@ fn an_index_too_large_for_a_checkpoint_area_fills_the_osd() {
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     // A sector, then one skipped: 61,440 writes, 2.4 MB of index by the count.
     sectors_until_enospc(&uri, "--rw=write:512", "60M", "30M");
-    let status = cluster.cli_ok(&["status"]);
-    assert!(status.contains("full, writes refused"), "{status}");
+    // The leaders may refuse writes before the map says full (the OSD's raft frames say so
+    // first).
+    wait_for_full_status(&cluster);
     let logs = ["osd.0", "osd.1", "osd.2"].map(|osd| cluster.log_text(osd));
     for log in &logs {
         assert!(!log.contains("checkpoints stop"), "{log}");

@@ -88,6 +88,9 @@ const MOVED_DAMAGED: &str = "the cleaner moved data in use that fails its checks
 const RETAINED_ENTRIES: usize = 4096;
 /// The largest write or read one request may carry: it fits one log batch and one frame.
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
+/// How long a peer's frame saying it is full holds, unless a later one says otherwise
+/// ([`Core::replicas_not_full`]); an up replica sends its leaders a frame every tick.
+const PEER_FULL_FOR: Duration = Duration::from_secs(3);
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
 /// How long an orderly stop waits for the PGs led here to be handed over to other replicas
@@ -520,6 +523,8 @@ enum Event {
     },
     /// A raft message from a peer.
     Raft { pg: PgId, message: RaftMessage },
+    /// Whether peer `from` holds itself full, as each of its raft frames says.
+    PeerFull { from: OsdId, full: bool },
     /// Raft heartbeats and their answers from peer `from` to this OSD (`to`), as one frame
     /// carried them.
     Beats {
@@ -767,8 +772,14 @@ struct ReadRequest {
 
 /// A connection to a peer OSD, (re)made when there is something to send.
 struct Peer {
-    queue: mpsc::UnboundedSender<Vec<(PgId, RaftMessage)>>,
+    queue: mpsc::UnboundedSender<Outgoing>,
     address: Arc<Mutex<Option<SocketAddr>>>,
+}
+
+/// What one turn of the loop sends a peer: its raft messages, and whether this OSD is full.
+struct Outgoing {
+    messages: Vec<(PgId, RaftMessage)>,
+    full: bool,
 }
 
 fn reply(status: Status) -> Message {
@@ -840,6 +851,9 @@ struct Core {
     /// Snapshots sent to followers (PG, follower): when the follower was last heard asking
     /// for data.
     snapshots_sent: HashMap<(PgId, OsdId), std::time::Instant>,
+    /// Peers whose last raft frame said they are full, and when it came
+    /// ([`Core::replicas_not_full`]).
+    peers_full: HashMap<OsdId, std::time::Instant>,
     /// PGs whose leader is being asked whether this replica was removed.
     membership_checks: std::collections::HashSet<PgId>,
     /// See [`OsdConfig::max_moves`].
@@ -974,6 +988,13 @@ impl Core {
             }
             Event::Request { message, reply } => self.request(message, reply),
             Event::Raft { pg, message } => self.raft_message(pg, message),
+            Event::PeerFull { from, full } => {
+                if full {
+                    self.peers_full.insert(from, std::time::Instant::now());
+                } else {
+                    self.peers_full.remove(&from);
+                }
+            }
             Event::Beats { from, to, beats } => {
                 for beat in &beats {
                     self.raft.step(beat.pg, heartbeat(beat, from, to));
@@ -1700,12 +1721,17 @@ impl Core {
     }
 
     /// Sends what this turn of the loop produced for each peer, one frame per peer: the
-    /// heartbeats of every PG led here and shared with that peer travel together.
+    /// heartbeats of every PG led here and shared with that peer travel together, and
+    /// whether this OSD is full.
     fn flush(&mut self) {
+        if self.outbox.is_empty() {
+            return;
+        }
+        let full = self.is_full();
         for (to, messages) in std::mem::take(&mut self.outbox) {
             match self.peers.get(&to) {
                 Some(peer) => {
-                    let _ = peer.queue.send(messages);
+                    let _ = peer.queue.send(Outgoing { messages, full });
                 }
                 None => tracing::debug!(%to, "no address for peer; raft messages dropped"),
             }
@@ -1871,9 +1897,13 @@ impl Core {
         }
     }
 
-    /// Refuses a write to `pg` while the map says one of its voters is full: a replica
-    /// that cannot persist would fall behind for good, and the PG go on with one copy
-    /// fewer. Discards still go (they free space).
+    /// Refuses a write to `pg` while one of its voters is full: a replica that cannot
+    /// persist would fall behind for good, and the PG go on with one copy fewer. Discards
+    /// still go (they free space). This OSD knows of itself at once, and of a peer from
+    /// the peer's raft frames (each says whether it is full; an up replica answers its
+    /// leaders' heartbeats every tick) as well as from the map: the map's way, through
+    /// the monitors, takes up to a second and a half, in which a fast writer could fill a
+    /// full replica's margin and reserve, and the monitors may be down.
     fn replicas_not_full(&self, pg: PgId) -> Result<(), Status> {
         // A follower answers as without the flag (NotLeader), its map may be older.
         if !self.raft.is_leader(pg) {
@@ -1883,10 +1913,16 @@ impl Core {
             return Ok(());
         };
         let full = |osd: &&OsdId| {
-            self.map
-                .osds
-                .get(osd)
-                .is_some_and(|entry| entry.holds_writes_back())
+            let entry = self.map.osds.get(osd);
+            if **osd == self.id {
+                return self.is_full();
+            }
+            entry.is_some_and(|entry| entry.holds_writes_back())
+                || entry.is_some_and(|entry| entry.up)
+                    && self
+                        .peers_full
+                        .get(osd)
+                        .is_some_and(|at| at.elapsed() < PEER_FULL_FOR)
         };
         match members
             .voters
@@ -3636,13 +3672,17 @@ pub async fn query_replica(
 /// The sending task from this OSD (`me`) to peer `id`: connects on demand, drops messages
 /// it cannot deliver (raft resends what matters).
 fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
-    let (queue, mut messages) = mpsc::unbounded_channel::<Vec<(PgId, RaftMessage)>>();
+    let (queue, mut messages) = mpsc::unbounded_channel::<Outgoing>();
     let address: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
     let target = address.clone();
     tokio::spawn(async move {
         let mut connection: Option<(SocketAddr, Client)> = None;
         let mut failed_at: Option<tokio::time::Instant> = None;
-        while let Some(batch) = messages.recv().await {
+        while let Some(Outgoing {
+            messages: batch,
+            full,
+        }) = messages.recv().await
+        {
             let Some(want) = *target.lock().unwrap_or_else(|p| p.into_inner()) else {
                 continue;
             };
@@ -3700,6 +3740,7 @@ fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
                 let wire = Message::RaftBatch {
                     from: me,
                     to: id,
+                    full,
                     beats: std::mem::take(&mut beats),
                     messages,
                 };
@@ -4030,9 +4071,11 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                 Message::RaftBatch {
                     from,
                     to,
+                    full,
                     beats,
                     messages,
                 } => {
+                    let _ = events.send(Event::PeerFull { from, full });
                     if !beats.is_empty() {
                         let _ = events.send(Event::Beats { from, to, beats });
                     }
@@ -4489,6 +4532,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         install_written: HashMap::new(),
         next_transfer: 0,
         snapshots_sent: HashMap::new(),
+        peers_full: HashMap::new(),
         membership_checks: std::collections::HashSet::new(),
         max_moves: config.max_moves.max(1),
         repairs: BTreeMap::new(),

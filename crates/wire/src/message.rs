@@ -147,6 +147,10 @@ pub enum Message {
         from: OsdId,
         /// The receiving OSD.
         to: OsdId,
+        /// Whether the sender holds itself full (as it would tell the monitors): the
+        /// leaders of its PGs stop taking writes when they read it, without waiting for the
+        /// map.
+        full: bool,
         /// Heartbeats and their answers, of any PGs.
         beats: Vec<Beat>,
         /// Each PG and its raft-rs message bytes.
@@ -208,6 +212,14 @@ impl<'a> Reader<'a> {
     }
     fn u8(&mut self) -> Option<u8> {
         self.take(1).map(|b| b[0])
+    }
+    /// A byte that must be 0 (false) or 1 (true).
+    fn flag(&mut self) -> Option<bool> {
+        match self.u8()? {
+            0 => Some(false),
+            1 => Some(true),
+            _ => None,
+        }
     }
     fn u32(&mut self) -> Option<u32> {
         self.take(4)
@@ -471,11 +483,13 @@ impl Message {
             Message::RaftBatch {
                 from,
                 to,
+                full,
                 beats,
                 messages,
             } => {
                 body.extend_from_slice(&from.0.to_le_bytes());
                 body.extend_from_slice(&to.0.to_le_bytes());
+                body.push(u8::from(*full));
                 // Beats are many and their numbers small: variable-length integers.
                 put_varint(
                     &mut body,
@@ -589,6 +603,7 @@ impl Message {
             })(),
             kind::RAFT_BATCH => (|| {
                 let (from, to) = (OsdId(r.u32()?), OsdId(r.u32()?));
+                let full = r.flag()?;
                 let count = usize::try_from(r.varint()?).ok()?;
                 // Each beat takes at least 5 bytes: refuse counts the body cannot hold.
                 if count > r.bytes.len() / 5 {
@@ -601,11 +616,7 @@ impl Message {
                         pool: PoolId(u32::try_from(r.varint()?).ok()?),
                         index: u32::try_from(r.varint()?).ok()?,
                     };
-                    let answer = match r.u8()? {
-                        0 => false,
-                        1 => true,
-                        _ => return None,
-                    };
+                    let answer = r.flag()?;
                     beats.push(Beat {
                         pg,
                         answer,
@@ -625,6 +636,7 @@ impl Message {
                 Some(Message::RaftBatch {
                     from,
                     to,
+                    full,
                     beats,
                     messages,
                 })
@@ -721,15 +733,17 @@ mod tests {
             (
                 any::<u32>(),
                 any::<u32>(),
+                any::<bool>(),
                 proptest::collection::vec(
                     (pg.clone(), any::<bool>(), any::<u64>(), any::<u64>()),
                     0..4
                 ),
                 proptest::collection::vec((pg.clone(), data), 0..4)
             )
-                .prop_map(|(from, to, beats, messages)| Message::RaftBatch {
+                .prop_map(|(from, to, full, beats, messages)| Message::RaftBatch {
                     from: OsdId(from),
                     to: OsdId(to),
+                    full,
                     beats: beats
                         .into_iter()
                         .map(|(pg, answer, term, commit)| Beat {
@@ -776,6 +790,7 @@ mod tests {
         let batch = |beats: Vec<Beat>| Message::RaftBatch {
             from: OsdId(1),
             to: OsdId(2),
+            full: false,
             beats,
             messages: Vec::new(),
         };
