@@ -238,8 +238,36 @@ fn image_json(map: &ClusterMap, image: &basalt_mon::map::Image) -> serde_json::V
     })
 }
 
+/// Discards bytes `from..to` of image `spec` (POOL/NAME, `pool` and `name`), so that its
+/// OSDs free their space, before the image is removed or shrunk: the map's change alone
+/// would leave its objects on the OSDs, for good after a removal (image ids are not given
+/// again) and to be read back by a later grow after a shrink. Discards go on full OSDs too.
+async fn discard_image_range(
+    mons: Vec<std::net::SocketAddr>,
+    (spec, pool, name): (&str, &str, &str),
+    from: u64,
+    to: u64,
+) -> anyhow::Result<()> {
+    /// Discarded per call: 1 GiB, a few hundred objects' requests at a time.
+    const STEP: u64 = 1 << 30;
+    let context =
+        || format!("cannot discard the data of image {spec} (nothing changed in the map)");
+    let cluster = basalt_client::Cluster::connect(mons)
+        .await
+        .with_context(context)?;
+    let image = cluster.open_image(pool, name).with_context(context)?;
+    let mut at = from;
+    while at < to {
+        let len = STEP.min(to - at);
+        image.discard(at, len).await.with_context(context)?;
+        at += len;
+    }
+    Ok(())
+}
+
 pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<ExitCode> {
     let mon = cluster.client()?;
+    let mons = cluster.mons()?;
     block_on(async move {
         match command {
             ImageCommand::Create {
@@ -322,6 +350,16 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
             }
             ImageCommand::Resize { spec, size } => {
                 let (pool, name) = split_spec(&spec)?;
+                let map = mon.map().await?;
+                // Shrunk: the part cut off is discarded first (a size the map refuses
+                // discards nothing).
+                if let Some(image) = map.image_by_name(&pool, &name)
+                    && basalt_mon::map::check_size(size.0).is_ok()
+                    && size.0 < image.size_bytes
+                {
+                    discard_image_range(mons, (&spec, &pool, &name), size.0, image.size_bytes)
+                        .await?;
+                }
                 let epoch = apply(
                     &mon,
                     Command::ImageResize {
@@ -335,6 +373,10 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
             }
             ImageCommand::Rm { spec } => {
                 let (pool, name) = split_spec(&spec)?;
+                let map = mon.map().await?;
+                if let Some(image) = map.image_by_name(&pool, &name) {
+                    discard_image_range(mons, (&spec, &pool, &name), 0, image.size_bytes).await?;
+                }
                 let epoch = apply(&mon, Command::ImageRemove { pool, name }).await?;
                 println!("image {spec} removed (map epoch {epoch})");
             }

@@ -287,6 +287,8 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         cluster.cli_json(&["image", "ls", "p"])[0]["size_bytes"],
         2u64 << 30
     );
+    refused(&["image", "rm", "p/nothing"], "does not exist");
+    refused(&["image", "resize", "p/img", "--size", "1000"], "size");
     cluster.cli_ok(&["image", "rm", "p/img"]);
     cluster.cli_ok(&["pool", "rm", "p"]);
     assert_eq!(cluster.cli_json(&["pool", "ls"]), json!([]));
@@ -1257,6 +1259,68 @@ fn an_exported_image_follows_a_resize() {
     assert_eq!(info["virtual-size"], 32u64 << 20);
     qemu_io_ok(&uri, false, &["write -P 0x3c 31M 1M"]);
     qemu_io_ok(&uri, true, &["read -P 0x3c 31M 1M", "read -P 0xa1 0 1M"]);
+}
+
+/// `basalt image resize` to a smaller size and `basalt image rm` discard what they cut off
+/// first: the OSDs free its space (the map's change alone left the objects on them, for
+/// good after a removal), and a grow after a shrink reads zeroes where the cut data was.
+#[test]
+fn shrinking_or_removing_an_image_frees_its_space() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-image-space");
+    let cluster = small_osd_cluster(&dir.path, 1, "256MiB", None, "32MiB");
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    const MIB: u64 = 1 << 20;
+    // Log blocks in use on the three OSDs, as they last reported.
+    let used = || {
+        cluster.cli_json(&["status"])["used_bytes"]
+            .as_u64()
+            .expect("used bytes")
+    };
+    qemu_io_ok(&uri, false, &["write -P 0xab 0 32M"]);
+    wait_for("three copies of 32 MiB", Duration::from_secs(30), || {
+        used() >= 3 * 32 * MIB
+    });
+    cluster.cli_ok(&["image", "resize", "rbd/vol", "--size", "8MiB"]);
+    wait_for(
+        "the 24 MiB cut off to be freed",
+        Duration::from_secs(30),
+        || used() <= 3 * 9 * MIB,
+    );
+    cluster.cli_ok(&["image", "resize", "rbd/vol", "--size", "32MiB"]);
+    wait_for("the bdev to grow", Duration::from_secs(10), || {
+        target.rpc_ok("bdev_get_bdevs", json!({"name": "img"}))[0]["num_blocks"].as_u64()
+            == Some(65536)
+    });
+    qemu_io_ok(&uri, true, &["read -P 0xab 0 8M", "read -P 0 8M 24M"]);
+
+    cluster.cli_ok(&["image", "create", "rbd/other", "--size", "64MiB"]);
+    let mon = cluster.mon_addresses().join(",");
+    run_ok(basalt().args([
+        "bench",
+        "--image",
+        "rbd/other",
+        "--mon",
+        &mon,
+        "--rw",
+        "write",
+        "--bs",
+        "1MiB",
+        "--io-count",
+        "48",
+        "--size",
+        "48MiB",
+    ]));
+    wait_for("three copies of 56 MiB", Duration::from_secs(30), || {
+        used() >= 3 * 56 * MIB
+    });
+    cluster.cli_ok(&["image", "rm", "rbd/other"]);
+    wait_for(
+        "the removed image's 48 MiB to be freed",
+        Duration::from_secs(30),
+        || used() <= 3 * 9 * MIB,
+    );
+    qemu_io_ok(&uri, true, &["read -P 0xab 0 8M"]);
 }
 
 /// `mons` monitors and three OSDs on devices of `device_size` (the last serving metrics on

@@ -713,7 +713,8 @@ fn check_name(parameter: &'static str, name: &str) -> Result<(), MapError> {
     Ok(())
 }
 
-fn check_size(size_bytes: u64) -> Result<(), MapError> {
+/// An image size the map takes: a positive multiple of 512 bytes.
+pub fn check_size(size_bytes: u64) -> Result<(), MapError> {
     if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
         return Err(invalid(
             "size",
