@@ -1233,6 +1233,10 @@ fn a_full_replica_stops_the_writes_of_its_pgs_with_the_monitor_down() {
         );
     }
     cluster.start_mon();
+    // The small OSD tells the new monitor too.
+    wait_for("the map to say full", Duration::from_secs(30), || {
+        flagged_full(&cluster, small)
+    });
     cluster.wait_replicas_equal(Duration::from_secs(60));
     read_mibs(&uri, &written);
     discard_and_write_again(&cluster, small, &uri);

@@ -88,8 +88,9 @@ const MOVED_DAMAGED: &str = "the cleaner moved data in use that fails its checks
 const RETAINED_ENTRIES: usize = 4096;
 /// The largest write or read one request may carry: it fits one log batch and one frame.
 pub const REQUEST_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
-/// How long a peer's frame saying it is full holds, unless a later one says otherwise
-/// ([`Core::replicas_not_full`]); an up replica sends its leaders a frame every tick.
+/// How long what a peer's frame says of whether it is full holds, unless a later one says
+/// otherwise ([`Core::replicas_not_full`]); the map decides after it. A replica answers its
+/// leaders' heartbeats every other tick.
 const PEER_FULL_FOR: Duration = Duration::from_secs(3);
 /// A raft tick.
 pub const TICK: Duration = Duration::from_millis(100);
@@ -851,9 +852,9 @@ struct Core {
     /// Snapshots sent to followers (PG, follower): when the follower was last heard asking
     /// for data.
     snapshots_sent: HashMap<(PgId, OsdId), std::time::Instant>,
-    /// Peers whose last raft frame said they are full, and when it came
+    /// What each peer's last raft frame said of whether it is full, and when it came
     /// ([`Core::replicas_not_full`]).
-    peers_full: HashMap<OsdId, std::time::Instant>,
+    peers_full: HashMap<OsdId, (bool, std::time::Instant)>,
     /// PGs whose leader is being asked whether this replica was removed.
     membership_checks: std::collections::HashSet<PgId>,
     /// See [`OsdConfig::max_moves`].
@@ -989,11 +990,8 @@ impl Core {
             Event::Request { message, reply } => self.request(message, reply),
             Event::Raft { pg, message } => self.raft_message(pg, message),
             Event::PeerFull { from, full } => {
-                if full {
-                    self.peers_full.insert(from, std::time::Instant::now());
-                } else {
-                    self.peers_full.remove(&from);
-                }
+                self.peers_full
+                    .insert(from, (full, std::time::Instant::now()));
             }
             Event::Beats { from, to, beats } => {
                 for beat in &beats {
@@ -1900,10 +1898,12 @@ impl Core {
     /// Refuses a write to `pg` while one of its voters is full: a replica that cannot
     /// persist would fall behind for good, and the PG go on with one copy fewer. Discards
     /// still go (they free space). This OSD knows of itself at once, and of a peer from
-    /// the peer's raft frames (each says whether it is full; an up replica answers its
-    /// leaders' heartbeats every tick) as well as from the map: the map's way, through
-    /// the monitors, takes up to a second and a half, in which a fast writer could fill a
-    /// full replica's margin and reserve, and the monitors may be down.
+    /// the peer's raft frames (each says whether it is full; a replica answers its
+    /// leaders' heartbeats every other tick) or, without one of the last
+    /// [`PEER_FULL_FOR`], from the map. The frames say the same as the peer's reports to
+    /// the monitors, sooner: the map's way takes up to a second and a half, in which a
+    /// fast writer could fill a full replica's margin and reserve, and the monitors may be
+    /// down (a map flag they cannot clear then would hold writes back after discards).
     fn replicas_not_full(&self, pg: PgId) -> Result<(), Status> {
         // A follower answers as without the flag (NotLeader), its map may be older.
         if !self.raft.is_leader(pg) {
@@ -1913,16 +1913,17 @@ impl Core {
             return Ok(());
         };
         let full = |osd: &&OsdId| {
-            let entry = self.map.osds.get(osd);
             if **osd == self.id {
                 return self.is_full();
             }
-            entry.is_some_and(|entry| entry.holds_writes_back())
-                || entry.is_some_and(|entry| entry.up)
-                    && self
-                        .peers_full
-                        .get(osd)
-                        .is_some_and(|at| at.elapsed() < PEER_FULL_FOR)
+            match self.peers_full.get(osd) {
+                Some((full, at)) if at.elapsed() < PEER_FULL_FOR => *full,
+                _ => self
+                    .map
+                    .osds
+                    .get(osd)
+                    .is_some_and(|entry| entry.holds_writes_back()),
+            }
         };
         match members
             .voters
@@ -1944,8 +1945,8 @@ impl Core {
     /// PGs, told by the map, must stop while the reserve, which a follower may fill with
     /// raft's entries, can still take what they accept until they hear of it. Retained
     /// raft payloads are not counted: most are live data too, and the rest goes at the
-    /// next checkpoint. Once the map says full, it stays so until a thirty-second of the
-    /// ring more is free, so that the flag does not flap.
+    /// next checkpoint. Once full, it stays so until a thirty-second of the ring more is
+    /// free, so that the flag does not flap.
     ///
     /// Full too once the object index would take more than three quarters of a checkpoint
     /// area (the rest is for raft's retained entries): a checkpoint that does not fit stops
@@ -1959,12 +1960,12 @@ impl Core {
     }
 
     /// Whether live data, and whether the index, make this OSD full ([`Core::is_full`]).
-    /// Each keeps its margin against flapping only while the map says full and it was
-    /// what made it so at the last tick (`Reclaim::full_by`): the other's margin would
-    /// keep the flag once what set it is gone.
+    /// Each keeps its margin against flapping only while it made this OSD full at the last
+    /// tick (`Reclaim::full_by`): the other's margin would keep the flag once what set it
+    /// is gone. (Not while the map says full: the leaders hear of it from this OSD's
+    /// frames too, and with the monitors down the map would never say so.)
     fn full_by(&self) -> [bool; 2] {
-        let flagged = self.map.osds.get(&self.id).is_some_and(|osd| osd.full);
-        let [by_data, by_index] = self.reclaim.full_by.map(|by| flagged && by);
+        let [by_data, by_index] = self.reclaim.full_by;
         let ring = self.log.ring().len_bytes;
         let hysteresis = if by_data { ring / 32 } else { 0 };
         let data = if self.reuse_allowed() {
