@@ -1901,9 +1901,9 @@ impl Core {
     /// the peer's raft frames (each says whether it is full; a replica answers its
     /// leaders' heartbeats every other tick) or, without one of the last
     /// [`PEER_FULL_FOR`], from the map. The frames say the same as the peer's reports to
-    /// the monitors, sooner: the map's way takes up to a second and a half, in which a
-    /// fast writer could fill a full replica's margin and reserve, and the monitors may be
-    /// down (a map flag they cannot clear then would hold writes back after discards).
+    /// the monitors, without them: with the monitors down, the leaders would go on into a
+    /// full replica's margin and reserve, or a map flag they cannot clear would hold
+    /// writes back after discards.
     fn replicas_not_full(&self, pg: PgId) -> Result<(), Status> {
         // A follower answers as without the flag (NotLeader), its map may be older.
         if !self.raft.is_leader(pg) {
