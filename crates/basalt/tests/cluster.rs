@@ -961,6 +961,36 @@ fn a_write_naming_an_old_leader_term_is_refused() {
     assert_eq!(data, vec![0x44; 4096]);
 }
 
+/// A monitor cut off from the others (here, the other two stopped) stops answering map
+/// reads once its election timeout passes with no leader: clients subscribed to it go to
+/// another monitor instead of hearing "nothing newer" from its old map for as long as it
+/// is cut off. A reader naming only it gets a clear error, and answers again once the
+/// others are back.
+#[test]
+fn a_monitor_out_of_quorum_sends_map_readers_elsewhere() {
+    let dir = ScratchDir::new("cluster-mon-out-of-quorum");
+    let cluster = ClusterProcesses::start_with_mons(&dir.path, 3, 3);
+    let lone = cluster.mon_addresses()[0].clone();
+    let osd_ls = || run(basalt().args(["osd", "ls", "--mon", &lone]));
+    assert!(osd_ls().status.success());
+    cluster.signal_mon_n(1, "STOP");
+    cluster.signal_mon_n(2, "STOP");
+    wait_for(
+        "the lone monitor to refuse map reads",
+        Duration::from_secs(30),
+        || {
+            let output = osd_ls();
+            !output.status.success()
+                && String::from_utf8_lossy(&output.stderr).contains("out of touch with a quorum")
+        },
+    );
+    cluster.signal_mon_n(1, "CONT");
+    cluster.signal_mon_n(2, "CONT");
+    wait_for("map reads again", Duration::from_secs(30), || {
+        osd_ls().status.success()
+    });
+}
+
 #[test]
 fn three_monitors_survive_the_loss_of_their_leader() {
     let dir = ScratchDir::new("cluster-mons");

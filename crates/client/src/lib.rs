@@ -283,9 +283,10 @@ impl Cluster {
                         last = format!("{target} does not lead pg {pg}");
                         match leader.filter(|leader| *leader != target) {
                             Some(leader) => {
-                                // Follow a redirect at once, but only the first time: OSDs that
-                                // name each other during an election get the backoff.
-                                pause = redirected == Some(leader);
+                                // Follow a redirect at once, but only the first one: OSDs that
+                                // name each other during an election get the backoff (two
+                                // naming each other in turn too).
+                                pause = redirected.is_some();
                                 redirected = Some(leader);
                                 if !members.contains(&leader) {
                                     next_member += 1;
@@ -542,7 +543,9 @@ impl Image {
 /// way are waited for before the error is returned: a piece still retrying when the host
 /// hears of the failure could land after the host's next request to the same blocks (a
 /// discard after a failed write would read back the old data, a write after a failed
-/// discard zeroes).
+/// discard zeroes). Dropped, it stops the pieces' tasks: a host that gave up on a request
+/// (a frontend whose connection closed) may send the same blocks again, and a piece still
+/// retrying would land after them.
 async fn run_all<P, R, T, F, Fut>(
     requests: Vec<(P, R)>,
     call: F,
@@ -558,14 +561,14 @@ where
         let handles: Vec<_> = requests
             .by_ref()
             .take(PIECES_IN_FLIGHT_MAX)
-            .map(|(piece, request)| (piece, tokio::spawn(call(request))))
+            .map(|(piece, request)| (piece, AbortOnDrop(tokio::spawn(call(request)))))
             .collect();
         if handles.is_empty() {
             return Ok(results);
         }
         let mut failed = None;
-        for (piece, handle) in handles {
-            match handle.await {
+        for (piece, mut handle) in handles {
+            match (&mut handle.0).await {
                 Ok(Ok(data)) => results.push((piece, data)),
                 Ok(Err(error)) => {
                     failed.get_or_insert(error);
@@ -581,9 +584,43 @@ where
     }
 }
 
+/// A task aborted when its handle is dropped ([`run_all`]).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request given up by its caller stops its pieces: none goes on to retry (here, to
+    /// finish after a pause) once the caller dropped it.
+    #[tokio::test]
+    async fn pieces_stop_when_their_request_is_dropped() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let finished = Arc::new(AtomicUsize::new(0));
+        let counter = finished.clone();
+        let requests: Vec<(usize, usize)> = (0..4).map(|n| (n, n)).collect();
+        let all = run_all(requests, move |_| {
+            let counter = counter.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                counter.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), all)
+                .await
+                .is_err()
+        );
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(finished.load(Ordering::SeqCst), 0);
+    }
 
     #[tokio::test]
     async fn a_failed_piece_is_answered_once_the_others_are_done() {

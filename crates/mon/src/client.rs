@@ -111,14 +111,14 @@ impl MonClient {
                 Ok(Ok(reply)) => {
                     let reply = decode::<MonReply>(&reply).map_err(MonClientError::Protocol)?;
                     match reply {
-                        // Asked again after a pause, unless a change may have been made
-                        // (a command is not asked twice).
+                        // Asked again after a pause, of the next monitor (this one may be
+                        // cut off from the others), unless a change may have been made (a
+                        // command is not asked twice).
                         MonReply::Unavailable { reason, maybe_done }
                             if !maybe_done || !matches!(request, MonRequest::Command(_)) =>
                         {
                             last_error = reason;
                             tokio::time::sleep(RETRY_PAUSE).await;
-                            continue;
                         }
                         reply => return Ok(reply),
                     }

@@ -285,12 +285,33 @@ impl Monitor {
             Err(error) => return Some(MonReply::Error(error).to_message()),
         };
         if let MonRequest::GetMap { after, wait_ms } = request {
+            // A monitor out of touch with a quorum (no leader known: its election timeout
+            // passed without one) may hold an old map, and would say "nothing newer" to a
+            // subscriber for as long as it is cut off, while the OSDs go by newer ones: the
+            // client is sent on to another monitor instead.
+            let out_of_quorum = || {
+                MonReply::unavailable(
+                    "this monitor is out of touch with a quorum: its map may be old",
+                )
+                .to_message()
+            };
+            let mut leader = self.leader.clone();
+            if leader.borrow().is_none() {
+                return Some(out_of_quorum());
+            }
             let mut maps = self.maps.subscribe();
             let newer = |map: &Arc<ClusterMap>| after.is_none_or(|after| map.epoch > after);
             let wait = Duration::from_millis(wait_ms).min(MAP_WAIT_MAX);
-            let found = tokio::time::timeout(wait, maps.wait_for(newer)).await;
+            let found = tokio::time::timeout(wait, async {
+                tokio::select! {
+                    map = maps.wait_for(newer) => map.ok().map(|map| (*map).clone()),
+                    _ = leader.wait_for(Option::is_none) => None,
+                }
+            })
+            .await;
             let reply = match found {
-                Ok(Ok(map)) => MonReply::Map(Some((**map).clone())),
+                Ok(Some(map)) => MonReply::Map(Some((*map).clone())),
+                _ if self.leader.borrow().is_none() => return Some(out_of_quorum()),
                 _ => {
                     let map = self.map();
                     MonReply::Map(newer(&map).then(|| (*map).clone()))

@@ -413,6 +413,12 @@ impl ClusterProcesses {
         &self.mon_addresses
     }
 
+    /// Sends monitor `n` a signal (`STOP`, `CONT`, ...).
+    pub fn signal_mon_n(&self, n: usize, signal: &str) {
+        let child = self.mons[n].as_ref().expect("the monitor runs");
+        run_ok(Command::new("kill").args([format!("-{signal}"), child.id().to_string()]));
+    }
+
     /// Kills monitor `n` (SIGKILL).
     pub fn kill_mon_n(&mut self, n: usize) {
         if let Some(mut child) = self.mons[n].take() {
