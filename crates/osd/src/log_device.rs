@@ -298,6 +298,9 @@ struct Append {
     done: oneshot::Sender<Result<Appended, LogDeviceError>>,
 }
 
+/// The most a checkpoint's device write carries ([`LogDevice::write_checkpoint_in`]).
+pub const CHECKPOINT_WRITE_BYTES: usize = 1 << 30;
+
 /// An open log device.
 pub struct LogDevice {
     queue: mpsc::UnboundedSender<Append>,
@@ -657,20 +660,41 @@ impl LogDevice {
         area: usize,
         build: B,
     ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<B> {
+        self.write_checkpoint_in(area, build, CHECKPOINT_WRITE_BYTES)
+    }
+
+    /// [`LogDevice::write_checkpoint`] in device writes of at most `write_bytes` (a multiple
+    /// of the block size) each, one after another, each durable before the next: the
+    /// kernel moves at most about 2 GiB per read or write, and the checkpoint of a large
+    /// index is larger. A crash between two leaves the area torn, which its checksums
+    /// tell; the other area's checkpoint stays in force.
+    pub fn write_checkpoint_in<B: FnOnce() -> Checkpoint + Send + 'static>(
+        &self,
+        area: usize,
+        build: B,
+        write_bytes: usize,
+    ) -> impl std::future::Future<Output = Result<(), LogDeviceError>> + use<B> {
+        assert!(write_bytes > 0 && write_bytes.is_multiple_of(BLOCK_SIZE));
         let area_bytes = self.superblock.checkpoint_size_bytes;
         let offset = self.superblock.checkpoint_start_bytes + area as u64 * area_bytes;
         let engine = self.engine.clone();
         let path = self.path.clone();
         let counters = self.counters.clone();
         async move {
-            // The copy into a buffer for the device too: a checkpoint may be hundreds of MB.
-            let bytes = tokio::task::spawn_blocking(move || DmaBuf::from_slice(&build().encode()))
-                .await
-                .map_err(|error| LogDeviceError::Io {
-                    path: path.clone(),
-                    source: std::io::Error::other(format!("checkpoint task failed: {error}")),
-                })?;
-            let len = bytes.len() as u64;
+            // The copy into buffers for the device too: a checkpoint may be hundreds of MB.
+            let (len, writes) = tokio::task::spawn_blocking(move || {
+                let encoded = build().encode();
+                let writes: Vec<DmaBuf> = encoded
+                    .chunks(write_bytes)
+                    .map(DmaBuf::from_slice)
+                    .collect();
+                (encoded.len() as u64, writes)
+            })
+            .await
+            .map_err(|error| LogDeviceError::Io {
+                path: path.clone(),
+                source: std::io::Error::other(format!("checkpoint task failed: {error}")),
+            })?;
             if len > area_bytes {
                 return Err(LogDeviceError::CheckpointTooLarge {
                     bytes: len,
@@ -678,10 +702,18 @@ impl LogDevice {
                 });
             }
             counters.last_checkpoint_bytes.store(len, Ordering::Relaxed);
-            engine
-                .write(offset, DmaBuf::from_slice(&bytes), true)
-                .await
-                .map_err(|source| LogDeviceError::Io { path, source })?;
+            let mut at = offset;
+            for write in writes {
+                let bytes = write.len() as u64;
+                engine
+                    .write(at, write, true)
+                    .await
+                    .map_err(|source| LogDeviceError::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
+                at += bytes;
+            }
             counters.checkpoint_bytes.fetch_add(len, Ordering::Relaxed);
             Ok(())
         }

@@ -696,3 +696,36 @@ async fn a_sparse_format_gives_the_space_back_and_a_zeroed_one_keeps_it() {
         std::fs::remove_file(path).expect("remove");
     }
 }
+
+/// A checkpoint larger than one device write goes in several, each at its place: it reads
+/// back whole (the kernel moves at most about 2 GiB per write; a checkpoint of a large
+/// index is larger, and used to fail its single write).
+#[tokio::test(flavor = "current_thread")]
+async fn a_checkpoint_goes_to_the_device_in_several_writes() {
+    use basalt_store::checkpoint::Checkpoint;
+    let (path, device) = formatted_device("checkpoint-writes", 32 << 20, 5).await;
+    let checkpoint = Checkpoint {
+        sequence: 3,
+        replay_position: 0,
+        replay_lsn: Lsn(1),
+        tail_position: 0,
+        tail_lsn: Lsn(1),
+        pgs: Vec::new(),
+        // About 32 KiB: eight writes of 4 KiB.
+        block_sums: vec![(
+            0,
+            (0..8000u32)
+                .map(|n| n.wrapping_mul(2_654_435_761))
+                .collect(),
+        )],
+        poisoned_blocks: Vec::new(),
+    };
+    device
+        .write_checkpoint_in(1, given(&checkpoint), 4096)
+        .await
+        .expect("checkpoint");
+    drop(device);
+    let reopened = LogDevice::open(&path).await.expect("reopen");
+    assert_eq!(reopened.checkpoint.as_ref(), Some(&checkpoint));
+    std::fs::remove_file(path).expect("remove");
+}
