@@ -538,6 +538,7 @@ enum Event {
     /// No PG: an empty persist that only moves `durable_end` ([`Core::move_durable_end`]).
     Persisted {
         pg: Option<PgId>,
+        generation: u64,
         number: u64,
         snapshot: Option<(u64, u64)>,
         then_send: Vec<(OsdId, RaftMessage)>,
@@ -744,6 +745,8 @@ impl Reclaim {
 struct PendingPersist {
     /// None: an empty persist that only moves `durable_end`.
     pg: Option<PgId>,
+    /// The PG's group it is of ([`Core::generations`]).
+    generation: u64,
     number: u64,
     /// A snapshot (index, term) it installs.
     snapshot: Option<(u64, u64)>,
@@ -852,6 +855,10 @@ struct Core {
     /// Snapshots sent to followers (PG, follower): when the follower was last heard asking
     /// for data.
     snapshots_sent: HashMap<(PgId, OsdId), std::time::Instant>,
+    /// Each hosted PG's group, numbered as they are created: a persist of a group removed
+    /// since is not the new group's, if the PG is hosted again.
+    generations: HashMap<PgId, u64>,
+    next_generation: u64,
     /// What each peer's last raft frame said of whether it is full, and when it came
     /// ([`Core::replicas_not_full`]).
     peers_full: HashMap<OsdId, (bool, std::time::Instant)>,
@@ -916,6 +923,8 @@ impl Core {
                     continue;
                 }
                 self.restored.remove(&pg);
+                self.next_generation += 1;
+                self.generations.insert(pg, self.next_generation);
                 self.durable.insert(pg, durable);
                 self.applied.insert(pg, applied);
                 let objects = self.restored_objects.remove(&pg).unwrap_or_default();
@@ -1060,6 +1069,7 @@ impl Core {
             }
             Event::Persisted {
                 pg,
+                generation,
                 number,
                 snapshot,
                 then_send,
@@ -1075,8 +1085,10 @@ impl Core {
                     self.moving_durable_end = false;
                     return Ok(());
                 };
-                if !self.raft.hosts(pg) {
-                    // Removed from the PG meanwhile.
+                if !self.raft.hosts(pg) || self.generations.get(&pg) != Some(&generation) {
+                    // Removed from the PG meanwhile, and maybe added again: raft's
+                    // numbers of persists started again with the new group, and this one
+                    // is none of its (it would count entries persisted that are not).
                     return Ok(());
                 }
                 if let Some((index, _)) = snapshot
@@ -2145,6 +2157,7 @@ impl Core {
         let append = Box::pin(self.log.submit(Vec::new())) as AppendFuture;
         let _ = self.persists.send(PendingPersist {
             pg: None,
+            generation: 0,
             number: 0,
             snapshot: None,
             then_send: Vec::new(),
@@ -3170,6 +3183,7 @@ impl Core {
             .collect();
         let _ = self.persists.send(PendingPersist {
             pg: Some(pg),
+            generation: self.generations.get(&pg).copied().unwrap_or(0),
             number,
             snapshot,
             then_send,
@@ -4169,6 +4183,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
             }
             let _ = completion_events.send(Event::Persisted {
                 pg: persist.pg,
+                generation: persist.generation,
                 number: persist.number,
                 snapshot: persist.snapshot,
                 then_send: persist.then_send,
@@ -4534,6 +4549,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         next_transfer: 0,
         snapshots_sent: HashMap::new(),
         peers_full: HashMap::new(),
+        generations: HashMap::new(),
+        next_generation: 0,
         membership_checks: std::collections::HashSet::new(),
         max_moves: config.max_moves.max(1),
         repairs: BTreeMap::new(),
@@ -4780,6 +4797,7 @@ mod tests {
     fn only_work_under_way_starts_polling() {
         let persisted = |last_index| Event::Persisted {
             pg: Some(pg(1)),
+            generation: 1,
             number: 1,
             snapshot: None,
             then_send: Vec::new(),
