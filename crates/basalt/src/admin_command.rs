@@ -707,6 +707,24 @@ fn health(
             damaged.join(", ")
         ));
     }
+    // An OSD that keeps data it cannot host stops reusing its log: it fills.
+    let held: Vec<String> = status
+        .reports
+        .iter()
+        .filter(|(_, report)| !report.held.is_empty())
+        .map(|(id, report)| {
+            let pgs: Vec<String> = report.held.iter().map(ToString::to_string).collect();
+            format!("{id} (pg {})", pgs.join(", "))
+        })
+        .collect();
+    if !held.is_empty() {
+        warnings.push(format!(
+            "{} osds keep records of pgs they cannot host, their logs not reused until those \
+             are hosted or let go: {}",
+            held.len(),
+            held.join("; ")
+        ));
+    }
     (warnings, !inconsistent.is_empty())
 }
 
@@ -1642,17 +1660,13 @@ mod tests {
             unsendable: pgs,
             ..Default::default()
         };
-        let status = basalt_mon::protocol::ClusterStatus {
-            map: ClusterMap::new(),
-            monitors: Vec::new(),
-            leader: String::new(),
-            reports: vec![
+        let status = status_of(
+            ClusterMap::new(),
+            vec![
                 (OsdId(1), unsendable(vec![pg(0), pg(1)])),
                 (OsdId(9), unsendable(vec![pg(2)])),
             ],
-            ops_per_second: (0.0, 0.0),
-            bytes_per_second: (0.0, 0.0),
-        };
+        );
         let members = vec![OsdId(1), OsdId(2)];
         let states = vec![
             (pg(0), members.clone(), None, "inactive"),
@@ -1671,6 +1685,54 @@ mod tests {
             ) && named[0].contains("basalt pg mark-unfound-lost"),
             "{warnings:?}"
         );
+    }
+
+    /// A cluster's status with this map and these reports, and no client load.
+    fn status_of(
+        map: ClusterMap,
+        reports: Vec<(OsdId, basalt_mon::protocol::OsdReport)>,
+    ) -> basalt_mon::protocol::ClusterStatus {
+        basalt_mon::protocol::ClusterStatus {
+            map,
+            monitors: Vec::new(),
+            leader: String::new(),
+            reports,
+            ops_per_second: (0.0, 0.0),
+            bytes_per_second: (0.0, 0.0),
+        }
+    }
+
+    /// Health names the OSDs that keep records of PGs they cannot host (their logs are not
+    /// reused), with the PGs; not an OSD that holds none.
+    #[test]
+    fn health_names_osds_keeping_records_of_pgs_they_cannot_host() {
+        let pg = |index| PgId {
+            pool: basalt_common::PoolId(2),
+            index,
+        };
+        let held = |pgs: Vec<PgId>| basalt_mon::protocol::OsdReport {
+            held: pgs,
+            ..Default::default()
+        };
+        let status = status_of(
+            ClusterMap::new(),
+            vec![
+                (OsdId(1), held(vec![pg(0), pg(3)])),
+                (OsdId(2), held(Vec::new())),
+            ],
+        );
+        let (warnings, error) = health(&status, &[]);
+        let named: Vec<&String> = warnings
+            .iter()
+            .filter(|w| w.contains("cannot host"))
+            .collect();
+        assert_eq!(named.len(), 1, "{warnings:?}");
+        assert!(
+            named[0].starts_with("1 osds keep records of pgs they cannot host")
+                && named[0].ends_with(": osd.1 (pg 2.0, 2.3)"),
+            "{warnings:?}"
+        );
+        assert!(!error);
     }
 
     /// Health names an inactive PG whose voters removed from the cluster leave no quorum,
@@ -1697,14 +1759,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let status = basalt_mon::protocol::ClusterStatus {
-            map,
-            monitors: Vec::new(),
-            leader: String::new(),
-            reports: vec![(OsdId(1), report)],
-            ops_per_second: (0.0, 0.0),
-            bytes_per_second: (0.0, 0.0),
-        };
+        let status = status_of(map, vec![(OsdId(1), report)]);
         let members = vec![OsdId(1), OsdId(3)];
         let states = vec![
             (pg(0), members.clone(), None, "inactive"),

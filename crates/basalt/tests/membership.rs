@@ -434,3 +434,85 @@ fn a_pg_whose_voters_are_lost_for_good_leads_again_from_its_survivor() {
     cluster.wait_clean(Duration::from_secs(90));
     qemu_io_ok(&uri, true, &["read -P 0x5a 0 1M", "read -P 0x11 8M 64k"]);
 }
+
+/// Records of a PG at the end of an OSD's log with nothing before them, as a crash leaves
+/// them after a checkpoint that no longer holds the PG (removed from this OSD) and before
+/// the removal's record is durable: no raft group can be made of them, and their data kept
+/// would keep the OSD's log from being reused for good. Health names the OSD while it keeps
+/// them; the PG's leader, asked, says the OSD is no longer a member, and the OSD lets go.
+#[test]
+fn records_of_a_pg_removed_here_that_replay_cannot_host_are_let_go() {
+    let dir = ScratchDir::new("cluster-removal-fragment");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    cluster.cli_ok(&["pool", "create", "p", "--pg-count", "4", "--size", "1"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let me = u64::from(cluster.osd_id(0));
+    let pgs = cluster.cli_json(&["pg", "ls"]);
+    let elsewhere = pgs
+        .as_array()
+        .and_then(|pgs| {
+            pgs.iter().find(|pg| {
+                pg["members"]
+                    .as_array()
+                    .is_some_and(|members| !members.iter().any(|m| m.as_u64() == Some(me)))
+            })
+        })
+        .and_then(|pg| pg["pg"].as_str())
+        .unwrap_or_else(|| panic!("a pg without osd.{me}: {pgs}"))
+        .to_string();
+    let (pool, index) = elsewhere.split_once('.').expect("pool.index");
+    let pg = basalt_common::PgId {
+        pool: basalt_common::PoolId(pool.parse().expect("pool")),
+        index: index.parse().expect("index"),
+    };
+
+    cluster.stop_osd(0);
+    let device = dir.join("osd.0").join(basalt_osd::daemon::DEVICE_FILE);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let log = basalt_osd::log_device::LogDevice::open(&device)
+            .await
+            .expect("open the osd's log")
+            .device;
+        let entries: Vec<basalt_replication::RaftEntry> = (5..=6)
+            .map(|index| basalt_replication::RaftEntry {
+                term: 1,
+                index,
+                ..Default::default()
+            })
+            .collect();
+        let hard_state = basalt_replication::HardState {
+            term: 1,
+            commit: 6,
+            ..Default::default()
+        };
+        let records = basalt_osd::pg_log::to_log_entries(pg, &entries, Some(&hard_state));
+        log.submit(records).await.expect("append the fragment");
+        log.close().await.expect("close the log");
+    });
+
+    let log_since = cluster.log_text("osd.0").len();
+    cluster.start_osd(0);
+    let held = format!("osd.{me} (pg {elsewhere})");
+    // The OSD says at start that it keeps the records (no group could be made of them);
+    // health may name it for a moment before the leader's answer comes.
+    wait_for(
+        "the osd to keep the fragment",
+        Duration::from_secs(30),
+        || cluster.log_text("osd.0")[log_since..].contains("could not be restored"),
+    );
+    wait_for(
+        "the osd to let the fragment go",
+        Duration::from_secs(30),
+        || {
+            let (_, checks) = cluster.health();
+            cluster.log_text("osd.0")[log_since..].contains("pg removed from this osd")
+                && !checks.contains(&held)
+        },
+    );
+    let (status, checks) = cluster.health();
+    assert!(!checks.contains("cannot host"), "{status}: {checks}");
+}

@@ -73,6 +73,11 @@ pub struct OsdReport {
     /// not full. `None` from an OSD that does not say: `used_bytes` counts then.
     #[serde(default)]
     pub fill_percent: Option<u64>,
+    /// The PGs whose records its log holds and that it cannot host (restored at start, no
+    /// raft group made of them): their data is kept, so its log is not reused (no
+    /// cleaning, no checkpoints) until they are hosted or let go.
+    #[serde(default)]
+    pub held: Vec<PgId>,
 }
 
 /// A PG that no replica leads as far as one of its voters knows ([`OsdReport::leaderless`]).

@@ -1120,7 +1120,7 @@ impl Core {
                 // Entries taken since the question mean a leader added this replica back
                 // (an OSD out and in again while its map lags): it may already count on
                 // them, so the data stays. The next check asks again.
-                if self.raft.last_log_id(pg) == log_when_asked {
+                if self.last_log_id(pg) == log_when_asked {
                     self.remove_pg(pg);
                 } else {
                     tracing::info!(%pg, "removal not applied: the replica took entries since it asked");
@@ -3352,8 +3352,18 @@ impl Core {
     /// For the PGs hosted here that the map does not list this OSD in: asks their leader
     /// whether this replica is still in the raft group, and stops hosting the ones it is
     /// not in (and those of removed pools).
+    ///
+    /// PGs restored from the log that no group could be made of are asked about too: a
+    /// crash after a checkpoint without a removed PG and before its `PG_REMOVED` record
+    /// was durable leaves replay the PG's last records and nothing before them. Their
+    /// data, kept, would keep the log's reuse stopped for good; it goes once the PG's
+    /// leader says this replica is not in the group and its voters hold these records.
     fn check_memberships(&mut self) {
-        let hosted: Vec<PgId> = self.raft.pgs().collect();
+        let hosted: Vec<PgId> = self
+            .raft
+            .pgs()
+            .chain(self.restored.keys().copied())
+            .collect();
         for pg in hosted {
             if self.membership_checks.contains(&pg) || self.raft.is_leader(pg) {
                 continue;
@@ -3378,7 +3388,7 @@ impl Core {
                 .collect();
             self.membership_checks.insert(pg);
             let (events, me) = (self.events.clone(), self.id);
-            let log_when_asked = self.raft.last_log_id(pg);
+            let log_when_asked = self.last_log_id(pg);
             tokio::spawn(async move {
                 let last = log_when_asked.map_or(0, |(index, _)| index);
                 for (id, address) in members {
@@ -3394,6 +3404,18 @@ impl Core {
                 let _ = events.send(Event::MembershipChecked { pg });
             });
         }
+    }
+
+    /// The last raft log entry (index, term) of this replica of `pg`, hosted or only
+    /// restored from the log.
+    fn last_log_id(&self, pg: PgId) -> Option<(u64, u64)> {
+        self.raft.last_log_id(pg).or_else(|| {
+            let restored = self.restored.get(&pg)?;
+            Some(
+                (restored.entries.last())
+                    .map_or(restored.compacted, |entry| (entry.index, entry.term)),
+            )
+        })
     }
 
     /// Stops hosting `pg`: this replica was removed from its raft group (or its pool is
@@ -3524,6 +3546,7 @@ impl Core {
             last_checksum_error_age_seconds: c.last_checksum_error_age_seconds(),
             unsendable: self.unsendable.clone(),
             leaderless: self.leaderless.clone(),
+            held: self.restored.keys().copied().collect(),
         };
     }
 }
