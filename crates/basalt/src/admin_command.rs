@@ -238,30 +238,44 @@ fn image_json(map: &ClusterMap, image: &basalt_mon::map::Image) -> serde_json::V
     })
 }
 
-/// Discards bytes `from..to` of image `spec` (POOL/NAME, `pool` and `name`), so that its
-/// OSDs free their space, before the image is removed or shrunk: the map's change alone
-/// would leave its objects on the OSDs, for good after a removal (image ids are not given
-/// again) and to be read back by a later grow after a shrink. Discards go on full OSDs too.
-async fn discard_image_range(
-    mons: Vec<std::net::SocketAddr>,
-    (spec, pool, name): (&str, &str, &str),
+/// Discards bytes `from..to` of image `id` (`spec` names it), which the map keeps for
+/// discards only: what a shrink cut off, or an image removed. The map's change comes
+/// first, so that OSDs refuse writes there from then on and none lands after the discard;
+/// the map forgets the bytes once they are discarded (`ImageDiscarded`). Without the
+/// discard, the objects would stay on the OSDs, for good after a removal (image ids are not
+/// given again) and to be read back by a later grow after a shrink. Discards go on full
+/// OSDs too. An interrupted discard is finished by running the command again (health
+/// names the image meanwhile).
+async fn discard_cut(
+    mon: &MonClient,
+    mons: &[std::net::SocketAddr],
+    (spec, id): (&str, basalt_common::ImageId),
     from: u64,
     to: u64,
 ) -> anyhow::Result<()> {
     /// Discarded per call: 1 GiB, a few hundred objects' requests at a time.
     const STEP: u64 = 1 << 30;
-    let context =
-        || format!("cannot discard the data of image {spec} (nothing changed in the map)");
-    let cluster = basalt_client::Cluster::connect(mons)
+    let context = || {
+        format!(
+            "cannot discard the data of image {spec} past {from} bytes (run the command again \
+             to finish it)"
+        )
+    };
+    let cluster = basalt_client::Cluster::connect(mons.to_vec())
         .await
         .with_context(context)?;
-    let image = cluster.open_image(pool, name).with_context(context)?;
     let mut at = from;
     while at < to {
         let len = STEP.min(to - at);
-        image.discard(at, len).await.with_context(context)?;
+        cluster
+            .discard_cut(id, at, at + len)
+            .await
+            .with_context(context)?;
         at += len;
     }
+    apply(mon, Command::ImageDiscarded { id, from, to })
+        .await
+        .with_context(context)?;
     Ok(())
 }
 
@@ -351,14 +365,14 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
             ImageCommand::Resize { spec, size } => {
                 let (pool, name) = split_spec(&spec)?;
                 let map = mon.map().await?;
-                // Shrunk: the part cut off is discarded first (a size the map refuses
-                // discards nothing).
-                if let Some(image) = map.image_by_name(&pool, &name)
-                    && basalt_mon::map::check_size(size.0).is_ok()
-                    && size.0 < image.size_bytes
+                let image = map.image_by_name(&pool, &name).cloned();
+                // What an earlier shrink left to discard goes first (the image may not
+                // grow over it).
+                if let Some(image) = &image
+                    && image.discard_to > image.size_bytes
                 {
-                    discard_image_range(mons, (&spec, &pool, &name), size.0, image.size_bytes)
-                        .await?;
+                    let (from, to) = (image.size_bytes, image.discard_to);
+                    discard_cut(&mon, &mons, (&spec, image.id), from, to).await?;
                 }
                 let epoch = apply(
                     &mon,
@@ -369,16 +383,50 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     },
                 )
                 .await?;
+                // Shrunk: the part cut off is discarded now that no write reaches it.
+                if let Some(image) = &image
+                    && size.0 < image.size_bytes
+                {
+                    discard_cut(&mon, &mons, (&spec, image.id), size.0, image.size_bytes).await?;
+                }
                 println!("image {spec} resized to {size} (map epoch {epoch})");
             }
             ImageCommand::Rm { spec } => {
                 let (pool, name) = split_spec(&spec)?;
                 let map = mon.map().await?;
-                if let Some(image) = map.image_by_name(&pool, &name) {
-                    discard_image_range(mons, (&spec, &pool, &name), 0, image.size_bytes).await?;
+                // Removals of this name not finished before (their discards interrupted).
+                let mut unfinished: Vec<basalt_mon::map::Image> = map
+                    .pool_by_name(&pool)
+                    .map(|found| {
+                        map.removing
+                            .values()
+                            .filter(|image| image.pool == found.id && image.name == name)
+                            .cloned()
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let live = map.image_by_name(&pool, &name).cloned();
+                if live.is_some() || unfinished.is_empty() {
+                    let epoch = apply(
+                        &mon,
+                        Command::ImageRemove {
+                            pool: pool.clone(),
+                            name: name.clone(),
+                        },
+                    )
+                    .await?;
+                    println!("image {spec} removed (map epoch {epoch}); discarding its data");
                 }
-                let epoch = apply(&mon, Command::ImageRemove { pool, name }).await?;
-                println!("image {spec} removed (map epoch {epoch})");
+                if let Some(image) = live {
+                    // As removed: its size, and what a shrink left to discard.
+                    let mut image = image;
+                    image.size_bytes = image.size_bytes.max(image.discard_to);
+                    unfinished.push(image);
+                }
+                for image in unfinished {
+                    discard_cut(&mon, &mons, (&spec, image.id), 0, image.size_bytes).await?;
+                }
+                println!("image {spec}: its data is discarded");
             }
         }
         Ok(ExitCode::SUCCESS)
@@ -705,6 +753,31 @@ fn health(
              copies are rebuilt from other replicas; check those devices)",
             damaged.len(),
             damaged.join(", ")
+        ));
+    }
+    // Cut-off data whose discard is under way, or was interrupted: it takes space.
+    let image_name = |image: &basalt_mon::map::Image| {
+        let pool = status.map.pools.get(&image.pool);
+        format!(
+            "{}/{}",
+            pool.map_or("?", |pool| pool.name.as_str()),
+            image.name
+        )
+    };
+    let cut: Vec<String> = (status.map.removing.values())
+        .map(|image| format!("{} (removed)", image_name(image)))
+        .chain(
+            (status.map.images.values())
+                .filter(|image| image.discard_to > image.size_bytes)
+                .map(|image| format!("{} (shrunk)", image_name(image))),
+        )
+        .collect();
+    if !cut.is_empty() {
+        warnings.push(format!(
+            "{} images' cut-off data being discarded: {} (if no `basalt image rm` or \
+             `image resize` is running, run it again to finish)",
+            cut.len(),
+            cut.join(", ")
         ));
     }
     // An OSD that keeps data it cannot host stops reusing its log: it fills.

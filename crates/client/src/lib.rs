@@ -160,6 +160,38 @@ impl Cluster {
         })
     }
 
+    /// Discards bytes `from..to` of image `id` where only discards reach: what a shrink
+    /// cut off, or an image being removed (`basalt image resize` and `image rm` discard it
+    /// after the map's change, so that no write lands there after the discard).
+    pub async fn discard_cut(
+        self: &Arc<Self>,
+        id: ImageId,
+        from: u64,
+        to: u64,
+    ) -> Result<(), ClientError> {
+        let map = self.map();
+        let (image, end) = map.image_bounds(id, true).ok_or_else(|| {
+            ClientError::NotFound(format!(
+                "image {} is neither in the map nor being removed",
+                id.0
+            ))
+        })?;
+        if from > to || to > end {
+            return Err(ClientError::Invalid(format!(
+                "range {from}..{to} is past what image {} keeps ({end} bytes)",
+                id.0
+            )));
+        }
+        let image = Image {
+            cluster: self.clone(),
+            id,
+            pool: image.pool,
+            name: format!("image {}", id.0),
+            object_size_bytes: image.object_size_bytes,
+        };
+        image.discard_unchecked(from, to - from).await
+    }
+
     async fn connection(&self, address: SocketAddr) -> Result<Arc<Client>, String> {
         if let Some(client) = lock(&self.connections).get(&address) {
             return Ok(client.clone());
@@ -473,14 +505,24 @@ impl Image {
         request: impl Fn(PgId, Epoch, &Piece) -> Message,
     ) -> Result<Vec<(Piece, Message)>, ClientError> {
         self.check(offset, len)?;
+        Ok(self.unchecked_requests(offset, len, request))
+    }
+
+    /// The pieces of `len` bytes at `offset`, each with its request.
+    fn unchecked_requests(
+        &self,
+        offset: u64,
+        len: u64,
+        request: impl Fn(PgId, Epoch, &Piece) -> Message,
+    ) -> Vec<(Piece, Message)> {
         let (pg, epoch) = self.unrouted();
-        Ok(split(self.id, self.object_size_bytes, offset, len)
+        split(self.id, self.object_size_bytes, offset, len)
             .into_iter()
             .map(|piece| {
                 let message = request(pg, epoch, &piece);
                 (piece, message)
             })
-            .collect())
+            .collect()
     }
 
     /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
@@ -525,14 +567,20 @@ impl Image {
 
     /// Discards `len` bytes at `offset`: they read as zeroes and their space is freed.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
-        let requests = self.requests(offset, len, |pg, epoch, piece| Message::Discard {
+        self.check(offset, len)?;
+        self.discard_unchecked(offset, len).await
+    }
+
+    /// [`Image::discard`] without the check against the image's size.
+    async fn discard_unchecked(&self, offset: u64, len: u64) -> Result<(), ClientError> {
+        let requests = self.unchecked_requests(offset, len, |pg, epoch, piece| Message::Discard {
             pg,
             epoch,
             term: 0,
             object: piece.object,
             offset_bytes: piece.offset_in_object,
             len_bytes: piece.len_bytes,
-        })?;
+        });
         self.run_pieces("discard", requests).await?;
         Ok(())
     }

@@ -113,6 +113,12 @@ pub struct Image {
     pub size_bytes: u64,
     /// Bytes per object.
     pub object_size_bytes: u64,
+    /// After a shrink, the bytes from `size_bytes` up to here may still hold data, which
+    /// `basalt image resize` discards after the map's change (0: nothing is left): OSDs
+    /// take discards there, and the image may not grow until they are done
+    /// ([`Command::ImageDiscarded`]).
+    #[serde(default)]
+    pub discard_to: u64,
 }
 
 impl Pool {
@@ -156,6 +162,11 @@ pub struct ClusterMap {
     /// uuid may not boot again (its device holds replicas under the old id).
     #[serde(default)]
     pub removed: BTreeMap<OsdId, String>,
+    /// Images removed whose data may still be on the OSDs, by id: `basalt image rm`
+    /// discards it after the map's change, then drops the image from here
+    /// ([`Command::ImageDiscarded`]). OSDs take discards of their objects, nothing else.
+    #[serde(default)]
+    pub removing: BTreeMap<ImageId, Image>,
 }
 
 /// A change to the map.
@@ -240,12 +251,23 @@ pub enum Command {
         /// New size.
         size_bytes: u64,
     },
-    /// Remove an image.
+    /// Remove an image: it moves to [`ClusterMap::removing`] until its data is discarded.
     ImageRemove {
         /// Pool name.
         pool: String,
         /// Image name.
         name: String,
+    },
+    /// Bytes `from..to` of an image were discarded after a shrink (the image no longer
+    /// keeps bytes past its end once they cover them, and may grow again) or after its
+    /// removal (the image is forgotten once they cover it). Otherwise nothing changes.
+    ImageDiscarded {
+        /// The image.
+        id: ImageId,
+        /// The first byte discarded.
+        from: u64,
+        /// The end of the bytes discarded.
+        to: u64,
     },
 }
 
@@ -309,6 +331,18 @@ pub enum MapError {
         /// Its uuid.
         uuid: String,
     },
+    /// The image may not grow yet.
+    #[error(
+        "image {image} cannot grow yet: the data a shrink cut off ({from}..{to}) is still being discarded (`basalt image resize` finishes it first)"
+    )]
+    Discarding {
+        /// POOL/NAME.
+        image: String,
+        /// The bytes still to discard.
+        from: u64,
+        /// Their end.
+        to: u64,
+    },
     /// The pool still holds images.
     #[error("pool {name:?} still holds {images} image(s)")]
     PoolNotEmpty {
@@ -328,6 +362,21 @@ impl ClusterMap {
     /// The pool of that name.
     pub fn pool_by_name(&self, name: &str) -> Option<&Pool> {
         self.pools.values().find(|pool| pool.name == name)
+    }
+
+    /// The image `id` and the end of the bytes an OSD takes requests for: its size; for
+    /// discards, also the bytes a shrink left to discard and the images being removed
+    /// ([`ClusterMap::removing`]).
+    pub fn image_bounds(&self, id: ImageId, discard: bool) -> Option<(&Image, u64)> {
+        match self.images.get(&id) {
+            Some(image) if discard => Some((image, image.size_bytes.max(image.discard_to))),
+            Some(image) => Some((image, image.size_bytes)),
+            None if discard => self
+                .removing
+                .get(&id)
+                .map(|image| (image, image.size_bytes)),
+            None => None,
+        }
     }
 
     /// The image of that name in that pool.
@@ -414,9 +463,14 @@ impl ClusterMap {
                     .image_by_name(pool, name)
                     .map(|image| image.id)
                     .ok_or_else(|| unknown_image(pool, name))?;
-                self.images.remove(&id);
+                let mut image = self.images.remove(&id).expect("found above");
+                // Its data, all of it, is discarded from here on.
+                image.size_bytes = image.size_bytes.max(image.discard_to);
+                image.discard_to = 0;
+                self.removing.insert(id, image);
                 true
             }
+            Command::ImageDiscarded { id, from, to } => self.image_discarded(*id, *from, *to),
         };
         if !changed {
             #[cfg(debug_assertions)]
@@ -590,6 +644,8 @@ impl ClusterMap {
             });
         }
         self.pools.remove(&pool);
+        // The PGs go, and their data with them.
+        self.removing.retain(|_, image| image.pool != pool);
         Ok(())
     }
 
@@ -633,6 +689,7 @@ impl ClusterMap {
                 name: name.to_string(),
                 size_bytes,
                 object_size_bytes,
+                discard_to: 0,
             },
         );
         Ok(())
@@ -645,9 +702,42 @@ impl ClusterMap {
             .map(|image| image.id)
             .ok_or_else(|| unknown_image(pool, name))?;
         let image = self.images.get_mut(&id).expect("found above");
+        if size_bytes > image.size_bytes && image.discard_to > image.size_bytes {
+            // Growing would bring back what the shrink cut off.
+            return Err(MapError::Discarding {
+                image: format!("{pool}/{name}"),
+                from: image.size_bytes,
+                to: image.discard_to,
+            });
+        }
         let changed = image.size_bytes != size_bytes;
+        if size_bytes < image.size_bytes {
+            image.discard_to = image.discard_to.max(image.size_bytes);
+        }
         image.size_bytes = size_bytes;
         Ok(changed)
+    }
+
+    /// [`Command::ImageDiscarded`]: whether the map changed.
+    fn image_discarded(&mut self, id: ImageId, from: u64, to: u64) -> bool {
+        if let Some(image) = self.removing.get(&id) {
+            if from == 0 && to >= image.size_bytes {
+                self.removing.remove(&id);
+                return true;
+            }
+            return false;
+        }
+        match self.images.get_mut(&id) {
+            // A later shrink may have cut off more since: the bytes from the size on must
+            // all be covered.
+            Some(image)
+                if image.discard_to > 0 && from <= image.size_bytes && to >= image.discard_to =>
+            {
+                image.discard_to = 0;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Recomputes every PG's members from the OSDs that are in; PGs whose members change
@@ -995,6 +1085,81 @@ mod tests {
             Ok(true)
         );
         assert!(map.pools.is_empty());
+        assert!(
+            map.removing.is_empty(),
+            "the pool's removal takes its images' data"
+        );
+    }
+
+    /// What a shrink cuts off and a removed image stay in the map, for discards only,
+    /// until `ImageDiscarded` covers them; an image may not grow over what is left.
+    #[test]
+    fn cut_off_data_is_kept_for_discards_until_it_is_discarded() {
+        let mut map = three_hosts();
+        let (pool, name) = ("rbd".to_string(), "vm".to_string());
+        let resize = |size_bytes| Command::ImageResize {
+            pool: pool.clone(),
+            name: name.clone(),
+            size_bytes,
+        };
+        map.apply(&Command::ImageCreate {
+            pool: pool.clone(),
+            name: name.clone(),
+            size_bytes: 10 << 20,
+            object_size_bytes: None,
+        })
+        .expect("create");
+        let id = map.image_by_name(&pool, &name).expect("image").id;
+        let bounds = |map: &ClusterMap, discard| map.image_bounds(id, discard).map(|(_, end)| end);
+        assert_eq!(map.apply(&resize(8 << 20)), Ok(true));
+        assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
+        assert_eq!(
+            (bounds(&map, false), bounds(&map, true)),
+            (Some(6 << 20), Some(10 << 20))
+        );
+        let error = map
+            .apply(&resize(7 << 20))
+            .expect_err("no growing")
+            .to_string();
+        assert!(error.contains("still being discarded"), "{error}");
+        let discarded = |from, to| Command::ImageDiscarded { id, from, to };
+        // The first shrink's discard does not cover what the second cut off.
+        assert_eq!(map.apply(&discarded(8 << 20, 10 << 20)), Ok(false));
+        assert_eq!(map.apply(&discarded(6 << 20, 10 << 20)), Ok(true));
+        assert_eq!(bounds(&map, true), Some(6 << 20));
+        assert_eq!(map.apply(&resize(7 << 20)), Ok(true));
+
+        // Removed: the whole image, its cut-off part too, is there for discards only.
+        assert_eq!(map.apply(&resize(4 << 20)), Ok(true));
+        assert_eq!(
+            map.apply(&Command::ImageRemove {
+                pool: pool.clone(),
+                name: name.clone()
+            }),
+            Ok(true)
+        );
+        assert!(map.image_by_name(&pool, &name).is_none());
+        assert_eq!(
+            (bounds(&map, false), bounds(&map, true)),
+            (None, Some(7 << 20))
+        );
+        // The name is free again; the new image is another.
+        map.apply(&Command::ImageCreate {
+            pool: pool.clone(),
+            name: name.clone(),
+            size_bytes: 1 << 20,
+            object_size_bytes: None,
+        })
+        .expect("create again");
+        assert_ne!(map.image_by_name(&pool, &name).map(|i| i.id), Some(id));
+        assert_eq!(map.apply(&discarded(0, 4 << 20)), Ok(false));
+        assert_eq!(map.apply(&discarded(0, 7 << 20)), Ok(true));
+        assert!(map.removing.is_empty());
+        assert_eq!(
+            map.apply(&discarded(0, 7 << 20)),
+            Ok(false),
+            "once is enough"
+        );
     }
 
     #[test]

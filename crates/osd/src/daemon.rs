@@ -1748,8 +1748,10 @@ impl Core {
         }
     }
 
-    /// Checks a client request against the map; `Err` is the reply.
-    fn check(&self, range: &ObjectRange) -> Result<(), Message> {
+    /// Checks a client request against the map (`discard`: the request is a discard,
+    /// which also reaches what a shrink cut off and images being removed); `Err` is the
+    /// reply.
+    fn check(&self, range: &ObjectRange, discard: bool) -> Result<(), Message> {
         let ObjectRange {
             pg,
             epoch,
@@ -1783,7 +1785,7 @@ impl Core {
                 current: self.map.epoch,
             }));
         }
-        let Some(image) = self.map.images.get(&object.image) else {
+        let Some((image, image_end)) = self.map.image_bounds(object.image, discard) else {
             return Err(unknown(format!("image {} does not exist", object.image.0)));
         };
         if image.pool != pg.pool || pool.pg_of(object) != pg {
@@ -1804,10 +1806,10 @@ impl Core {
             .number
             .checked_mul(image.object_size_bytes)
             .and_then(|start| start.checked_add(u64::from(offset_bytes) + len_bytes));
-        if end.is_none_or(|end| end > image.size_bytes) {
+        if end.is_none_or(|end| end > image_end) {
             return Err(unknown(format!(
-                "object {}.{} range {offset_bytes}+{len_bytes} is past the image's {} bytes",
-                object.image.0, object.number, image.size_bytes
+                "object {}.{} range {offset_bytes}+{len_bytes} is past the image's {image_end} bytes",
+                object.image.0, object.number
             )));
         }
         if !self.raft.hosts(pg) {
@@ -1838,7 +1840,8 @@ impl Core {
             }
             return;
         };
-        if let Err(answer) = self.check(&range) {
+        let discard = matches!(message, Message::Discard { .. });
+        if let Err(answer) = self.check(&range, discard) {
             let _ = reply_to.send(answer);
             return;
         }

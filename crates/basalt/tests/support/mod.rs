@@ -502,6 +502,12 @@ impl ClusterProcesses {
         }
     }
 
+    /// Sends OSD process `n` a signal (`STOP`, `CONT`, ...).
+    pub fn signal_osd(&self, n: usize, signal: &str) {
+        let child = self.osds[n].0.as_ref().expect("the osd runs");
+        run_ok(Command::new("kill").args([format!("-{signal}"), child.id().to_string()]));
+    }
+
     pub fn kill_osd(&mut self, n: usize) {
         if let Some(mut child) = self.osds[n].0.take() {
             let _ = child.kill();
