@@ -2,6 +2,7 @@
 //! tests of what a frontend does while requests do not complete (how many it takes, whether
 //! it answers them all once they do).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use basalt_io::DmaBuf;
@@ -25,21 +26,18 @@ pub struct Held {
 pub struct Gated {
     inner: Box<dyn Bdev>,
     held: Held,
-    started: AtomicU64,
-    gate: Semaphore,
+    handle: GateHandle,
 }
 
-impl Gated {
-    /// `inner` with `held` waiting behind a closed gate.
-    pub fn new(inner: Box<dyn Bdev>, held: Held) -> Self {
-        Self {
-            inner,
-            held,
-            started: AtomicU64::new(0),
-            gate: Semaphore::new(0),
-        }
-    }
+/// The gate of a [`Gated`] bdev and its count of held operations, for whoever holds the
+/// bdev only as a `Box<dyn Bdev>` (a registry's).
+#[derive(Clone)]
+pub struct GateHandle {
+    started: Arc<AtomicU64>,
+    gate: Arc<Semaphore>,
+}
 
+impl GateHandle {
     /// Held operations started so far (waiting or done).
     pub fn started(&self) -> u64 {
         self.started.load(Ordering::SeqCst)
@@ -49,16 +47,51 @@ impl Gated {
     pub fn open(&self) {
         self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
     }
+}
 
-    fn hold<'a, T: Send + 'a>(&'a self, held: bool, then: BdevFuture<'a, T>) -> BdevFuture<'a, T> {
-        if !held {
-            return then;
+impl Gated {
+    /// `inner` with `held` waiting behind a closed gate.
+    pub fn new(inner: Box<dyn Bdev>, held: Held) -> Self {
+        Self {
+            inner,
+            held,
+            handle: GateHandle {
+                started: Arc::new(AtomicU64::new(0)),
+                gate: Arc::new(Semaphore::new(0)),
+            },
         }
-        self.started.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Its gate.
+    pub fn handle(&self) -> GateHandle {
+        self.handle.clone()
+    }
+
+    /// Held operations started so far (waiting or done).
+    pub fn started(&self) -> u64 {
+        self.handle.started()
+    }
+
+    /// Lets every held operation through, now and from now on.
+    pub fn open(&self) {
+        self.handle.open();
+    }
+
+    /// `then`'s operation, started (a malloc bdev's takes effect as it is called) once the
+    /// gate lets it through if `held`.
+    fn hold<'a, T: Send + 'a>(
+        &'a self,
+        held: bool,
+        then: impl FnOnce() -> BdevFuture<'a, T> + Send + 'a,
+    ) -> BdevFuture<'a, T> {
+        if !held {
+            return then();
+        }
+        self.handle.started.fetch_add(1, Ordering::SeqCst);
         Box::pin(async move {
             // Never closed: a permit always comes once the gate opens.
-            let _pass = self.gate.acquire().await;
-            then.await
+            let _pass = self.handle.gate.acquire().await;
+            then().await
         })
     }
 }
@@ -73,11 +106,13 @@ impl Bdev for Gated {
     }
 
     fn write(&self, extent: Extent, data: DmaBuf, fua: bool) -> BdevFuture<'_, ()> {
-        self.hold(self.held.writes, self.inner.write(extent, data, fua))
+        self.hold(self.held.writes, move || {
+            self.inner.write(extent, data, fua)
+        })
     }
 
     fn flush(&self) -> BdevFuture<'_, ()> {
-        self.hold(self.held.flushes, self.inner.flush())
+        self.hold(self.held.flushes, || self.inner.flush())
     }
 
     fn volatile_cache(&self) -> bool {
@@ -89,7 +124,7 @@ impl Bdev for Gated {
     }
 
     fn discard(&self, extent: Extent) -> BdevFuture<'_, ()> {
-        self.hold(self.held.discards, self.inner.discard(extent))
+        self.hold(self.held.discards, move || self.inner.discard(extent))
     }
 }
 

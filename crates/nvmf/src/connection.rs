@@ -176,11 +176,16 @@ pub async fn serve(
     if let Some(queue) = connection.queue.take() {
         connection.target.disconnect(&queue);
     }
-    // Commands on a bdev own their buffers until they complete: wait for them.
-    connection.in_flight.retain(|command| !command.async_event);
-    while !connection.in_flight.is_empty() {
-        poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)).await;
-    }
+    // Commands still under way are given up, as the host has given them up: it sends them
+    // again on its next connection, and may send later commands for the same blocks
+    // there. One kept going here (an image bdev's write retrying while its PG has no
+    // leader) could land after those. What a command already handed on does not land
+    // after them as a rule: a file bdev's engine keeps its buffers until the kernel is
+    // done with them (a write already submitted completes within the device's time), and
+    // an image's client sends nothing more for a request dropped (what it sent before
+    // comes before later requests in its PG's raft log, the leader's term in each request
+    // keeping an old one held in a socket from going in after a newer leader's).
+    connection.in_flight.clear();
     let _ = writer.shutdown().await;
     result
 }
@@ -264,7 +269,12 @@ impl Connection {
     /// Takes the outcome of a read into `input`: more bytes, the end, or an error.
     fn on_read(&mut self, read: io::Result<usize>) {
         match read {
-            Ok(0) => self.stop_reading(),
+            // The host closed the connection (NVMe/TCP has no half-close): the commands
+            // still under way are given up, as it gave them up (see `run`'s end).
+            Ok(0) => {
+                self.stop_reading();
+                self.terminating = true;
+            }
             Ok(_) => {}
             Err(error) => {
                 self.stop_reading();

@@ -401,6 +401,78 @@ async fn writes_are_durable_at_completion_over_a_bdev_with_a_write_cache() {
     assert_eq!(plain_counts, [0, 1, 0], "FUA writes, plain writes, flushes");
 }
 
+/// A host whose connection closes has given up the commands under way on it (it sends them
+/// again on its next connection, and may send later ones for the same blocks): the target
+/// gives them up too, so that none lands after what the host sends next. Here a write
+/// waits behind a closed gate when the host goes; once the gate opens, it never lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_under_way_are_given_up_when_their_connection_closes() {
+    use basalt_bdev::gated::{Gated, Held};
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let held = Held {
+        writes: true,
+        ..Held::default()
+    };
+    let malloc = basalt_bdev::malloc::MallocBdev::new_named("Gated0", BLOCK, BLOCKS);
+    let gated = Gated::new(Box::new(malloc), held);
+    let gate = gated.handle();
+    let construct = basalt_common::ConfigCall {
+        method: "test".to_string(),
+        params: json!({}),
+    };
+    fixture
+        .registry
+        .insert(Box::new(gated), BdevKind::Malloc, construct)
+        .expect("insert");
+    assert_eq!(add_namespace(&fixture, "Gated0").await, json!(2));
+    let host = Arc::new(
+        Host::connect(fixture.address, NQN, HostOptions::default())
+            .await
+            .expect("connect"),
+    );
+    let writer = host.clone();
+    let write =
+        tokio::spawn(async move { writer.write(0, 2, 8, pattern(5, 4096), BLOCK, false).await });
+    while gate.started() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    write.abort();
+    let _ = write.await;
+    drop(host);
+    // The target sees the connections close: the controller goes.
+    let controllers = || async {
+        rpc(
+            &fixture,
+            "nvmf_subsystem_get_controllers",
+            json!({"nqn": NQN}),
+        )
+        .await
+        .expect("controllers")
+    };
+    while controllers()
+        .await
+        .as_array()
+        .is_some_and(|c| !c.is_empty())
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    gate.open();
+    let host = Host::connect(fixture.address, NQN, HostOptions::default())
+        .await
+        .expect("connect again");
+    for _ in 0..20 {
+        let data = host.read(0, 2, 8, 8, BLOCK).await.expect("read");
+        assert!(data.iter().all(|b| *b == 0), "the write given up landed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The gate is open: a write now goes through.
+    let data = pattern(6, 4096);
+    host.write(0, 2, 8, data.clone(), BLOCK, false)
+        .await
+        .expect("write");
+    assert_eq!(host.read(0, 2, 8, 8, BLOCK).await.expect("read"), data);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_commands_in_flight_on_several_queues() {
     let fixture = fixture(json!({"trtype": "TCP"})).await;
