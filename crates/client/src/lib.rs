@@ -406,16 +406,16 @@ struct Piece {
     at: usize,
 }
 
-fn split(image: ImageId, object_size: u64, offset: u64, len: u64) -> Vec<Piece> {
+/// The pieces of `len` bytes at `offset` of `image`: one per object, of at most
+/// `piece_max` bytes each.
+fn split(image: ImageId, object_size: u64, offset: u64, len: u64, piece_max: u64) -> Vec<Piece> {
     let mut pieces = Vec::new();
     let mut position = offset;
     let end = offset + len;
     while position < end {
         let number = position / object_size;
         let in_object = position % object_size;
-        let piece = (object_size - in_object)
-            .min(end - position)
-            .min(PIECE_BYTES_MAX);
+        let piece = (object_size - in_object).min(end - position).min(piece_max);
         pieces.push(Piece {
             object: ObjectKey { image, number },
             offset_in_object: in_object as u32,
@@ -505,18 +505,20 @@ impl Image {
         request: impl Fn(PgId, Epoch, &Piece) -> Message,
     ) -> Result<Vec<(Piece, Message)>, ClientError> {
         self.check(offset, len)?;
-        Ok(self.unchecked_requests(offset, len, request))
+        Ok(self.unchecked_requests(offset, len, PIECE_BYTES_MAX, request))
     }
 
-    /// The pieces of `len` bytes at `offset`, each with its request.
+    /// The pieces of `len` bytes at `offset`, of at most `piece_max` bytes, each with its
+    /// request.
     fn unchecked_requests(
         &self,
         offset: u64,
         len: u64,
+        piece_max: u64,
         request: impl Fn(PgId, Epoch, &Piece) -> Message,
     ) -> Vec<(Piece, Message)> {
         let (pg, epoch) = self.unrouted();
-        split(self.id, self.object_size_bytes, offset, len)
+        split(self.id, self.object_size_bytes, offset, len, piece_max)
             .into_iter()
             .map(|piece| {
                 let message = request(pg, epoch, &piece);
@@ -527,14 +529,7 @@ impl Image {
 
     /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
-        let requests = self.requests(offset, len, |pg, epoch, piece| Message::Read {
-            pg,
-            epoch,
-            term: 0,
-            object: piece.object,
-            offset_bytes: piece.offset_in_object,
-            len_bytes: piece.len_bytes,
-        })?;
+        let requests = self.requests(offset, len, range_request(true))?;
         let mut out = vec![0u8; len as usize];
         for (piece, data) in self.run_pieces("read", requests).await? {
             if data.len() != piece.len_bytes as usize {
@@ -571,18 +566,21 @@ impl Image {
         self.discard_unchecked(offset, len).await
     }
 
-    /// [`Image::discard`] without the check against the image's size.
+    /// [`Image::discard`] without the check against the image's size. A discard carries no
+    /// data: one request covers as much of an object as it asks for (a removal of a large
+    /// image is a request per object, not per MiB).
     async fn discard_unchecked(&self, offset: u64, len: u64) -> Result<(), ClientError> {
-        let requests = self.unchecked_requests(offset, len, |pg, epoch, piece| Message::Discard {
-            pg,
-            epoch,
-            term: 0,
-            object: piece.object,
-            offset_bytes: piece.offset_in_object,
-            len_bytes: piece.len_bytes,
-        });
+        let requests = self.unchecked_requests(offset, len, u64::MAX, range_request(false));
         self.run_pieces("discard", requests).await?;
         Ok(())
+    }
+}
+
+/// The request for a piece of a read (`read`) or a discard, as [`Image::requests`] takes it.
+fn range_request(read: bool) -> impl Fn(PgId, Epoch, &Piece) -> Message {
+    move |pg, epoch, piece| {
+        let place = (pg, epoch, 0, piece.object, piece.offset_in_object);
+        basalt_wire::message::read_or_discard(read, place, piece.len_bytes)
     }
 }
 
@@ -728,7 +726,7 @@ mod tests {
     #[test]
     fn requests_split_at_object_boundaries_and_piece_size() {
         let image = ImageId(7);
-        let pieces = split(image, 4 << 20, (4 << 20) - 4096, 8192);
+        let pieces = split(image, 4 << 20, (4 << 20) - 4096, 8192, PIECE_BYTES_MAX);
         assert_eq!(pieces.len(), 2);
         assert_eq!(
             (
@@ -748,13 +746,16 @@ mod tests {
             ),
             (1, 0, 4096, 4096)
         );
-        let big = split(image, 4 << 20, 0, 3 << 20);
+        let big = split(image, 4 << 20, 0, 3 << 20, PIECE_BYTES_MAX);
         assert_eq!(big.len(), 3);
         assert!(
             big.iter()
                 .all(|p| u64::from(p.len_bytes) == PIECE_BYTES_MAX)
         );
-        let total: u64 = split(image, 65536, 1000, 300_000)
+        let whole = split(image, 4 << 20, 1 << 20, 8 << 20, u64::MAX);
+        let lens: Vec<u32> = whole.iter().map(|p| p.len_bytes).collect();
+        assert_eq!(lens, [3 << 20, 4 << 20, 1 << 20], "whole objects at most");
+        let total: u64 = split(image, 65536, 1000, 300_000, PIECE_BYTES_MAX)
             .iter()
             .map(|p| u64::from(p.len_bytes))
             .sum();

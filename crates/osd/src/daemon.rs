@@ -1769,7 +1769,8 @@ impl Core {
                 invalid(what)
             }
         };
-        if len_bytes == 0 || len_bytes > REQUEST_BYTES_MAX {
+        // A discard carries no data: it may cover a whole object (checked below).
+        if len_bytes == 0 || (len_bytes > REQUEST_BYTES_MAX && !discard) {
             return Err(invalid(format!(
                 "a request of {len_bytes} bytes: from 1 byte to {REQUEST_BYTES_MAX}"
             )));

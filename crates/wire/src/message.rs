@@ -317,7 +317,7 @@ pub struct ObjectRange {
 
 /// A read (if `read`) or a discard of `len_bytes` at a place given as PG, epoch, term,
 /// object and offset in it.
-fn read_or_discard(
+pub fn read_or_discard(
     read: bool,
     (pg, epoch, term, object, offset_bytes): (PgId, Epoch, u64, ObjectKey, u32),
     len_bytes: u32,
