@@ -3462,9 +3462,18 @@ impl Core {
     }
 
     /// Counts the live bytes (a walk over the objects: their extent maps keep their counts).
+    /// Log blocks that live data let go of (discards, a PG removed) are room the cleaner can
+    /// make: progress, so that writes short of room wait for it (`Busy`) rather than get
+    /// `NoSpace` from a cleaner that found nothing to free before (its pause is cut short).
     fn refresh_live_bytes(&mut self) {
         self.reclaim.live_bytes = self.objects.values().map(PgObjects::mapped_bytes).sum();
-        self.reclaim.occupied_bytes = self.objects.values().map(PgObjects::occupied_bytes).sum();
+        let occupied = self.objects.values().map(PgObjects::occupied_bytes).sum();
+        if occupied < self.reclaim.occupied_bytes {
+            let now = std::time::Instant::now();
+            self.reclaim.progress_at = now;
+            self.reclaim.clean_after = self.reclaim.clean_after.min(now);
+        }
+        self.reclaim.occupied_bytes = occupied;
         self.reclaim.packable_bytes = self.objects.values().map(PgObjects::packable_bytes).sum();
         self.reclaim.index_bytes = self.objects.values().map(PgObjects::checkpoint_bytes).sum();
         self.counters
