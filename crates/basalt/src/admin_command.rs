@@ -395,7 +395,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 let (pool, name) = split_spec(&spec)?;
                 let map = mon.map().await?;
                 // Removals of this name not finished before (their discards interrupted).
-                let mut unfinished: Vec<basalt_mon::map::Image> = map
+                let unfinished: Vec<basalt_mon::map::Image> = map
                     .pool_by_name(&pool)
                     .map(|found| {
                         map.removing
@@ -405,26 +405,38 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                             .collect()
                     })
                     .unwrap_or_default();
-                let live = map.image_by_name(&pool, &name).cloned();
-                if live.is_some() || unfinished.is_empty() {
-                    let epoch = apply(
-                        &mon,
-                        Command::ImageRemove {
-                            pool: pool.clone(),
-                            name: name.clone(),
-                        },
-                    )
-                    .await?;
-                    println!("image {spec} removed (map epoch {epoch}); discarding its data");
+                // An interrupted removal is finished first, alone: the image of that name
+                // now may be another, created since, which the operator did not ask about
+                // yet (running the command again removes it).
+                if !unfinished.is_empty() {
+                    for image in &unfinished {
+                        discard_cut(&mon, &mons, (&spec, image.id), 0, image.size_bytes).await?;
+                    }
+                    println!(
+                        "image {spec}: the removal left unfinished is done, its data discarded"
+                    );
+                    if map.image_by_name(&pool, &name).is_some() {
+                        println!(
+                            "image {spec} exists again (created since): run the command again \
+                             to remove it"
+                        );
+                    }
+                    return Ok(ExitCode::SUCCESS);
                 }
+                let live = map.image_by_name(&pool, &name).cloned();
+                let epoch = apply(
+                    &mon,
+                    Command::ImageRemove {
+                        pool: pool.clone(),
+                        name: name.clone(),
+                    },
+                )
+                .await?;
+                println!("image {spec} removed (map epoch {epoch}); discarding its data");
                 if let Some(image) = live {
                     // As removed: its size, and what a shrink left to discard.
-                    let mut image = image;
-                    image.size_bytes = image.size_bytes.max(image.discard_to);
-                    unfinished.push(image);
-                }
-                for image in unfinished {
-                    discard_cut(&mon, &mons, (&spec, image.id), 0, image.size_bytes).await?;
+                    let size = image.size_bytes.max(image.discard_to);
+                    discard_cut(&mon, &mons, (&spec, image.id), 0, size).await?;
                 }
                 println!("image {spec}: its data is discarded");
             }

@@ -1406,9 +1406,12 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
         "{checks}"
     );
     assert!(used() >= 3 * 32 * MIB, "nothing was discarded yet");
-    // The name is free; the new image is another, and holds nothing.
+    // The name is free; the new image is another. Run again, the removal finishes the
+    // earlier image's alone: the new one stays until asked for once more.
     cluster.cli_ok(&["image", "create", "rbd/gone", "--size", "32MiB"]);
-    cluster.cli_ok(&["image", "rm", "rbd/gone"]);
+    let said = cluster.cli_ok(&["image", "rm", "rbd/gone"]);
+    assert!(said.contains("exists again"), "{said}");
+    assert!(images().contains("\"gone\""), "the new image stays");
     wait_for(
         "the removed image's space freed",
         Duration::from_secs(30),
@@ -1416,6 +1419,8 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     );
     let (_, checks) = cluster.health();
     assert!(!checks.contains("rbd/gone"), "{checks}");
+    cluster.cli_ok(&["image", "rm", "rbd/gone"]);
+    assert!(!images().contains("\"gone\""), "{}", images());
     cluster.cli_ok(&["image", "resize", "rbd/vol", "--size", "16MiB"]);
     wait_for("the cut-off space freed", Duration::from_secs(30), || {
         used() <= 3 * 5 * MIB

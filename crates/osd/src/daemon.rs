@@ -1786,6 +1786,13 @@ impl Core {
                 current: self.map.epoch,
             }));
         }
+        // A discard from a client with a newer map waits for that map here ("ask again"):
+        // it may discard what an image's removal or shrink cut off, and this OSD must by
+        // then refuse the writes of clients with older maps there, or one could land after
+        // the discard.
+        if discard && epoch > self.map.epoch {
+            return Err(reply(Status::NotLeader { leader: None }));
+        }
         let Some((image, image_end)) = self.map.image_bounds(object.image, discard) else {
             return Err(unknown(format!("image {} does not exist", object.image.0)));
         };
