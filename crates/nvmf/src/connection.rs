@@ -5,9 +5,9 @@
 //! in a list, polled in place, as the NBD server does), asks for write data with one R2T
 //! per command and gathers its H2CData, and writes every ready response in one socket
 //! write. Reads go out as one C2HData PDU, flagged SUCCESS (no response capsule) when
-//! the host disabled SQ flow control. A fatal PDU error sends a C2HTermReq and closes;
-//! commands already on a bdev are waited for (their buffers are the bdev's until then)
-//! but not answered.
+//! the host disabled SQ flow control. A fatal PDU error sends a C2HTermReq and closes.
+//! Once the connection ends (the host gone, the controller torn down, a fatal error),
+//! commands still under way are given up unanswered (see the end of [`serve`]).
 
 use std::collections::HashMap;
 use std::future::poll_fn;

@@ -312,16 +312,21 @@ impl Counting {
             counts: counts.clone(),
             read_delay,
         };
-        let construct = basalt_common::ConfigCall {
-            method: "test".to_string(),
-            params: json!({}),
-        };
-        fixture
-            .registry
-            .insert(Box::new(bdev), BdevKind::Malloc, construct)
-            .expect("insert");
+        register_bdev(fixture, Box::new(bdev));
         counts
     }
+}
+
+/// Registers a bdev of a test's own with the fixture's bdevs.
+fn register_bdev(fixture: &Fixture, bdev: Box<dyn Bdev>) {
+    let construct = basalt_common::ConfigCall {
+        method: "test".to_string(),
+        params: json!({}),
+    };
+    fixture
+        .registry
+        .insert(bdev, BdevKind::Malloc, construct)
+        .expect("insert");
 }
 
 impl Bdev for Counting {
@@ -416,14 +421,7 @@ async fn commands_under_way_are_given_up_when_their_connection_closes() {
     let malloc = basalt_bdev::malloc::MallocBdev::new_named("Gated0", BLOCK, BLOCKS);
     let gated = Gated::new(Box::new(malloc), held);
     let gate = gated.handle();
-    let construct = basalt_common::ConfigCall {
-        method: "test".to_string(),
-        params: json!({}),
-    };
-    fixture
-        .registry
-        .insert(Box::new(gated), BdevKind::Malloc, construct)
-        .expect("insert");
+    register_bdev(&fixture, Box::new(gated));
     assert_eq!(add_namespace(&fixture, "Gated0").await, json!(2));
     let host = Arc::new(
         Host::connect(fixture.address, NQN, HostOptions::default())
