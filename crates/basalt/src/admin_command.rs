@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use basalt_common::{ByteSize, OsdId, PgId};
+use basalt_common::{ByteSize, Epoch, ImageId, OsdId, PgId};
 use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
 use basalt_mon::protocol::{
@@ -238,45 +238,99 @@ fn image_json(map: &ClusterMap, image: &basalt_mon::map::Image) -> serde_json::V
     })
 }
 
-/// Discards bytes `from..to` of image `id` (`spec` names it), which the map keeps for
-/// discards only: what a shrink cut off, or an image removed. The map's change comes
-/// first, so that OSDs refuse writes there from then on and none lands after the discard;
-/// the map forgets the bytes once they are discarded (`ImageDiscarded`). Without the
-/// discard, the objects would stay on the OSDs, for good after a removal (image ids are not
-/// given again) and to be read back by a later grow after a shrink. Discards go on full
-/// OSDs too. An interrupted discard is finished by running the command again (health
-/// names the image meanwhile).
-async fn discard_cut(
+/// The map from a monitor that has epoch `at_least` at least (a follower may lag).
+async fn map_since(mon: &MonClient, at_least: Epoch) -> anyhow::Result<ClusterMap> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut map = mon.map().await?;
+    while map.epoch < at_least {
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "the monitors answer with map epoch {}, not yet {} (try again)",
+                map.epoch.0,
+                at_least.0
+            );
+        }
+        let after = Epoch(at_least.0.saturating_sub(1));
+        if let Some(newer) = mon
+            .map_after(after, std::time::Duration::from_secs(1))
+            .await?
+        {
+            map = newer;
+        }
+    }
+    Ok(map)
+}
+
+/// Discards what the map keeps of image `id` (`spec` names it) for discards alone: what a
+/// shrink cut off, or all of it once removed. `at_least` is the epoch of a map that has
+/// the change. The map's change comes first, so that OSDs refuse writes there from then
+/// on and none lands after the discard; the map forgets the bytes once they are discarded
+/// (`ImageDiscarded`, for the cut they were discarded for). Without the discard the objects
+/// would stay on the OSDs, for good after a removal (image ids are not given again) and to
+/// be read back by a later grow after a shrink. Discards go on full OSDs too. When another
+/// command changed the image meanwhile (finished the discard and grew it, or cut off more),
+/// OSDs refuse what is no longer kept for discards, and this looks again. An interrupted
+/// discard is finished by running the command again (health names the image meanwhile).
+async fn finish_cut(
     mon: &MonClient,
     mons: &[std::net::SocketAddr],
-    (spec, id): (&str, basalt_common::ImageId),
-    from: u64,
-    to: u64,
+    (spec, id): (&str, ImageId),
+    at_least: Epoch,
 ) -> anyhow::Result<()> {
     /// Discarded per call: 1 GiB, a few hundred objects' requests at a time.
     const STEP: u64 = 1 << 30;
+    /// Looks at the map again at most this often when other commands change the image.
+    const ROUNDS: usize = 8;
     let context = || {
         format!(
-            "cannot discard the data of image {spec} past {from} bytes (run the command again \
-             to finish it)"
+            "cannot discard the data of image {spec} cut off (run the command again to finish it)"
         )
     };
     let cluster = basalt_client::Cluster::connect(mons.to_vec())
         .await
         .with_context(context)?;
-    let mut at = from;
-    while at < to {
-        let len = STEP.min(to - at);
-        cluster
-            .discard_cut(id, at, at + len)
-            .await
-            .with_context(context)?;
-        at += len;
+    let mut at_least = at_least;
+    for _ in 0..ROUNDS {
+        let map = map_since(mon, at_least).await.with_context(context)?;
+        let left = |map: &ClusterMap| {
+            map.image_range(id, true)
+                .map(|(image, kept)| (image.cut_epoch, kept))
+                .filter(|(_, kept)| !kept.is_empty())
+        };
+        let Some((since, kept)) = left(&map) else {
+            return Ok(());
+        };
+        let mut at = kept.start;
+        let mut failed = None;
+        while at < kept.end {
+            let to = kept.end.min(at.saturating_add(STEP));
+            if let Err(error) = cluster.discard_cut(id, (at, to), map.epoch).await {
+                failed = Some(error);
+                break;
+            }
+            at = to;
+        }
+        at_least = match failed {
+            None => {
+                let discarded = Command::ImageDiscarded {
+                    id,
+                    from: kept.start,
+                    to: kept.end,
+                    since,
+                };
+                Epoch(apply(mon, discarded).await.with_context(context)?)
+            }
+            Some(error) => {
+                let now = map_since(mon, map.epoch).await.with_context(context)?;
+                if left(&now) == Some((since, kept)) {
+                    return Err(error).with_context(context);
+                }
+                now.epoch
+            }
+        }
+        .max(map.epoch);
     }
-    apply(mon, Command::ImageDiscarded { id, from, to })
-        .await
-        .with_context(context)?;
-    Ok(())
+    Err(anyhow::anyhow!("image {spec} kept changing meanwhile")).with_context(context)
 }
 
 pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<ExitCode> {
@@ -365,52 +419,45 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
             ImageCommand::Resize { spec, size } => {
                 let (pool, name) = split_spec(&spec)?;
                 let map = mon.map().await?;
-                let image = map.image_by_name(&pool, &name).cloned();
                 // What an earlier shrink left to discard goes first (the image may not
                 // grow over it).
-                if let Some(image) = &image
-                    && image.discard_to > image.size_bytes
-                {
-                    let (from, to) = (image.size_bytes, image.discard_to);
-                    discard_cut(&mon, &mons, (&spec, image.id), from, to).await?;
+                if let Some(image) = map.image_by_name(&pool, &name) {
+                    finish_cut(&mon, &mons, (&spec, image.id), map.epoch).await?;
                 }
-                let epoch = apply(
-                    &mon,
-                    Command::ImageResize {
-                        pool,
-                        name,
-                        size_bytes: size.0,
-                    },
-                )
-                .await?;
+                let resize = Command::ImageResize {
+                    pool: pool.clone(),
+                    name: name.clone(),
+                    size_bytes: size.0,
+                };
+                let epoch = apply(&mon, resize).await?;
                 // Shrunk: the part cut off is discarded now that no write reaches it.
-                if let Some(image) = &image
-                    && size.0 < image.size_bytes
-                {
-                    discard_cut(&mon, &mons, (&spec, image.id), size.0, image.size_bytes).await?;
+                let map = map_since(&mon, Epoch(epoch)).await?;
+                if let Some(image) = map.image_by_name(&pool, &name) {
+                    finish_cut(&mon, &mons, (&spec, image.id), map.epoch).await?;
                 }
                 println!("image {spec} resized to {size} (map epoch {epoch})");
             }
             ImageCommand::Rm { spec } => {
                 let (pool, name) = split_spec(&spec)?;
+                // Removals of this name not finished (their discards interrupted).
+                let removing = |map: &ClusterMap| -> Vec<ImageId> {
+                    let Some(found) = map.pool_by_name(&pool) else {
+                        return Vec::new();
+                    };
+                    map.removing
+                        .values()
+                        .filter(|image| image.pool == found.id && image.name == name)
+                        .map(|image| image.id)
+                        .collect()
+                };
                 let map = mon.map().await?;
-                // Removals of this name not finished before (their discards interrupted).
-                let unfinished: Vec<basalt_mon::map::Image> = map
-                    .pool_by_name(&pool)
-                    .map(|found| {
-                        map.removing
-                            .values()
-                            .filter(|image| image.pool == found.id && image.name == name)
-                            .cloned()
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let unfinished = removing(&map);
                 // An interrupted removal is finished first, alone: the image of that name
                 // now may be another, created since, which the operator did not ask about
                 // yet (running the command again removes it).
                 if !unfinished.is_empty() {
-                    for image in &unfinished {
-                        discard_cut(&mon, &mons, (&spec, image.id), 0, image.size_bytes).await?;
+                    for id in unfinished {
+                        finish_cut(&mon, &mons, (&spec, id), map.epoch).await?;
                     }
                     println!(
                         "image {spec}: the removal left unfinished is done, its data discarded"
@@ -423,20 +470,17 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     }
                     return Ok(ExitCode::SUCCESS);
                 }
-                let live = map.image_by_name(&pool, &name).cloned();
-                let epoch = apply(
-                    &mon,
-                    Command::ImageRemove {
-                        pool: pool.clone(),
-                        name: name.clone(),
-                    },
-                )
-                .await?;
+                let remove = Command::ImageRemove {
+                    pool: pool.clone(),
+                    name: name.clone(),
+                };
+                let epoch = apply(&mon, remove).await?;
                 println!("image {spec} removed (map epoch {epoch}); discarding its data");
-                if let Some(image) = live {
-                    // As removed: its size, and what a shrink left to discard.
-                    let size = image.size_bytes.max(image.discard_to);
-                    discard_cut(&mon, &mons, (&spec, image.id), 0, size).await?;
+                // The image removed, whichever it was by then (read again: it may have
+                // been removed and created again since this command looked).
+                let map = map_since(&mon, Epoch(epoch)).await?;
+                for id in removing(&map) {
+                    finish_cut(&mon, &mons, (&spec, id), map.epoch).await?;
                 }
                 println!("image {spec}: its data is discarded");
             }

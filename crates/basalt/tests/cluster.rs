@@ -323,8 +323,8 @@ fn write_object(cluster: &ClusterProcesses, name: &str, number: u64) -> Result<(
     .map(|_| ())
 }
 
-/// Sends the request `make` builds for object `number` of image `name` to the one OSD of
-/// the cluster (pool of size 1), naming leader term `term`, or if `None` the term the
+/// Sends the request `make` builds for object `number` of image `name` to the PG's leader
+/// (trying its members in turn), naming leader term `term`, or if `None` the term the
 /// leader gives when asked; asks again while the PG has no leader yet. `Ok` with the term
 /// named and the reply's data, `Err` with the OSD's reason if refused.
 fn object_call(
@@ -345,6 +345,7 @@ fn object_call(
         .collect();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut named = term.unwrap_or(0);
+    let mut member = 0;
     runtime.block_on(async {
         loop {
             let map = basalt_mon::MonClient::new(monitors.clone())
@@ -361,7 +362,8 @@ fn object_call(
                 number,
             };
             let pg = map.pools[&image.pool].pg_of(object);
-            let osd = map.osds.values().next().expect("an osd");
+            let members = &map.pg(pg).expect("the pg").members;
+            let osd = &map.osds[&members[member % members.len()]];
             let address = osd.address.parse().expect("address");
             let client = basalt_wire::tcp::Client::connect(address)
                 .await
@@ -380,6 +382,7 @@ fn object_call(
                     status: Status::NotLeader { .. } | Status::StaleEpoch { .. },
                     ..
                 } if Instant::now() < deadline => {
+                    member += 1;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Message::Reply { status, .. } => return Err(format!("{status:?}")),
@@ -1358,7 +1361,8 @@ fn used_bytes(cluster: &ClusterProcesses) -> u64 {
 /// `basalt image rm` and a shrinking `image resize` change the map first, then discard
 /// what they cut off: interrupted in between (here, with every OSD stopped), the map keeps
 /// the cut-off data for discards only, health names the image, the image may not grow over
-/// that data, and running the command again finishes the discard.
+/// that data, and running the command again finishes the discard. Once the image grew back,
+/// a late discard of the bytes once cut off is refused by the OSDs.
 #[test]
 fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     let dir = ScratchDir::new("cluster-image-cut");
@@ -1429,6 +1433,23 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     assert_eq!(status, "HEALTH_OK", "{checks}");
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     qemu_io_ok(&uri, true, &["read -P 0 4M 12M"]);
+    // A discard of the cut-off bytes that comes late (its command slow, while another
+    // finished the discard and grew the image back) is refused: the bytes hold new data.
+    qemu_io_ok(&uri, false, &["write -P 0x6b 8M 4M"]);
+    let late = object_call(&cluster, "vol", 2, None, |pg, epoch, term, object| {
+        Message::Discard {
+            cut: true,
+            pg,
+            epoch,
+            term,
+            object,
+            offset_bytes: 0,
+            len_bytes: 4 << 20,
+        }
+    });
+    let refused = late.expect_err("a discard of bytes no longer cut off");
+    assert!(refused.contains("kept for discards alone"), "{refused}");
+    qemu_io_ok(&uri, true, &["read -P 0x6b 8M 4M"]);
 }
 
 /// `mons` monitors and three OSDs on devices of `device_size` (the last serving metrics on

@@ -18,6 +18,7 @@ use std::time::Duration;
 use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 use basalt_mon::map::ClusterMap;
 use basalt_mon::{MonClient, MonClientError};
+use basalt_wire::message::RangeOp;
 use basalt_wire::tcp::Client;
 use basalt_wire::{Message, Status};
 use tokio::sync::watch;
@@ -162,23 +163,36 @@ impl Cluster {
 
     /// Discards bytes `from..to` of image `id` where only discards reach: what a shrink
     /// cut off, or an image being removed (`basalt image resize` and `image rm` discard it
-    /// after the map's change, so that no write lands there after the discard).
+    /// after the map's change, so that no write lands there after the discard). `since`
+    /// is the epoch of a map that has the change: this client waits for it, so that its
+    /// requests carry it and OSDs with older maps ask for them again rather than take
+    /// writes of old maps after them. OSDs refuse the discards outside what their map
+    /// keeps for them (the image grown back over the bytes).
     pub async fn discard_cut(
         self: &Arc<Self>,
         id: ImageId,
-        from: u64,
-        to: u64,
+        (from, to): (u64, u64),
+        since: Epoch,
     ) -> Result<(), ClientError> {
+        let mut watch = self.map.clone();
+        let waited = tokio::time::timeout(self.deadline, watch.wait_for(|map| map.epoch >= since));
+        if !matches!(waited.await, Ok(Ok(_))) {
+            return Err(ClientError::Timeout {
+                what: format!("map epoch {}", since.0),
+                seconds: self.deadline.as_secs(),
+                last: format!("epoch {}", self.map().epoch.0),
+            });
+        }
         let map = self.map();
-        let (image, end) = map.image_bounds(id, true).ok_or_else(|| {
+        let (image, kept) = map.image_range(id, true).ok_or_else(|| {
             ClientError::NotFound(format!(
                 "image {} is neither in the map nor being removed",
                 id.0
             ))
         })?;
-        if from > to || to > end {
+        if from > to || from < kept.start || to > kept.end {
             return Err(ClientError::Invalid(format!(
-                "range {from}..{to} is past what image {} keeps ({end} bytes)",
+                "range {from}..{to} of image {} is not kept for discards alone ({kept:?} is)",
                 id.0
             )));
         }
@@ -189,7 +203,14 @@ impl Cluster {
             name: format!("image {}", id.0),
             object_size_bytes: image.object_size_bytes,
         };
-        image.discard_unchecked(from, to - from).await
+        let requests = image.unchecked_requests(
+            from,
+            to - from,
+            u64::MAX,
+            range_request(RangeOp::DiscardCut),
+        );
+        image.run_pieces("discard", requests).await?;
+        Ok(())
     }
 
     async fn connection(&self, address: SocketAddr) -> Result<Arc<Client>, String> {
@@ -529,7 +550,7 @@ impl Image {
 
     /// Reads `len` bytes at `offset`; never-written bytes read as zeroes.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
-        let requests = self.requests(offset, len, range_request(true))?;
+        let requests = self.requests(offset, len, range_request(RangeOp::Read))?;
         let mut out = vec![0u8; len as usize];
         for (piece, data) in self.run_pieces("read", requests).await? {
             if data.len() != piece.len_bytes as usize {
@@ -561,26 +582,22 @@ impl Image {
     }
 
     /// Discards `len` bytes at `offset`: they read as zeroes and their space is freed.
+    /// A discard carries no data: one request covers as much of an object as it asks for
+    /// (a removal of a large image is a request per object, not per MiB).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
         self.check(offset, len)?;
-        self.discard_unchecked(offset, len).await
-    }
-
-    /// [`Image::discard`] without the check against the image's size. A discard carries no
-    /// data: one request covers as much of an object as it asks for (a removal of a large
-    /// image is a request per object, not per MiB).
-    async fn discard_unchecked(&self, offset: u64, len: u64) -> Result<(), ClientError> {
-        let requests = self.unchecked_requests(offset, len, u64::MAX, range_request(false));
+        let requests =
+            self.unchecked_requests(offset, len, u64::MAX, range_request(RangeOp::Discard));
         self.run_pieces("discard", requests).await?;
         Ok(())
     }
 }
 
-/// The request for a piece of a read (`read`) or a discard, as [`Image::requests`] takes it.
-fn range_request(read: bool) -> impl Fn(PgId, Epoch, &Piece) -> Message {
+/// The request `op` for a piece, as [`Image::requests`] takes it.
+fn range_request(op: RangeOp) -> impl Fn(PgId, Epoch, &Piece) -> Message {
     move |pg, epoch, piece| {
         let place = (pg, epoch, 0, piece.object, piece.offset_in_object);
-        basalt_wire::message::read_or_discard(read, place, piece.len_bytes)
+        basalt_wire::message::range_message(op, place, piece.len_bytes)
     }
 }
 

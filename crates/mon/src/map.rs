@@ -10,6 +10,7 @@
 //! which moves its replicas elsewhere.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 use serde::{Deserialize, Serialize};
@@ -119,6 +120,12 @@ pub struct Image {
     /// ([`Command::ImageDiscarded`]).
     #[serde(default)]
     pub discard_to: u64,
+    /// The epoch of the map change that cut off what is left to discard (the last shrink
+    /// or the removal): [`Command::ImageDiscarded`] names it, so that a discard done
+    /// before the image grew back over the bytes and a later shrink cut them off again
+    /// does not count for that later cut.
+    #[serde(default)]
+    pub cut_epoch: Epoch,
 }
 
 impl Pool {
@@ -268,6 +275,10 @@ pub enum Command {
         from: u64,
         /// The end of the bytes discarded.
         to: u64,
+        /// The image's [`Image::cut_epoch`] when the discard began: after another cut
+        /// since, nothing changes.
+        #[serde(default)]
+        since: Epoch,
     },
 }
 
@@ -364,17 +375,22 @@ impl ClusterMap {
         self.pools.values().find(|pool| pool.name == name)
     }
 
-    /// The image `id` and the end of the bytes an OSD takes requests for: its size; for
-    /// discards, also the bytes a shrink left to discard and the images being removed
-    /// ([`ClusterMap::removing`]).
-    pub fn image_bounds(&self, id: ImageId, discard: bool) -> Option<(&Image, u64)> {
+    /// The image `id` and the bytes an OSD takes requests for: for writes, reads and a
+    /// host's discards (`cut` false) its size; for the discards that `basalt image resize`
+    /// and `image rm` make (`cut`), only what the map keeps for them, that no other request
+    /// reaches: what a shrink cut off, or all of an image being removed
+    /// ([`ClusterMap::removing`]); empty when there is none.
+    pub fn image_range(&self, id: ImageId, cut: bool) -> Option<(&Image, Range<u64>)> {
         match self.images.get(&id) {
-            Some(image) if discard => Some((image, image.size_bytes.max(image.discard_to))),
-            Some(image) => Some((image, image.size_bytes)),
-            None if discard => self
+            Some(image) if cut => {
+                let end = image.discard_to.max(image.size_bytes);
+                Some((image, image.size_bytes..end))
+            }
+            Some(image) => Some((image, 0..image.size_bytes)),
+            None if cut => self
                 .removing
                 .get(&id)
-                .map(|image| (image, image.size_bytes)),
+                .map(|image| (image, 0..image.size_bytes)),
             None => None,
         }
     }
@@ -457,7 +473,7 @@ impl ClusterMap {
                 pool,
                 name,
                 size_bytes,
-            } => self.image_resize(pool, name, *size_bytes)?,
+            } => self.image_resize(pool, name, *size_bytes, next)?,
             Command::ImageRemove { pool, name } => {
                 let id = self
                     .image_by_name(pool, name)
@@ -467,10 +483,16 @@ impl ClusterMap {
                 // Its data, all of it, is discarded from here on.
                 image.size_bytes = image.size_bytes.max(image.discard_to);
                 image.discard_to = 0;
+                image.cut_epoch = next;
                 self.removing.insert(id, image);
                 true
             }
-            Command::ImageDiscarded { id, from, to } => self.image_discarded(*id, *from, *to),
+            Command::ImageDiscarded {
+                id,
+                from,
+                to,
+                since,
+            } => self.image_discarded(*id, *from..*to, *since),
         };
         if !changed {
             #[cfg(debug_assertions)]
@@ -690,12 +712,19 @@ impl ClusterMap {
                 size_bytes,
                 object_size_bytes,
                 discard_to: 0,
+                cut_epoch: Epoch(0),
             },
         );
         Ok(())
     }
 
-    fn image_resize(&mut self, pool: &str, name: &str, size_bytes: u64) -> Result<bool, MapError> {
+    fn image_resize(
+        &mut self,
+        pool: &str,
+        name: &str,
+        size_bytes: u64,
+        epoch: Epoch,
+    ) -> Result<bool, MapError> {
         check_size(size_bytes)?;
         let id = self
             .image_by_name(pool, name)
@@ -713,31 +742,30 @@ impl ClusterMap {
         let changed = image.size_bytes != size_bytes;
         if size_bytes < image.size_bytes {
             image.discard_to = image.discard_to.max(image.size_bytes);
+            image.cut_epoch = epoch;
         }
         image.size_bytes = size_bytes;
         Ok(changed)
     }
 
-    /// [`Command::ImageDiscarded`]: whether the map changed.
-    fn image_discarded(&mut self, id: ImageId, from: u64, to: u64) -> bool {
-        if let Some(image) = self.removing.get(&id) {
-            if from == 0 && to >= image.size_bytes {
-                self.removing.remove(&id);
-                return true;
-            }
+    /// [`Command::ImageDiscarded`]: whether the map changed. The bytes discarded must
+    /// cover all that is left, since the cut they were discarded for (a later shrink may
+    /// have cut off more, or the same bytes again after a grow wrote them).
+    fn image_discarded(&mut self, id: ImageId, discarded: Range<u64>, since: Epoch) -> bool {
+        let Some((image, left)) = self.image_range(id, true) else {
+            return false;
+        };
+        if left.is_empty()
+            || image.cut_epoch != since
+            || discarded.start > left.start
+            || discarded.end < left.end
+        {
             return false;
         }
-        match self.images.get_mut(&id) {
-            // A later shrink may have cut off more since: the bytes from the size on must
-            // all be covered.
-            Some(image)
-                if image.discard_to > 0 && from <= image.size_bytes && to >= image.discard_to =>
-            {
-                image.discard_to = 0;
-                true
-            }
-            _ => false,
+        if self.removing.remove(&id).is_none() {
+            self.images.get_mut(&id).expect("found above").discard_to = 0;
         }
+        true
     }
 
     /// Recomputes every PG's members from the OSDs that are in; PGs whose members change
@@ -1092,7 +1120,8 @@ mod tests {
     }
 
     /// What a shrink cuts off and a removed image stay in the map, for discards only,
-    /// until `ImageDiscarded` covers them; an image may not grow over what is left.
+    /// until `ImageDiscarded` covers them, for that cut; an image may not grow over what
+    /// is left.
     #[test]
     fn cut_off_data_is_kept_for_discards_until_it_is_discarded() {
         let mut map = three_hosts();
@@ -1110,27 +1139,57 @@ mod tests {
         })
         .expect("create");
         let id = map.image_by_name(&pool, &name).expect("image").id;
-        let bounds = |map: &ClusterMap, discard| map.image_bounds(id, discard).map(|(_, end)| end);
+        let range = |map: &ClusterMap, cut| map.image_range(id, cut).map(|(_, range)| range);
+        let since = |map: &ClusterMap| map.image_range(id, true).expect("image").0.cut_epoch;
+        assert_eq!(range(&map, true), Some(10 << 20..10 << 20), "nothing cut");
         assert_eq!(map.apply(&resize(8 << 20)), Ok(true));
+        let first_cut = since(&map);
         assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
         assert_eq!(
-            (bounds(&map, false), bounds(&map, true)),
-            (Some(6 << 20), Some(10 << 20))
+            (range(&map, false), range(&map, true)),
+            (Some(0..6 << 20), Some(6 << 20..10 << 20))
         );
         let error = map
             .apply(&resize(7 << 20))
             .expect_err("no growing")
             .to_string();
         assert!(error.contains("still being discarded"), "{error}");
-        let discarded = |from, to| Command::ImageDiscarded { id, from, to };
+        let discarded = |from, to, since| Command::ImageDiscarded {
+            id,
+            from,
+            to,
+            since,
+        };
         // The first shrink's discard does not cover what the second cut off.
-        assert_eq!(map.apply(&discarded(8 << 20, 10 << 20)), Ok(false));
-        assert_eq!(map.apply(&discarded(6 << 20, 10 << 20)), Ok(true));
-        assert_eq!(bounds(&map, true), Some(6 << 20));
+        assert_eq!(
+            map.apply(&discarded(8 << 20, 10 << 20, first_cut)),
+            Ok(false)
+        );
+        assert_eq!(
+            map.apply(&discarded(6 << 20, 10 << 20, first_cut)),
+            Ok(false)
+        );
+        assert_eq!(
+            map.apply(&discarded(6 << 20, 10 << 20, since(&map))),
+            Ok(true)
+        );
+        assert_eq!(range(&map, true), Some(6 << 20..6 << 20));
         assert_eq!(map.apply(&resize(7 << 20)), Ok(true));
+        // Cut off again after the grow: a discard begun before it counts for nothing.
+        let before_grow = since(&map);
+        assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
+        assert_eq!(
+            map.apply(&discarded(6 << 20, 7 << 20, before_grow)),
+            Ok(false)
+        );
+        assert_eq!(
+            map.apply(&discarded(6 << 20, 7 << 20, since(&map))),
+            Ok(true)
+        );
 
         // Removed: the whole image, its cut-off part too, is there for discards only.
         assert_eq!(map.apply(&resize(4 << 20)), Ok(true));
+        let shrunk = since(&map);
         assert_eq!(
             map.apply(&Command::ImageRemove {
                 pool: pool.clone(),
@@ -1140,8 +1199,8 @@ mod tests {
         );
         assert!(map.image_by_name(&pool, &name).is_none());
         assert_eq!(
-            (bounds(&map, false), bounds(&map, true)),
-            (None, Some(7 << 20))
+            (range(&map, false), range(&map, true)),
+            (None, Some(0..6 << 20))
         );
         // The name is free again; the new image is another.
         map.apply(&Command::ImageCreate {
@@ -1152,11 +1211,13 @@ mod tests {
         })
         .expect("create again");
         assert_ne!(map.image_by_name(&pool, &name).map(|i| i.id), Some(id));
-        assert_eq!(map.apply(&discarded(0, 4 << 20)), Ok(false));
-        assert_eq!(map.apply(&discarded(0, 7 << 20)), Ok(true));
+        let removal = since(&map);
+        assert_eq!(map.apply(&discarded(0, 4 << 20, removal)), Ok(false));
+        assert_eq!(map.apply(&discarded(0, 6 << 20, shrunk)), Ok(false));
+        assert_eq!(map.apply(&discarded(0, 6 << 20, removal)), Ok(true));
         assert!(map.removing.is_empty());
         assert_eq!(
-            map.apply(&discarded(0, 7 << 20)),
+            map.apply(&discarded(0, 6 << 20, removal)),
             Ok(false),
             "once is enough"
         );

@@ -1751,7 +1751,7 @@ impl Core {
     /// Checks a client request against the map (`discard`: the request is a discard,
     /// which also reaches what a shrink cut off and images being removed); `Err` is the
     /// reply.
-    fn check(&self, range: &ObjectRange, discard: bool) -> Result<(), Message> {
+    fn check(&self, range: &ObjectRange, discard: Option<bool>) -> Result<(), Message> {
         let ObjectRange {
             pg,
             epoch,
@@ -1770,7 +1770,7 @@ impl Core {
             }
         };
         // A discard carries no data: it may cover a whole object (checked below).
-        if len_bytes == 0 || (len_bytes > REQUEST_BYTES_MAX && !discard) {
+        if len_bytes == 0 || (len_bytes > REQUEST_BYTES_MAX && discard.is_none()) {
             return Err(invalid(format!(
                 "a request of {len_bytes} bytes: from 1 byte to {REQUEST_BYTES_MAX}"
             )));
@@ -1786,14 +1786,15 @@ impl Core {
                 current: self.map.epoch,
             }));
         }
-        // A discard from a client with a newer map waits for that map here ("ask again"):
-        // it may discard what an image's removal or shrink cut off, and this OSD must by
-        // then refuse the writes of clients with older maps there, or one could land after
-        // the discard.
-        if discard && epoch > self.map.epoch {
+        // A discard of what an image's removal or shrink cut off, from a client with a
+        // newer map, waits for that map here ("ask again"): this OSD must by then refuse
+        // the writes of clients with older maps there, or one could land after the
+        // discard.
+        let cut = discard == Some(true);
+        if cut && epoch > self.map.epoch {
             return Err(reply(Status::NotLeader { leader: None }));
         }
-        let Some((image, image_end)) = self.map.image_bounds(object.image, discard) else {
+        let Some((image, allowed)) = self.map.image_range(object.image, cut) else {
             return Err(unknown(format!("image {} does not exist", object.image.0)));
         };
         if image.pool != pg.pool || pool.pg_of(object) != pg {
@@ -1809,14 +1810,22 @@ impl Core {
             )));
         }
         // Past the image's end: a client that knows the image larger (a newer map) asks
-        // again; anything else is refused rather than stored where no read reaches.
-        let end = object
+        // again; anything else is refused rather than stored where no read reaches. A
+        // discard of cut-off bytes goes only where no other request reaches: once an image
+        // grew back over them, it would discard new data.
+        let start = object
             .number
             .checked_mul(image.object_size_bytes)
-            .and_then(|start| start.checked_add(u64::from(offset_bytes) + len_bytes));
-        if end.is_none_or(|end| end > image_end) {
+            .and_then(|start| start.checked_add(u64::from(offset_bytes)));
+        let inside = start.and_then(|start| Some(start..start.checked_add(len_bytes)?));
+        if inside.is_none_or(|inside| inside.start < allowed.start || inside.end > allowed.end) {
+            let what = if cut {
+                format!("outside the bytes kept for discards alone ({allowed:?})")
+            } else {
+                format!("past the image's {} bytes", allowed.end)
+            };
             return Err(unknown(format!(
-                "object {}.{} range {offset_bytes}+{len_bytes} is past the image's {image_end} bytes",
+                "object {}.{} range {offset_bytes}+{len_bytes} is {what}",
                 object.image.0, object.number
             )));
         }
@@ -1848,7 +1857,10 @@ impl Core {
             }
             return;
         };
-        let discard = matches!(message, Message::Discard { .. });
+        let discard = match message {
+            Message::Discard { cut, .. } => Some(cut),
+            _ => None,
+        };
         if let Err(answer) = self.check(&range, discard) {
             let _ = reply_to.send(answer);
             return;

@@ -28,6 +28,9 @@ pub mod kind {
     pub const RAFT_BATCH: u16 = 9;
     /// A follower installing a snapshot asks for the next objects of a PG.
     pub const SNAPSHOT_READ: u16 = 8;
+    /// A discard of one object range that the map keeps for discards only (cut off by a
+    /// shrink, or of an image being removed).
+    pub const DISCARD_CUT: u16 = 10;
 }
 
 /// The most bytes one write or read carries (a client splits larger requests): a frame,
@@ -112,6 +115,9 @@ pub enum Message {
     },
     /// Zero and free `len_bytes` at `offset_bytes` of `object`.
     Discard {
+        /// Only where the map keeps the image's bytes for discards alone (what a shrink
+        /// cut off, an image being removed); otherwise only inside the image.
+        cut: bool,
         /// The PG.
         pg: PgId,
         /// The client's map epoch.
@@ -315,14 +321,25 @@ pub struct ObjectRange {
     pub len_bytes: u64,
 }
 
-/// A read (if `read`) or a discard of `len_bytes` at a place given as PG, epoch, term,
-/// object and offset in it.
-pub fn read_or_discard(
-    read: bool,
+/// What a request for a range of an object, without data, does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeOp {
+    /// [`Message::Read`].
+    Read,
+    /// [`Message::Discard`] inside the image.
+    Discard,
+    /// [`Message::Discard`] of what the map keeps for discards only.
+    DiscardCut,
+}
+
+/// The request `op` for `len_bytes` at a place given as PG, epoch, term, object and offset
+/// in it.
+pub fn range_message(
+    op: RangeOp,
     (pg, epoch, term, object, offset_bytes): (PgId, Epoch, u64, ObjectKey, u32),
     len_bytes: u32,
 ) -> Message {
-    if read {
+    if op == RangeOp::Read {
         Message::Read {
             pg,
             epoch,
@@ -333,6 +350,7 @@ pub fn read_or_discard(
         }
     } else {
         Message::Discard {
+            cut: op == RangeOp::DiscardCut,
             pg,
             epoch,
             term,
@@ -379,6 +397,7 @@ impl Message {
                 object,
                 offset_bytes,
                 len_bytes,
+                ..
             } => (pg, epoch, term, object, offset_bytes, u64::from(*len_bytes)),
             _ => return None,
         };
@@ -417,7 +436,8 @@ impl Message {
         match self {
             Message::Write { .. } => kind::WRITE,
             Message::Read { .. } => kind::READ,
-            Message::Discard { .. } => kind::DISCARD,
+            Message::Discard { cut: false, .. } => kind::DISCARD,
+            Message::Discard { cut: true, .. } => kind::DISCARD_CUT,
             Message::Reply { .. } => kind::REPLY,
             Message::Raft { .. } => kind::RAFT,
             Message::Control { .. } => kind::CONTROL,
@@ -550,7 +570,7 @@ impl Message {
                     data: r.bytes()?,
                 })
             })(),
-            kind::READ | kind::DISCARD => (|| {
+            kind::READ | kind::DISCARD | kind::DISCARD_CUT => (|| {
                 let (pg, epoch, term, object, offset_bytes, len_bytes) = (
                     r.pg()?,
                     Epoch(r.u64()?),
@@ -560,7 +580,12 @@ impl Message {
                     r.u32()?,
                 );
                 let range = (pg, epoch, term, object, offset_bytes);
-                Some(read_or_discard(frame.kind == kind::READ, range, len_bytes))
+                let op = match frame.kind {
+                    kind::READ => RangeOp::Read,
+                    kind::DISCARD => RangeOp::Discard,
+                    _ => RangeOp::DiscardCut,
+                };
+                Some(range_message(op, range, len_bytes))
             })(),
             kind::REPLY => (|| {
                 let status = match r.u8()? {
@@ -720,13 +745,15 @@ mod tests {
                 (any::<u64>(), any::<u64>()),
                 object.clone(),
                 (any::<u32>(), any::<u32>()),
-                any::<bool>()
+                prop_oneof![
+                    Just(RangeOp::Read),
+                    Just(RangeOp::Discard),
+                    Just(RangeOp::DiscardCut)
+                ]
             )
-                .prop_map(
-                    |(pg, (e, term), object, (offset_bytes, len_bytes), read)| {
-                        read_or_discard(read, (pg, Epoch(e), term, object, offset_bytes), len_bytes)
-                    }
-                ),
+                .prop_map(|(pg, (e, term), object, (offset_bytes, len_bytes), op)| {
+                    range_message(op, (pg, Epoch(e), term, object, offset_bytes), len_bytes)
+                }),
             (status, data.clone()).prop_map(|(status, data)| Message::Reply { status, data }),
             (pg.clone(), data.clone()).prop_map(|(pg, message)| Message::Raft { pg, message }),
             data.clone().prop_map(|body| Message::Control { body }),

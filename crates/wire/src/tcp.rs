@@ -802,6 +802,7 @@ mod tests {
             .expect("bind");
         let client = Client::connect(server.address()).await.expect("connect");
         let discard = Message::Discard {
+            cut: false,
             pg: pg(1),
             epoch: basalt_common::Epoch(1),
             term: 0,
