@@ -1452,6 +1452,213 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     qemu_io_ok(&uri, true, &["read -P 0x6b 8M 4M"]);
 }
 
+/// A leader elected with a map older than the one its PG's log was last written under
+/// takes no request until it has that map. Here OSD 0 hears of maps from one monitor
+/// alone, which is killed once OSD 0 has the map of a shrink whose discard was
+/// interrupted. The image is then grown back by the other monitors, new data is written
+/// where the shrink had cut, and OSD 0 is made the PG's leader (its peers killed in turn).
+/// A late discard of the bytes cut off (the shrink's command, slow), valid under OSD 0's
+/// map, is answered "ask again" rather than taken and wiping the data; the data reads back
+/// once OSD 0 has the newer map.
+#[test]
+fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_up() {
+    require("qemu-io");
+    const MIB: u64 = 1 << 20;
+    let dir = ScratchDir::new("cluster-map-floor");
+    let mons: Vec<String> = (0..3)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    // Fixed addresses: OSD 0 reaches its peers restarted after its map stopped.
+    let listen = || vec!["--listen".to_string(), format!("127.0.0.1:{}", free_port())];
+    let mut lagging = listen();
+    lagging.extend(["--mon".to_string(), mons[2].clone()]);
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        mons,
+        vec![(None, lagging), (None, listen()), (None, listen())],
+    );
+    let (_target, uri) = one_pg_image(&dir.path, &cluster, "rbd", 3);
+    qemu_io_ok(&uri, false, &["write -P 0x11 12M 4M"]);
+    let pg = cluster.cli_json(&["pg", "ls"])[0]["pg"]
+        .as_str()
+        .expect("a pg id")
+        .to_string();
+    // The PG's replicas (leader, term) as OSD process numbers, from those that answer.
+    let replicas = |cluster: &ClusterProcesses| -> Vec<(usize, Option<usize>, u64)> {
+        let states = cluster.cli_json(&["pg", "query", &pg]);
+        let process =
+            |osd: &serde_json::Value| osd.as_u64().map(|id| cluster.osd_process(id as u32));
+        states
+            .as_array()
+            .expect("replicas")
+            .iter()
+            .filter(|state| state["error"].is_null())
+            .map(|state| {
+                let osd = process(&state["osd"]).expect("osd");
+                (
+                    osd,
+                    process(&state["leader"]),
+                    state["term"].as_u64().expect("term"),
+                )
+            })
+            .collect()
+    };
+    let leader = |cluster: &ClusterProcesses| {
+        replicas(cluster)
+            .into_iter()
+            .find_map(|(_, leader, _)| leader)
+    };
+    // Elected anew while `n` is killed, then `n` back.
+    let elect_without = |cluster: &mut ClusterProcesses, n: usize| {
+        cluster.kill_osd(n);
+        wait_for("another leader", Duration::from_secs(30), || {
+            leader(cluster).is_some_and(|leader| leader != n)
+        });
+        cluster.start_osd(n);
+    };
+
+    // The shrink changes the map; its command is killed before it discards anything.
+    for n in 0..3 {
+        cluster.signal_osd(n, "STOP");
+    }
+    let mut shrink = basalt()
+        .args(["image", "resize", "rbd/vol", "--size", "8MiB"])
+        .args(["--mon", &cluster.mon_addresses().join(",")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn basalt");
+    wait_for("the shrink's map", Duration::from_secs(30), || {
+        cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 8 * MIB
+    });
+    let _ = shrink.kill();
+    let _ = shrink.wait();
+    for n in 0..3 {
+        cluster.signal_osd(n, "CONT");
+    }
+    let cut = current_map(&cluster);
+    let image = cut.images.values().next().expect("the image").clone();
+    let object = basalt_common::ObjectKey {
+        image: image.id,
+        number: 3,
+    };
+    let pg_id = cut.pools[&image.pool].pg_of(object);
+    // OSD 0 leads nothing while the image changes: it would ask for the new maps forever.
+    if leader(&cluster) == Some(0) {
+        elect_without(&mut cluster, 0);
+    }
+    // OSD 0 has a map with the cut (a write there is past the image's end), then hears of
+    // no newer one.
+    wait_for(
+        "osd 0 to have the shrink's map",
+        Duration::from_secs(30),
+        || {
+            let write = Message::Write {
+                pg: pg_id,
+                epoch: cut.epoch,
+                term: 0,
+                object,
+                offset_bytes: 0,
+                data: vec![1; 4096],
+            };
+            matches!(call_osd(&cluster, 0, &write), Status::Invalid { message } if message.contains("past the image's 8388608"))
+        },
+    );
+    cluster.kill_mon_n(2);
+
+    // Grown back by the others (once they have elected a leader, if it was that one);
+    // new data where the shrink had cut.
+    wait_for("the grow", Duration::from_secs(60), || {
+        let grow = cluster.cli(&["image", "resize", "rbd/vol", "--size", "16MiB"]);
+        grow.status.success()
+    });
+    qemu_io_ok(&uri, false, &["write -P 0x6b 12M 4M"]);
+    wait_for(
+        "osd 0 to hold the new data",
+        Duration::from_secs(30),
+        || {
+            let applied: Vec<String> = cluster
+                .cli_json(&["pg", "query", &pg])
+                .as_array()
+                .expect("replicas")
+                .iter()
+                .map(|state| state["applied"].to_string())
+                .collect();
+            applied.len() == 3 && applied.iter().all(|a| *a == applied[0])
+        },
+    );
+    // OSD 0 made leader: its peers' leaders killed in turn until it is elected.
+    for _ in 0..20 {
+        match leader(&cluster) {
+            Some(0) => break,
+            Some(n) => elect_without(&mut cluster, n),
+            None => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+    let term = replicas(&cluster)
+        .into_iter()
+        .find(|(osd, leader, _)| *osd == 0 && *leader == Some(0))
+        .map(|(_, _, term)| term)
+        .expect("osd 0 elected");
+    let late = Message::Discard {
+        cut: true,
+        pg: pg_id,
+        epoch: cut.epoch,
+        term,
+        object,
+        offset_bytes: 0,
+        len_bytes: 4 << 20,
+    };
+    assert_eq!(
+        call_osd(&cluster, 0, &late),
+        Status::NotLeader { leader: None },
+        "a late discard under the old map"
+    );
+    // Once OSD 0 has the newer map, the discard is refused for good; the data is there.
+    cluster.start_mon_n(2);
+    wait_for(
+        "osd 0 to refuse the late discard",
+        Duration::from_secs(30),
+        || matches!(call_osd(&cluster, 0, &late), Status::Invalid { .. }),
+    );
+    qemu_io_ok(&uri, true, &["read -P 0x6b 12M 4M"]);
+}
+
+/// The cluster's map, from its monitors.
+fn current_map(cluster: &ClusterProcesses) -> basalt_mon::map::ClusterMap {
+    let monitors: Vec<std::net::SocketAddr> = cluster
+        .mon_addresses()
+        .iter()
+        .map(|address| address.parse().expect("a monitor address"))
+        .collect();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(basalt_mon::MonClient::new(monitors).map())
+        .expect("the map")
+}
+
+/// Sends `message` to OSD process `n` alone; the status it answers.
+fn call_osd(cluster: &ClusterProcesses, n: usize, message: &Message) -> Status {
+    let map = current_map(cluster);
+    let osd = &map.osds[&basalt_common::OsdId(cluster.osd_id(n))];
+    let address: std::net::SocketAddr = osd.address.parse().expect("address");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(async {
+            let client = basalt_wire::tcp::Client::connect(address)
+                .await
+                .expect("connect to the osd");
+            match client.call(message).await.expect("an answer") {
+                Message::Reply { status, .. } => status,
+                other => panic!("not a reply: {other:?}"),
+            }
+        })
+}
+
 /// `mons` monitors and three OSDs on devices of `device_size` (the last serving metrics on
 /// `metrics_port`, if given), a pool `rbd` of 8 PGs and an image `rbd/vol` of `image_size`,
 /// every PG active+clean.

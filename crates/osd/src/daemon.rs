@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use basalt_common::{Lsn, ObjectKey, OsdId, PgId};
+use basalt_common::{Epoch, Lsn, ObjectKey, OsdId, PgId};
 use basalt_io::{DmaBuf, FileEngine};
 use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
@@ -862,6 +862,15 @@ struct Core {
     /// What each peer's last raft frame said of whether it is full, and when it came
     /// ([`Core::replicas_not_full`]).
     peers_full: HashMap<OsdId, (bool, std::time::Instant)>,
+    /// Per PG, the newest map epoch its log (or a snapshot of it) says requests were taken
+    /// under ([`pg_log::map_floor_data`]). A leader writes the floor before the first
+    /// request it takes under a newer map; a later leader with an older map takes none
+    /// until its map catches up. Otherwise a leader elected with a map older than an image's
+    /// change would take requests the change refuses: a write where the image was removed
+    /// or cut off (left there after the discard), or a discard of bytes cut off and given
+    /// back to the image since (wiping what was written there). Kept in memory: a restarted
+    /// OSD boots with the monitors' newest map.
+    map_floors: HashMap<PgId, Epoch>,
     /// PGs whose leader is being asked whether this replica was removed.
     membership_checks: std::collections::HashSet<PgId>,
     /// See [`OsdConfig::max_moves`].
@@ -1337,6 +1346,9 @@ impl Core {
         let bytes = chunk.data_bytes();
         let last = chunk.next.is_none();
         installing.fuzzy_through = installing.fuzzy_through.max(chunk.applied);
+        // The floors of the entries the snapshot stands for.
+        let floor = self.map_floors.entry(pg).or_default();
+        *floor = (*floor).max(Epoch(chunk.map_floor));
         let transfer = installing.transfer;
         let first = !installing.begun;
         let batches = batch::split(snapshot::chunk_entries(pg, chunk, first));
@@ -1662,12 +1674,14 @@ impl Core {
         let (engine, sums) = (self.engine.clone(), self.log.block_sums());
         let counters = self.counters.clone();
         let events = self.events.clone();
+        let map_floor = self.map_floors.get(&pg).map_or(0, |floor| floor.0);
         tokio::spawn(async move {
             let _pin = pin;
             let mut chunk = Chunk {
                 objects: Vec::with_capacity(reads.len()),
                 next,
                 applied,
+                map_floor,
             };
             for (key, runs) in reads {
                 let mut data = Vec::with_capacity(runs.len());
@@ -1785,6 +1799,16 @@ impl Core {
             return Err(reply(Status::StaleEpoch {
                 current: self.map.epoch,
             }));
+        }
+        // This PG's log holds requests taken under a newer map than ours (by an earlier
+        // leader): none is taken here under an older one ("ask again" until ours catches
+        // up).
+        if self
+            .map_floors
+            .get(&pg)
+            .is_some_and(|floor| self.map.epoch < *floor)
+        {
+            return Err(reply(Status::NotLeader { leader: None }));
         }
         // A discard of what an image's removal or shrink cut off, from a client with a
         // newer map, waits for that map here ("ask again"): this OSD must by then refuse
@@ -1904,7 +1928,10 @@ impl Core {
             let _ = reply_to.send(reply(status));
             return;
         }
-        match self.raft.propose(pg, op.encode()) {
+        match self
+            .propose_map_floor(pg)
+            .and_then(|()| self.raft.propose(pg, op.encode()))
+        {
             Ok(()) => {
                 self.pending_bytes += log_bytes;
                 let index = self.raft.last_index(pg).unwrap_or(0);
@@ -1928,6 +1955,22 @@ impl Core {
                 tracing::debug!(%error, "proposal refused");
             }
         }
+    }
+
+    /// Before a request taken under a map newer than the PG's floor, the floor at this map
+    /// ([`Core::map_floors`]).
+    fn propose_map_floor(&mut self, pg: PgId) -> Result<(), ProposeError> {
+        let epoch = self.map.epoch;
+        if self
+            .map_floors
+            .get(&pg)
+            .is_some_and(|floor| *floor >= epoch)
+        {
+            return Ok(());
+        }
+        self.raft.propose(pg, pg_log::map_floor_data(epoch))?;
+        self.map_floors.insert(pg, epoch);
+        Ok(())
     }
 
     /// Refuses a write to `pg` while one of its voters is full: a replica that cannot
@@ -3179,6 +3222,15 @@ impl Core {
             .entry(pg)
             .or_default()
             .persisting(&entries, snapshot.map(|(index, _)| index));
+        // Floors other leaders wrote (this OSD's own are known since it proposed them).
+        if let Some(floor) = entries
+            .iter()
+            .filter_map(|entry| pg_log::map_floor_of(&entry.data))
+            .max()
+        {
+            let known = self.map_floors.entry(pg).or_default();
+            *known = (*known).max(floor);
+        }
         let mut log_entries = Vec::new();
         if let Some((index, term)) = snapshot {
             // The log was just reset to the snapshot: its first configuration is the
@@ -3475,6 +3527,7 @@ impl Core {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&pg);
         self.scrub_fuzzy_through.remove(&pg);
+        self.map_floors.remove(&pg);
         self.refresh_live_bytes();
         self.refresh_retained_bytes();
         tracing::info!(%pg, "pg removed from this osd");
@@ -4604,6 +4657,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         next_transfer: 0,
         snapshots_sent: HashMap::new(),
         peers_full: HashMap::new(),
+        map_floors: HashMap::new(),
         generations: HashMap::new(),
         next_generation: 0,
         membership_checks: std::collections::HashSet::new(),

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use basalt_common::PgId;
+use basalt_common::{Epoch, PgId};
 use basalt_replication::{EntryType, HardState, RaftEntry, Restored};
 use basalt_store::batch::{Entry, META_SIZE};
 use basalt_store::checkpoint::Checkpoint;
@@ -25,6 +25,21 @@ pub const HARD_STATE: u8 = 16;
 /// Kind of a log entry recording that this OSD stopped hosting a PG (it was removed from
 /// the PG's members): replay forgets what came before it.
 pub const PG_REMOVED: u8 = 20;
+
+/// The raft entry data of a map floor at `epoch` ([`kind::MAP_FLOOR`]).
+pub fn map_floor_data(epoch: Epoch) -> Vec<u8> {
+    let mut data = vec![kind::MAP_FLOOR];
+    data.extend_from_slice(&epoch.0.to_le_bytes());
+    data
+}
+
+/// The epoch of a map floor's raft entry data; `None` for any other data.
+pub fn map_floor_of(data: &[u8]) -> Option<Epoch> {
+    match data.split_first() {
+        Some((&kind::MAP_FLOOR, epoch)) => Some(Epoch(u64::from_le_bytes(epoch.try_into().ok()?))),
+        _ => None,
+    }
+}
 
 /// The log entry that records `pg` removed here.
 pub fn removed_entry(pg: PgId) -> Entry {
@@ -399,10 +414,11 @@ mod tests {
             },
         );
         let other = proptest::collection::vec(any::<u8>(), 0..40);
+        let floor = any::<u64>().prop_map(|epoch| map_floor_data(Epoch(epoch)));
         (
             1u64..1000,
             1u64..100,
-            prop_oneof![write, discard, other],
+            prop_oneof![write, discard, other, floor],
             any::<bool>(),
         )
             .prop_map(|(index, term, data, conf_change)| {
@@ -456,6 +472,30 @@ mod tests {
         }
     }
 
+    /// A map floor is no object operation, no payload reference, no scrub marker, and
+    /// gives back its epoch; other data gives none.
+    #[test]
+    fn map_floors_are_told_apart_from_other_entries() {
+        let data = map_floor_data(Epoch(77));
+        assert_eq!(map_floor_of(&data), Some(Epoch(77)));
+        assert!(ObjectOp::decode(&data).is_err());
+        assert!(basalt_store::object_op::PayloadRef::decode(&data).is_none());
+        assert!(!crate::scrub::is_marker(&data));
+        assert_eq!(map_floor_of(&data[..8]), None, "short");
+        assert_eq!(map_floor_of(crate::scrub::MARKER), None);
+        let write = write_entry(
+            ObjectKey {
+                image: ImageId(1),
+                number: 0,
+            },
+            0,
+            1,
+            1,
+            1,
+        );
+        assert_eq!(map_floor_of(&write.data), None);
+    }
+
     #[test]
     fn an_installed_snapshot_replaces_the_pg_and_an_unfinished_one_is_dropped() {
         use crate::snapshot::{Chunk, chunk_entries, installed_entry};
@@ -468,6 +508,7 @@ mod tests {
             objects: vec![(object, vec![(8192, vec![2; 4096])])],
             next: None,
             applied: 0,
+            map_floor: 0,
         };
         let mut received = chunk_entries(PG, chunk, true);
         let batch = |entries: Vec<Entry>, first_offset: u64| ReplayedBatch {

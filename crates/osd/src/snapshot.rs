@@ -63,6 +63,9 @@ pub struct Chunk {
     /// writes up to there, so they are the PG's state at no single entry before it (a
     /// scrub marker up to there is not digested).
     pub applied: u64,
+    /// The PG's map floor at the leader (`Core::map_floors`): the entries the snapshot
+    /// stands for were taken under that map or older ones.
+    pub map_floor: u64,
 }
 
 /// Why bytes are not a chunk.
@@ -73,7 +76,8 @@ pub struct ChunkError(&'static str);
 impl Chunk {
     /// The encoding: object count u32; per object: image u64, number u64, run count u32;
     /// per run: offset u32, length u32, bytes; then 0, or 1 and the next cursor (image u64,
-    /// number u64, offset u32); then the leader's applied index u64.
+    /// number u64, offset u32); then the leader's applied index u64 and the PG's map floor
+    /// u64 (absent from an older leader's chunks: 0).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         let count = |n: usize| u32::try_from(n).expect("chunks are bounded").to_le_bytes();
@@ -100,6 +104,7 @@ impl Chunk {
             }
         }
         out.extend_from_slice(&self.applied.to_le_bytes());
+        out.extend_from_slice(&self.map_floor.to_le_bytes());
         out
     }
 
@@ -157,6 +162,9 @@ impl Chunk {
             _ => return Err(ChunkError("bad next flag")),
         };
         let applied = u64_of(take(8)?);
+        // Short of 8 bytes (an older leader's chunk has none): 0, and any bytes left over
+        // are refused below.
+        let map_floor = take(8).map_or(0, u64_of);
         if !rest.is_empty() {
             return Err(ChunkError("trailing bytes"));
         }
@@ -164,6 +172,7 @@ impl Chunk {
             objects,
             next,
             applied,
+            map_floor,
         })
     }
 
@@ -319,14 +328,19 @@ mod tests {
                 0..5,
             ),
             next in proptest::option::of((any::<u64>(), any::<u32>())),
-            applied in any::<u64>(),
+            (applied, map_floor) in (any::<u64>(), any::<u64>()),
         ) {
             let chunk = Chunk {
                 objects: objects.into_iter().map(|(number, runs)| (key(number), runs)).collect(),
                 next: next.map(|(number, offset)| (key(number), offset)),
                 applied,
+                map_floor,
             };
-            prop_assert_eq!(Chunk::decode(&chunk.encode()), Ok(chunk));
+            let bytes = chunk.encode();
+            prop_assert_eq!(Chunk::decode(&bytes), Ok(chunk.clone()));
+            // An older leader's chunk, without the floor: floor 0.
+            let older = Chunk::decode(&bytes[..bytes.len() - 8]);
+            prop_assert_eq!(older, Ok(Chunk { map_floor: 0, ..chunk }));
         }
 
         /// A run past the largest object an image may have is refused, however it fits
@@ -337,6 +351,7 @@ mod tests {
                 objects: vec![(key(1), vec![(offset, vec![7; 40])])],
                 next: None,
                 applied: 0,
+                map_floor: 0,
             };
             prop_assert!(Chunk::decode(&chunk.encode()).is_err());
         }
@@ -344,7 +359,9 @@ mod tests {
         #[test]
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             if let Ok(chunk) = Chunk::decode(&bytes) {
-                prop_assert_eq!(chunk.encode(), bytes);
+                // The same bytes, but for the floor an older leader leaves out.
+                let encoded = chunk.encode();
+                prop_assert!(encoded == bytes || (encoded[..encoded.len() - 8] == bytes[..] && chunk.map_floor == 0));
             }
         }
 

@@ -31,6 +31,11 @@ pub mod kind {
     /// replica digests its PG's data as of it; the log stores it as a `RAFT_OTHER` entry
     /// holding that byte). Distinct from every log kind all the same (the OSD's start at 5).
     pub const SCRUB: u8 = 0x53;
+    /// Not a log entry's kind but the first byte of a map floor's raft entry data (then a
+    /// map epoch, u64): the leader took the requests after it under that map or a newer
+    /// one, and a later leader takes none under an older map (stored as a `RAFT_OTHER`
+    /// entry, like a scrub marker).
+    pub const MAP_FLOOR: u8 = 0x46;
 }
 
 /// A durable write as kept in memory: the write's header and where its payload lies on the

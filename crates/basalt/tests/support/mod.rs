@@ -451,8 +451,12 @@ impl ClusterProcesses {
         if !self.osd_extra[n].iter().any(|arg| arg == "--device-size") {
             command.args(["--device-size", "256MiB"]);
         }
+        // An OSD given monitors of its own (`--mon`) hears of maps from those alone.
+        if !self.osd_extra[n].iter().any(|arg| arg == "--mon") {
+            command.args(["--mon", &self.mon_address]);
+        }
         let child = command
-            .args(["--mon", &self.mon_address, "--data-dir"])
+            .arg("--data-dir")
             .arg(self.dir.join(&name))
             .args(&self.osd_extra[n])
             .stdout(self.log(&name))
