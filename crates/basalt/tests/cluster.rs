@@ -1572,7 +1572,12 @@ fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_
         let grow = cluster.cli(&["image", "resize", "rbd/vol", "--size", "16MiB"]);
         grow.status.success()
     });
-    qemu_io_ok(&uri, false, &["write -P 0x6b 12M 4M"]);
+    // Once the target has the map of the grow (its subscription had the killed monitor).
+    wait_for(
+        "the write past the old end",
+        Duration::from_secs(30),
+        || qemu_io(&uri, false, &["write -P 0x6b 12M 4M"]).0,
+    );
     wait_for(
         "osd 0 to hold the new data",
         Duration::from_secs(30),

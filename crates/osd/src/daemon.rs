@@ -1047,8 +1047,9 @@ impl Core {
                 }
             }
             Event::DamagedPayload { object, mismatch } => {
-                let image = self.map.images.get(&object.image);
-                let pool = image.and_then(|image| self.map.pools.get(&image.pool));
+                // An image being removed still has its objects here (until discarded).
+                let image = self.map.image_range(object.image, true);
+                let pool = image.and_then(|(image, _)| self.map.pools.get(&image.pool));
                 match pool {
                     Some(pool) => {
                         let pg = pool.pg_of(object);
