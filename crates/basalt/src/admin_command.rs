@@ -470,9 +470,11 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     }
                     return Ok(ExitCode::SUCCESS);
                 }
+                // The image seen, not another given the name since.
                 let remove = Command::ImageRemove {
                     pool: pool.clone(),
                     name: name.clone(),
+                    id: map.image_by_name(&pool, &name).map(|image| image.id),
                 };
                 let epoch = apply(&mon, remove).await?;
                 println!("image {spec} removed (map epoch {epoch}); discarding its data");

@@ -2007,7 +2007,10 @@ fn an_index_too_large_for_a_checkpoint_area_fills_the_osd() {
         let status = cluster.cli_ok(&["status"]);
         !status.contains("writes refused") && !status.contains("nearly full")
     });
-    qemu_io_ok(&uri, false, &["write -P 7 0 1M"]);
+    // The leaders hear of it from the map and their peers' raft frames a moment later.
+    wait_for("writes taken again", Duration::from_secs(30), || {
+        qemu_io(&uri, false, &["write -P 7 0 1M"]).0
+    });
     qemu_io_ok(&uri, true, &["read -P 7 0 1M", "read -P 0 1M 63M"]);
 }
 

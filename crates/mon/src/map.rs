@@ -264,6 +264,10 @@ pub enum Command {
         pool: String,
         /// Image name.
         name: String,
+        /// The image's id as the command saw it, if it names one: another image of that
+        /// name (the one seen removed and the name given again since) stays.
+        #[serde(default)]
+        id: Option<ImageId>,
     },
     /// Bytes `from..to` of an image were discarded after a shrink (the image no longer
     /// keeps bytes past its end once they cover them, and may grow again) or after its
@@ -276,7 +280,8 @@ pub enum Command {
         /// The end of the bytes discarded.
         to: u64,
         /// The image's [`Image::cut_epoch`] when the discard began: after another cut
-        /// since, nothing changes.
+        /// since, nothing changes. Absent (0) in commands from before cuts were numbered,
+        /// which apply as they did then.
         #[serde(default)]
         since: Epoch,
     },
@@ -299,6 +304,16 @@ pub enum MapError {
         pool: String,
         /// Image name.
         name: String,
+    },
+    /// The image of that name is another than the command saw.
+    #[error("image {image} is another image now (id {now}, not {seen}): look again")]
+    ImageReplaced {
+        /// POOL/NAME.
+        image: String,
+        /// The id the command saw.
+        seen: u64,
+        /// The id of the image of that name now.
+        now: u64,
     },
     /// No such OSD.
     #[error("{id} does not exist")]
@@ -474,11 +489,22 @@ impl ClusterMap {
                 name,
                 size_bytes,
             } => self.image_resize(pool, name, *size_bytes, next)?,
-            Command::ImageRemove { pool, name } => {
-                let id = self
-                    .image_by_name(pool, name)
-                    .map(|image| image.id)
-                    .ok_or_else(|| unknown_image(pool, name))?;
+            Command::ImageRemove { pool, name, id } => {
+                let (seen, id) = (
+                    *id,
+                    self.image_by_name(pool, name)
+                        .map(|image| image.id)
+                        .ok_or_else(|| unknown_image(pool, name))?,
+                );
+                if let Some(seen) = seen
+                    && seen != id
+                {
+                    return Err(MapError::ImageReplaced {
+                        image: format!("{pool}/{name}"),
+                        seen: seen.0,
+                        now: id.0,
+                    });
+                }
                 let mut image = self.images.remove(&id).expect("found above");
                 // Its data, all of it, is discarded from here on.
                 image.size_bytes = image.size_bytes.max(image.discard_to);
@@ -755,8 +781,10 @@ impl ClusterMap {
         let Some((image, left)) = self.image_range(id, true) else {
             return false;
         };
+        // Since 0: a command from before cuts were numbered (a journal replayed, an older
+        // CLI), applied as it was then; no cut is numbered 0.
         if left.is_empty()
-            || image.cut_epoch != since
+            || (since != Epoch(0) && image.cut_epoch != since)
             || discarded.start > left.start
             || discarded.end < left.end
         {
@@ -1104,7 +1132,8 @@ mod tests {
         assert_eq!(
             map.apply(&Command::ImageRemove {
                 pool: "rbd".into(),
-                name: "vm1".into()
+                name: "vm1".into(),
+                id: None,
             }),
             Ok(true)
         );
@@ -1186,17 +1215,32 @@ mod tests {
             map.apply(&discarded(6 << 20, 7 << 20, since(&map))),
             Ok(true)
         );
+        // A command from before cuts were numbered (a journal replayed) applies as then.
+        assert_eq!(map.apply(&resize(7 << 20)), Ok(true));
+        assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
+        let legacy = format!(
+            r#"{{"ImageDiscarded":{{"id":{},"from":{},"to":{}}}}}"#,
+            id.0,
+            6 << 20,
+            7 << 20
+        );
+        let legacy: Command = serde_json::from_str(&legacy).expect("an older command");
+        assert_eq!(legacy, discarded(6 << 20, 7 << 20, Epoch(0)));
+        assert_eq!(map.apply(&legacy), Ok(true));
 
         // Removed: the whole image, its cut-off part too, is there for discards only.
         assert_eq!(map.apply(&resize(4 << 20)), Ok(true));
         let shrunk = since(&map);
-        assert_eq!(
-            map.apply(&Command::ImageRemove {
-                pool: pool.clone(),
-                name: name.clone()
-            }),
-            Ok(true)
-        );
+        let remove = |id| Command::ImageRemove {
+            pool: pool.clone(),
+            name: name.clone(),
+            id: Some(id),
+        };
+        let error = map
+            .apply(&remove(ImageId(id.0 + 1)))
+            .expect_err("another image");
+        assert!(error.to_string().contains("another image now"), "{error}");
+        assert_eq!(map.apply(&remove(id)), Ok(true));
         assert!(map.image_by_name(&pool, &name).is_none());
         assert_eq!(
             (range(&map, false), range(&map, true)),
