@@ -1458,8 +1458,8 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
 /// interrupted. The image is then grown back by the other monitors, new data is written
 /// where the shrink had cut, and OSD 0 is made the PG's leader (its peers killed in turn).
 /// A late discard of the bytes cut off (the shrink's command, slow), valid under OSD 0's
-/// map, is answered "ask again" rather than taken and wiping the data; the data reads back
-/// once OSD 0 has the newer map.
+/// map, is answered "ask again" rather than taken and wiping the data; the map not coming,
+/// OSD 0 hands the PG over; the data reads back once OSD 0 has the newer map.
 #[test]
 fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_up() {
     require("qemu-io");
@@ -1619,6 +1619,10 @@ fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_
         Status::NotLeader { leader: None },
         "a late discard under the old map"
     );
+    // Its map not coming, OSD 0 hands the PG to a voter that has it.
+    wait_for("osd 0 to hand the pg over", Duration::from_secs(30), || {
+        leader(&cluster).is_some_and(|leader| leader != 0)
+    });
     // Once OSD 0 has the newer map, the discard is refused for good; the data is there.
     cluster.start_mon_n(2);
     wait_for(

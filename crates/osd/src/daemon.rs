@@ -124,6 +124,9 @@ const BATCH_FRAME_BYTES_MAX: usize = 2 << 20;
 const BEAT_BYTES_MAX: usize = 31;
 /// How long a map subscription waits per request.
 const MAP_WAIT: Duration = Duration::from_secs(20);
+/// How long a leader waits for a map as new as its PG's floor before it hands the PG to a
+/// voter that may have it (this OSD cut off from the monitors, not from its peers).
+const BELOW_FLOOR_FOR: Duration = Duration::from_secs(5);
 /// How long a leader waits for a follower it sent a snapshot to, without it asking for any
 /// object data, before it counts the snapshot as failed (raft then sends another).
 const SNAPSHOT_SILENCE: Duration = Duration::from_secs(30);
@@ -864,13 +867,19 @@ struct Core {
     peers_full: HashMap<OsdId, (bool, std::time::Instant)>,
     /// Per PG, the newest map epoch its log (or a snapshot of it) says requests were taken
     /// under ([`pg_log::map_floor_data`]). A leader writes the floor before the first
-    /// request it takes under a newer map; a later leader with an older map takes none
+    /// request it takes under a newer map, and in each term; a later leader with an older map takes none
     /// until its map catches up. Otherwise a leader elected with a map older than an image's
     /// change would take requests the change refuses: a write where the image was removed
     /// or cut off (left there after the discard), or a discard of bytes cut off and given
     /// back to the image since (wiping what was written there). Kept in memory: a restarted
     /// OSD boots with the monitors' newest map.
     map_floors: HashMap<PgId, Epoch>,
+    /// Per PG led here, the raft term and epoch of the floor this leader last proposed:
+    /// proposed again in a new term (an entry proposed in an earlier one may have been
+    /// replaced since, though [`Core::map_floors`] remembers its epoch).
+    floors_proposed: HashMap<PgId, (u64, Epoch)>,
+    /// PGs led here below their floor, since when ([`Core::hand_over_below_floor`]).
+    below_floor: HashMap<PgId, std::time::Instant>,
     /// PGs whose leader is being asked whether this replica was removed.
     membership_checks: std::collections::HashSet<PgId>,
     /// See [`OsdConfig::max_moves`].
@@ -1675,7 +1684,14 @@ impl Core {
         let (engine, sums) = (self.engine.clone(), self.log.block_sums());
         let counters = self.counters.clone();
         let events = self.events.clone();
-        let map_floor = self.map_floors.get(&pg).map_or(0, |floor| floor.0);
+        // This OSD's own map at least: the floors in the entries the snapshot stands for
+        // are known here only if persisted since it started (they are no newer than the
+        // map it booted with).
+        let map_floor = self
+            .map_floors
+            .get(&pg)
+            .map_or(0, |floor| floor.0)
+            .max(self.map.epoch.0);
         tokio::spawn(async move {
             let _pin = pin;
             let mut chunk = Chunk {
@@ -1962,16 +1978,49 @@ impl Core {
     /// ([`Core::map_floors`]).
     fn propose_map_floor(&mut self, pg: PgId) -> Result<(), ProposeError> {
         let epoch = self.map.epoch;
+        let term = self.raft.term(pg).unwrap_or(0);
+        // In one term the leader's own entries stay in its log.
         if self
-            .map_floors
+            .floors_proposed
             .get(&pg)
-            .is_some_and(|floor| *floor >= epoch)
+            .is_some_and(|&(proposed_in, floor)| proposed_in == term && floor >= epoch)
         {
             return Ok(());
         }
         self.raft.propose(pg, pg_log::map_floor_data(epoch))?;
-        self.map_floors.insert(pg, epoch);
+        self.floors_proposed.insert(pg, (term, epoch));
+        let floor = self.map_floors.entry(pg).or_default();
+        *floor = (*floor).max(epoch);
         Ok(())
+    }
+
+    /// Hands each PG led here whose map floor has been above this OSD's map for
+    /// [`BELOW_FLOOR_FOR`] to another voter: it takes no request meanwhile, and its map
+    /// is not coming.
+    fn hand_over_below_floor(&mut self) {
+        let now = std::time::Instant::now();
+        let below: Vec<PgId> = self
+            .map_floors
+            .iter()
+            .filter(|(pg, floor)| self.map.epoch < **floor && self.raft.is_leader(**pg))
+            .map(|(pg, _)| *pg)
+            .collect();
+        self.below_floor.retain(|pg, _| below.contains(pg));
+        for pg in below {
+            let since = *self.below_floor.entry(pg).or_insert(now);
+            if now.saturating_duration_since(since) < BELOW_FLOOR_FOR {
+                continue;
+            }
+            let heir = self.raft.hand_over(pg, &[]);
+            tracing::warn!(
+                %pg,
+                map_epoch = self.map.epoch.0,
+                floor = self.map_floors.get(&pg).map_or(0, |floor| floor.0),
+                ?heir,
+                "the pg's log was written under a newer map than this osd has: handing it over"
+            );
+            self.below_floor.insert(pg, now);
+        }
     }
 
     /// Refuses a write to `pg` while one of its voters is full: a replica that cannot
@@ -3529,6 +3578,8 @@ impl Core {
             .remove(&pg);
         self.scrub_fuzzy_through.remove(&pg);
         self.map_floors.remove(&pg);
+        self.floors_proposed.remove(&pg);
+        self.below_floor.remove(&pg);
         self.refresh_live_bytes();
         self.refresh_retained_bytes();
         tracing::info!(%pg, "pg removed from this osd");
@@ -4659,6 +4710,8 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         snapshots_sent: HashMap::new(),
         peers_full: HashMap::new(),
         map_floors: HashMap::new(),
+        floors_proposed: HashMap::new(),
+        below_floor: HashMap::new(),
         generations: HashMap::new(),
         next_generation: 0,
         membership_checks: std::collections::HashSet::new(),
@@ -4720,6 +4773,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
                     ticks += 1;
                     if ticks.is_multiple_of(10) {
                         core.check_memberships();
+                        core.hand_over_below_floor();
                         core.refresh_unsendable();
                         core.refresh_leaderless();
                         core.propose_scrubs();
