@@ -2011,7 +2011,13 @@ impl Core {
             if now.saturating_duration_since(since) < BELOW_FLOOR_FOR {
                 continue;
             }
-            let heir = self.raft.hand_over(pg, &[]);
+            // Not to a replica whose copy a repair here doubts.
+            let avoid = self
+                .repairs
+                .get(&pg)
+                .map(|repair| repair.avoid.clone())
+                .unwrap_or_default();
+            let heir = self.raft.hand_over(pg, &avoid);
             tracing::warn!(
                 %pg,
                 map_epoch = self.map.epoch.0,
