@@ -41,6 +41,11 @@ const UNANSWERED_MAX: u64 = if cfg!(test) { 64 } else { 4096 };
 /// Reply bytes waiting for a connection's socket past which a server reads no more
 /// requests from it.
 const BACKLOG_BYTES_MAX: usize = if cfg!(test) { 4 << 20 } else { 64 << 20 };
+/// Bytes a client connection may have waiting for its socket: past it, the peer has not
+/// read what was sent for long (a stopped process, a stuck host) and the connection fails,
+/// rather than growing in memory with every retry sent to it. Well above what a client's
+/// requests or a leader's raft appends keep under way to a live peer.
+const SEND_BACKLOG_BYTES_MAX: usize = if cfg!(test) { 128 << 20 } else { 256 << 20 };
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +120,9 @@ struct Outgoing {
 
 struct OutgoingShared {
     socket: OwnedWriteHalf,
+    /// Bytes that may wait for the socket; `None`: no bound (a server, which stops reading
+    /// instead, [`Outgoing::backlog_below`]).
+    backlog_max: Option<usize>,
     state: Mutex<OutgoingState>,
     wake: Notify,
     /// Told each time the writer task has written what it took.
@@ -136,9 +144,10 @@ struct OutgoingState {
 
 impl Outgoing {
     /// The sending side of `socket`, and its writer task.
-    fn new(socket: OwnedWriteHalf) -> (Self, JoinHandle<()>) {
+    fn new(socket: OwnedWriteHalf, backlog_max: Option<usize>) -> (Self, JoinHandle<()>) {
         let shared = Arc::new(OutgoingShared {
             socket,
+            backlog_max,
             state: Mutex::new(OutgoingState {
                 senders: 1,
                 ..OutgoingState::default()
@@ -156,13 +165,32 @@ impl Outgoing {
         (Self { shared }, task)
     }
 
-    /// Sends `frame` after every frame sent before it; `Err` once a write has failed.
+    /// Sends `frame` after every frame sent before it; `Err` once a write has failed, or
+    /// (the connection failing then) once more than the backlog's bound would wait.
     /// `alone`: nothing else is in flight on the connection, so there is nothing to
     /// gather it with.
-    fn send(&self, frame: &[u8], alone: bool) -> Result<(), ()> {
+    fn send(&self, frame: &[u8], alone: bool) -> Result<(), String> {
         let mut state = self.shared.state();
         if state.failed {
-            return Err(());
+            return Err("a write to it failed".to_string());
+        }
+        let waiting = state.queued.len() + state.writing_bytes;
+        if self
+            .shared
+            .backlog_max
+            .is_some_and(|max| waiting > 0 && waiting + frame.len() > max)
+        {
+            tracing::warn!(
+                waiting_bytes = waiting,
+                "the peer has not read what was sent to it: the connection fails"
+            );
+            state.failed = true;
+            state.queued = Vec::new();
+            drop(state);
+            self.shared.wake.notify_one();
+            return Err(format!(
+                "the peer has not read the {waiting} bytes sent to it"
+            ));
         }
         let mut rest = frame;
         if state.queued.is_empty() && state.writing_bytes == 0 && alone {
@@ -173,7 +201,7 @@ impl Outgoing {
                 Err(error) => {
                     tracing::debug!(%error, "connection write failed");
                     state.failed = true;
-                    return Err(());
+                    return Err(format!("a write to it failed: {error}"));
                 }
             }
         }
@@ -376,7 +404,7 @@ impl Client {
             .set_nodelay(true)
             .map_err(|source| TransportError::Connect { peer, source })?;
         let (reader, writer) = stream.into_split();
-        let (outgoing, writer_task) = Outgoing::new(writer);
+        let (outgoing, writer_task) = Outgoing::new(writer, Some(SEND_BACKLOG_BYTES_MAX));
         let pending: Pending = Arc::default();
         let replies = pending.clone();
         let reader_task = tokio::spawn(async move {
@@ -433,8 +461,8 @@ impl Client {
             pending: &self.pending,
             id,
         };
-        if self.outgoing.send(&message.encode(id), alone).is_err() {
-            return Err(self.closed(None));
+        if let Err(reason) = self.outgoing.send(&message.encode(id), alone) {
+            return Err(self.closed(Some(reason)));
         }
         answer
             .await
@@ -449,7 +477,7 @@ impl Client {
         let frame = message.encode(ONE_WAY);
         self.outgoing
             .send(&frame, true)
-            .map_err(|_| self.closed(None))?;
+            .map_err(|reason| self.closed(Some(reason)))?;
         Ok(frame.len())
     }
 }
@@ -504,7 +532,7 @@ impl Drop for Server {
 
 async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler) {
     let (reader, writer) = stream.into_split();
-    let (outgoing, writer_task) = Outgoing::new(writer);
+    let (outgoing, writer_task) = Outgoing::new(writer, None);
     // Requests of this connection not answered yet.
     let unanswered = Arc::new(UnansweredCount::new(UNANSWERED_MAX));
     let result = read_frames(
@@ -792,6 +820,39 @@ mod tests {
                 replies += 1;
             }
         }
+    }
+
+    /// A peer that never reads: the client's sends fail once the bytes waiting for it pass
+    /// the bound, with that said, rather than queueing without end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sends_to_a_peer_that_never_reads_fail_past_the_backlog_bound() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let held = tokio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
+        let client = Client::connect(address).await.expect("connect");
+        let _stream = held.await.expect("accept task").expect("accept");
+        let frame = Message::Raft {
+            pg: pg(0),
+            message: vec![7; 1 << 20],
+        };
+        let mut sent = 0usize;
+        let error = loop {
+            match client.send(&frame) {
+                Ok(bytes) => sent += bytes,
+                Err(error) => break error,
+            }
+            assert!(
+                sent < SEND_BACKLOG_BYTES_MAX + (64 << 20),
+                "{sent} bytes taken for a peer that reads none"
+            );
+            tokio::task::yield_now().await;
+        };
+        assert!(sent >= SEND_BACKLOG_BYTES_MAX, "failed after {sent} bytes");
+        assert!(error.to_string().contains("has not read"), "{error}");
+        let after = client.call(&echo_request(0, &[1])).await;
+        assert!(after.is_err(), "the connection failed for good");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
