@@ -41,10 +41,12 @@ const UNANSWERED_MAX: u64 = if cfg!(test) { 64 } else { 4096 };
 /// Reply bytes waiting for a connection's socket past which a server reads no more
 /// requests from it.
 const BACKLOG_BYTES_MAX: usize = if cfg!(test) { 4 << 20 } else { 64 << 20 };
-/// Bytes a client connection may have waiting for its socket: past it, the peer has not
-/// read what was sent for long (a stopped process, a stuck host) and the connection fails,
-/// rather than growing in memory with every retry sent to it. Well above what a client's
-/// requests or a leader's raft appends keep under way to a live peer.
+/// Bytes a client connection may have waiting for its socket, rather than growing in
+/// memory with every retry sent to a peer that reads none (a stopped process, a stuck
+/// host): a call waits for room (its attempt's timeout gives up on it before it is sent,
+/// so that nothing of it can arrive late), a one-way message (raft, which tolerates loss)
+/// fails the connection. Well above what a client's requests or a leader's raft appends
+/// keep under way to a live peer.
 const SEND_BACKLOG_BYTES_MAX: usize = if cfg!(test) { 128 << 20 } else { 256 << 20 };
 
 /// Why a call failed.
@@ -120,9 +122,6 @@ struct Outgoing {
 
 struct OutgoingShared {
     socket: OwnedWriteHalf,
-    /// Bytes that may wait for the socket; `None`: no bound (a server, which stops reading
-    /// instead, [`Outgoing::backlog_below`]).
-    backlog_max: Option<usize>,
     state: Mutex<OutgoingState>,
     wake: Notify,
     /// Told each time the writer task has written what it took.
@@ -144,10 +143,9 @@ struct OutgoingState {
 
 impl Outgoing {
     /// The sending side of `socket`, and its writer task.
-    fn new(socket: OwnedWriteHalf, backlog_max: Option<usize>) -> (Self, JoinHandle<()>) {
+    fn new(socket: OwnedWriteHalf) -> (Self, JoinHandle<()>) {
         let shared = Arc::new(OutgoingShared {
             socket,
-            backlog_max,
             state: Mutex::new(OutgoingState {
                 senders: 1,
                 ..OutgoingState::default()
@@ -166,20 +164,16 @@ impl Outgoing {
     }
 
     /// Sends `frame` after every frame sent before it; `Err` once a write has failed, or
-    /// (the connection failing then) once more than the backlog's bound would wait.
+    /// (the connection failing then) once more than `fail_past` bytes would wait.
     /// `alone`: nothing else is in flight on the connection, so there is nothing to
     /// gather it with.
-    fn send(&self, frame: &[u8], alone: bool) -> Result<(), String> {
+    fn send(&self, frame: &[u8], alone: bool, fail_past: Option<usize>) -> Result<(), String> {
         let mut state = self.shared.state();
         if state.failed {
             return Err("a write to it failed".to_string());
         }
         let waiting = state.queued.len() + state.writing_bytes;
-        if self
-            .shared
-            .backlog_max
-            .is_some_and(|max| waiting > 0 && waiting + frame.len() > max)
-        {
+        if fail_past.is_some_and(|max| waiting > 0 && waiting + frame.len() > max) {
             tracing::warn!(
                 waiting_bytes = waiting,
                 "the peer has not read what was sent to it: the connection fails"
@@ -404,7 +398,7 @@ impl Client {
             .set_nodelay(true)
             .map_err(|source| TransportError::Connect { peer, source })?;
         let (reader, writer) = stream.into_split();
-        let (outgoing, writer_task) = Outgoing::new(writer, Some(SEND_BACKLOG_BYTES_MAX));
+        let (outgoing, writer_task) = Outgoing::new(writer);
         let pending: Pending = Arc::default();
         let replies = pending.clone();
         let reader_task = tokio::spawn(async move {
@@ -445,6 +439,8 @@ impl Client {
 
     /// Sends a request and waits for its reply; many calls may be in flight at once.
     pub async fn call(&self, message: &Message) -> Result<Message, TransportError> {
+        // Room first: a call given up while it waits was never sent.
+        self.outgoing.backlog_below(SEND_BACKLOG_BYTES_MAX).await;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         let alone = {
@@ -461,7 +457,7 @@ impl Client {
             pending: &self.pending,
             id,
         };
-        if let Err(reason) = self.outgoing.send(&message.encode(id), alone) {
+        if let Err(reason) = self.outgoing.send(&message.encode(id), alone, None) {
             return Err(self.closed(Some(reason)));
         }
         answer
@@ -476,7 +472,7 @@ impl Client {
         }
         let frame = message.encode(ONE_WAY);
         self.outgoing
-            .send(&frame, true)
+            .send(&frame, true, Some(SEND_BACKLOG_BYTES_MAX))
             .map_err(|reason| self.closed(Some(reason)))?;
         Ok(frame.len())
     }
@@ -532,7 +528,7 @@ impl Drop for Server {
 
 async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler) {
     let (reader, writer) = stream.into_split();
-    let (outgoing, writer_task) = Outgoing::new(writer, None);
+    let (outgoing, writer_task) = Outgoing::new(writer);
     // Requests of this connection not answered yet.
     let unanswered = Arc::new(UnansweredCount::new(UNANSWERED_MAX));
     let result = read_frames(
@@ -548,7 +544,7 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, handler: Handler)
                 };
                 let alone = counted.answered();
                 if let Some(reply) = reply {
-                    let _ = outgoing.send(&reply.encode(id), alone);
+                    let _ = outgoing.send(&reply.encode(id), alone, None);
                 }
             });
         },
@@ -822,10 +818,12 @@ mod tests {
         }
     }
 
-    /// A peer that never reads: the client's sends fail once the bytes waiting for it pass
-    /// the bound, with that said, rather than queueing without end.
+    /// A peer that never reads: the client's calls wait for room once the bytes waiting
+    /// for it reach the bound (given up by their timeouts, they were never sent), and a
+    /// one-way send then fails the connection, with that said, rather than queueing
+    /// without end.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sends_to_a_peer_that_never_reads_fail_past_the_backlog_bound() {
+    async fn sends_to_a_peer_that_never_reads_stop_at_the_backlog_bound() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -837,19 +835,28 @@ mod tests {
             pg: pg(0),
             message: vec![7; 1 << 20],
         };
-        let mut sent = 0usize;
-        let error = loop {
-            match client.send(&frame) {
-                Ok(bytes) => sent += bytes,
-                Err(error) => break error,
-            }
-            assert!(
-                sent < SEND_BACKLOG_BYTES_MAX + (64 << 20),
-                "{sent} bytes taken for a peer that reads none"
-            );
-            tokio::task::yield_now().await;
+        let waiting = || {
+            let state = client.outgoing.shared.state();
+            state.queued.len() + state.writing_bytes
         };
-        assert!(sent >= SEND_BACKLOG_BYTES_MAX, "failed after {sent} bytes");
+        let calls = SEND_BACKLOG_BYTES_MAX / (1 << 20) + 16;
+        for _ in 0..calls {
+            let call = tokio::time::timeout(Duration::from_millis(5), client.call(&frame));
+            assert!(call.await.is_err(), "an answer from a peer that reads none");
+        }
+        assert!(
+            waiting() >= SEND_BACKLOG_BYTES_MAX - (8 << 20),
+            "the calls were queued: {} bytes",
+            waiting()
+        );
+        assert!(
+            waiting() <= SEND_BACKLOG_BYTES_MAX + (2 << 20),
+            "{} bytes waiting past the bound",
+            waiting()
+        );
+        let error = client
+            .send(&frame)
+            .expect_err("a one-way send past the bound");
         assert!(error.to_string().contains("has not read"), "{error}");
         let after = client.call(&echo_request(0, &[1])).await;
         assert!(after.is_err(), "the connection failed for good");
