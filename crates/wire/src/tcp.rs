@@ -159,6 +159,8 @@ impl Outgoing {
                 tracing::debug!(%error, "connection write failed");
                 writer.state().failed = true;
             }
+            // Whoever waits for room learns that none will come.
+            writer.written.notify_waiters();
         });
         (Self { shared }, task)
     }
@@ -182,6 +184,7 @@ impl Outgoing {
             state.queued = Vec::new();
             drop(state);
             self.shared.wake.notify_one();
+            self.shared.written.notify_waiters();
             return Err(format!(
                 "the peer has not read the {waiting} bytes sent to it"
             ));
@@ -854,9 +857,18 @@ mod tests {
             "{} bytes waiting past the bound",
             waiting()
         );
-        let error = client
-            .send(&frame)
-            .expect_err("a one-way send past the bound");
+        // A call waiting for room learns at once when the connection fails.
+        let waiting_call = client.call(&frame);
+        let failing_send = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            client.send(&frame)
+        };
+        let both = async { tokio::join!(waiting_call, failing_send) };
+        let (called, sent) = tokio::time::timeout(Duration::from_secs(5), both)
+            .await
+            .expect("the waiting call woke once the connection failed");
+        assert!(called.is_err(), "an answer from a peer that reads none");
+        let error = sent.expect_err("a one-way send past the bound");
         assert!(error.to_string().contains("has not read"), "{error}");
         let after = client.call(&echo_request(0, &[1])).await;
         assert!(after.is_err(), "the connection failed for good");
