@@ -262,8 +262,8 @@ async fn map_since(mon: &MonClient, at_least: Epoch) -> anyhow::Result<ClusterMa
 }
 
 /// Discards what the map keeps of image `id` (`spec` names it) for discards alone: what a
-/// shrink cut off, or all of it once removed. `at_least` is the epoch of a map that has
-/// the change. The map's change comes first, so that OSDs refuse writes there from then
+/// shrink cut off, or all of it once removed, starting from `map`, one that has the
+/// change (nothing is connected when nothing is kept). The map's change comes first, so that OSDs refuse writes there from then
 /// on and none lands after the discard; the map forgets the bytes once they are discarded
 /// (`ImageDiscarded`, for the cut they were discarded for). Without the discard the objects
 /// would stay on the OSDs, for good after a removal (image ids are not given again) and to
@@ -275,7 +275,7 @@ async fn finish_cut(
     mon: &MonClient,
     mons: &[std::net::SocketAddr],
     (spec, id): (&str, ImageId),
-    at_least: Epoch,
+    map: ClusterMap,
 ) -> anyhow::Result<()> {
     /// Discarded per call: 1 GiB, a few hundred objects' requests at a time.
     const STEP: u64 = 1 << 30;
@@ -286,19 +286,24 @@ async fn finish_cut(
             "cannot discard the data of image {spec} cut off (run the command again to finish it)"
         )
     };
-    let cluster = basalt_client::Cluster::connect(mons.to_vec())
-        .await
-        .with_context(context)?;
-    let mut at_least = at_least;
+    let left = |map: &ClusterMap| {
+        map.image_range(id, true)
+            .map(|(image, kept)| (image.cut_epoch, kept))
+            .filter(|(_, kept)| !kept.is_empty())
+    };
+    let mut cluster = None;
+    let mut map = map;
     for _ in 0..ROUNDS {
-        let map = map_since(mon, at_least).await.with_context(context)?;
-        let left = |map: &ClusterMap| {
-            map.image_range(id, true)
-                .map(|(image, kept)| (image.cut_epoch, kept))
-                .filter(|(_, kept)| !kept.is_empty())
-        };
         let Some((since, kept)) = left(&map) else {
             return Ok(());
+        };
+        let cluster = match &cluster {
+            Some(cluster) => cluster,
+            None => cluster.insert(
+                basalt_client::Cluster::connect(mons.to_vec())
+                    .await
+                    .with_context(context)?,
+            ),
         };
         let mut at = kept.start;
         let mut failed = None;
@@ -310,7 +315,7 @@ async fn finish_cut(
             }
             at = to;
         }
-        at_least = match failed {
+        let next = match failed {
             None => {
                 let discarded = Command::ImageDiscarded {
                     id,
@@ -327,8 +332,10 @@ async fn finish_cut(
                 }
                 now.epoch
             }
-        }
-        .max(map.epoch);
+        };
+        map = map_since(mon, next.max(map.epoch))
+            .await
+            .with_context(context)?;
     }
     Err(anyhow::anyhow!("image {spec} kept changing meanwhile")).with_context(context)
 }
@@ -422,7 +429,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 // What an earlier shrink left to discard goes first (the image may not
                 // grow over it).
                 if let Some(image) = map.image_by_name(&pool, &name) {
-                    finish_cut(&mon, &mons, (&spec, image.id), map.epoch).await?;
+                    finish_cut(&mon, &mons, (&spec, image.id), map.clone()).await?;
                 }
                 let resize = Command::ImageResize {
                     pool: pool.clone(),
@@ -433,7 +440,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 // Shrunk: the part cut off is discarded now that no write reaches it.
                 let map = map_since(&mon, Epoch(epoch)).await?;
                 if let Some(image) = map.image_by_name(&pool, &name) {
-                    finish_cut(&mon, &mons, (&spec, image.id), map.epoch).await?;
+                    finish_cut(&mon, &mons, (&spec, image.id), map.clone()).await?;
                 }
                 println!("image {spec} resized to {size} (map epoch {epoch})");
             }
@@ -457,7 +464,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 // yet (running the command again removes it).
                 if !unfinished.is_empty() {
                     for id in unfinished {
-                        finish_cut(&mon, &mons, (&spec, id), map.epoch).await?;
+                        finish_cut(&mon, &mons, (&spec, id), map.clone()).await?;
                     }
                     println!(
                         "image {spec}: the removal left unfinished is done, its data discarded"
@@ -482,7 +489,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 // been removed and created again since this command looked).
                 let map = map_since(&mon, Epoch(epoch)).await?;
                 for id in removing(&map) {
-                    finish_cut(&mon, &mons, (&spec, id), map.epoch).await?;
+                    finish_cut(&mon, &mons, (&spec, id), map.clone()).await?;
                 }
                 println!("image {spec}: its data is discarded");
             }

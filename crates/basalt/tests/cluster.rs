@@ -334,24 +334,12 @@ fn object_call(
     term: Option<u64>,
     make: impl Fn(basalt_common::PgId, basalt_common::Epoch, u64, basalt_common::ObjectKey) -> Message,
 ) -> Result<(u64, Vec<u8>), String> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let monitors: Vec<std::net::SocketAddr> = cluster
-        .mon_addresses()
-        .iter()
-        .map(|address| address.parse().expect("a monitor address"))
-        .collect();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut named = term.unwrap_or(0);
     let mut member = 0;
-    runtime.block_on(async {
+    block_on(async {
         loop {
-            let map = basalt_mon::MonClient::new(monitors.clone())
-                .map()
-                .await
-                .expect("the map");
+            let map = fetch_map(cluster).await;
             let image = map
                 .images
                 .values()
@@ -1369,7 +1357,6 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     let cluster = small_osd_cluster(&dir.path, 1, "256MiB", None, "16MiB");
     const MIB: u64 = 1 << 20;
     let used = || used_bytes(&cluster);
-    let mon = cluster.mon_addresses().join(",");
     cluster.cli_ok(&["image", "create", "rbd/gone", "--size", "32MiB"]);
     for image in ["rbd/vol", "rbd/gone"] {
         bench_write_mib(&cluster, image, 16);
@@ -1379,30 +1366,14 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     });
     let images = || cluster.cli_json(&["image", "ls"]).to_string();
     // Runs the command with every OSD stopped, and kills it once the map has changed.
-    let interrupted = |args: &[&str], changed: &dyn Fn() -> bool| {
-        for n in 0..3 {
-            cluster.signal_osd(n, "STOP");
-        }
-        let mut command = basalt()
-            .args(args)
-            .args(["--mon", &mon])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn basalt");
-        wait_for("the map's change", Duration::from_secs(30), changed);
-        let _ = command.kill();
-        let _ = command.wait();
-        for n in 0..3 {
-            cluster.signal_osd(n, "CONT");
-        }
-    };
-    interrupted(&["image", "rm", "rbd/gone"], &|| {
+    interrupted(&cluster, &["image", "rm", "rbd/gone"], &|| {
         !images().contains("\"gone\"")
     });
-    interrupted(&["image", "resize", "rbd/vol", "--size", "4MiB"], &|| {
-        cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 4 * MIB
-    });
+    interrupted(
+        &cluster,
+        &["image", "resize", "rbd/vol", "--size", "4MiB"],
+        &|| cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 4 * MIB,
+    );
     cluster.wait_clean(Duration::from_secs(60));
     let (_, checks) = cluster.health();
     assert!(
@@ -1518,25 +1489,12 @@ fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_
     };
 
     // The shrink changes the map; its command is killed before it discards anything.
-    for n in 0..3 {
-        cluster.signal_osd(n, "STOP");
-    }
-    let mut shrink = basalt()
-        .args(["image", "resize", "rbd/vol", "--size", "8MiB"])
-        .args(["--mon", &cluster.mon_addresses().join(",")])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn basalt");
-    wait_for("the shrink's map", Duration::from_secs(30), || {
-        cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 8 * MIB
-    });
-    let _ = shrink.kill();
-    let _ = shrink.wait();
-    for n in 0..3 {
-        cluster.signal_osd(n, "CONT");
-    }
-    let cut = current_map(&cluster);
+    interrupted(
+        &cluster,
+        &["image", "resize", "rbd/vol", "--size", "8MiB"],
+        &|| cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 8 * MIB,
+    );
+    let cut = block_on(fetch_map(&cluster));
     let image = cut.images.values().next().expect("the image").clone();
     let object = basalt_common::ObjectKey {
         image: image.id,
@@ -1633,39 +1591,63 @@ fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_
     qemu_io_ok(&uri, true, &["read -P 0x6b 12M 4M"]);
 }
 
-/// The cluster's map, from its monitors.
-fn current_map(cluster: &ClusterProcesses) -> basalt_mon::map::ClusterMap {
-    let monitors: Vec<std::net::SocketAddr> = cluster
-        .mon_addresses()
-        .iter()
-        .map(|address| address.parse().expect("a monitor address"))
-        .collect();
+/// Runs `args` (a command that changes the map, then works on the OSDs) with every OSD
+/// stopped, and kills it once `changed` holds.
+fn interrupted(cluster: &ClusterProcesses, args: &[&str], changed: &dyn Fn() -> bool) {
+    for n in 0..3 {
+        cluster.signal_osd(n, "STOP");
+    }
+    let mut command = basalt()
+        .args(args)
+        .args(["--mon", &cluster.mon_addresses().join(",")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn basalt");
+    wait_for("the map's change", Duration::from_secs(30), changed);
+    let _ = command.kill();
+    let _ = command.wait();
+    for n in 0..3 {
+        cluster.signal_osd(n, "CONT");
+    }
+}
+
+/// Runs `future` to its end on a runtime of its own.
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime")
-        .block_on(basalt_mon::MonClient::new(monitors).map())
+        .block_on(future)
+}
+
+/// The cluster's map, from its monitors.
+async fn fetch_map(cluster: &ClusterProcesses) -> basalt_mon::map::ClusterMap {
+    let monitors = cluster
+        .mon_addresses()
+        .iter()
+        .map(|address| address.parse().expect("a monitor address"))
+        .collect();
+    basalt_mon::MonClient::new(monitors)
+        .map()
+        .await
         .expect("the map")
 }
 
 /// Sends `message` to OSD process `n` alone; the status it answers.
 fn call_osd(cluster: &ClusterProcesses, n: usize, message: &Message) -> Status {
-    let map = current_map(cluster);
-    let osd = &map.osds[&basalt_common::OsdId(cluster.osd_id(n))];
-    let address: std::net::SocketAddr = osd.address.parse().expect("address");
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-        .block_on(async {
-            let client = basalt_wire::tcp::Client::connect(address)
-                .await
-                .expect("connect to the osd");
-            match client.call(message).await.expect("an answer") {
-                Message::Reply { status, .. } => status,
-                other => panic!("not a reply: {other:?}"),
-            }
-        })
+    block_on(async {
+        let map = fetch_map(cluster).await;
+        let osd = &map.osds[&basalt_common::OsdId(cluster.osd_id(n))];
+        let address = osd.address.parse().expect("address");
+        let client = basalt_wire::tcp::Client::connect(address)
+            .await
+            .expect("connect to the osd");
+        match client.call(message).await.expect("an answer") {
+            Message::Reply { status, .. } => status,
+            other => panic!("not a reply: {other:?}"),
+        }
+    })
 }
 
 /// `mons` monitors and three OSDs on devices of `device_size` (the last serving metrics on

@@ -174,9 +174,7 @@ impl Cluster {
         (from, to): (u64, u64),
         since: Epoch,
     ) -> Result<(), ClientError> {
-        let mut watch = self.map.clone();
-        let waited = tokio::time::timeout(self.deadline, watch.wait_for(|map| map.epoch >= since));
-        if !matches!(waited.await, Ok(Ok(_))) {
+        if !self.await_epoch(since, self.deadline).await {
             return Err(ClientError::Timeout {
                 what: format!("map epoch {}", since.0),
                 seconds: self.deadline.as_secs(),
@@ -203,14 +201,9 @@ impl Cluster {
             name: format!("image {}", id.0),
             object_size_bytes: image.object_size_bytes,
         };
-        let requests = image.unchecked_requests(
-            from,
-            to - from,
-            u64::MAX,
-            range_request(RangeOp::DiscardCut),
-        );
-        image.run_pieces("discard", requests).await?;
-        Ok(())
+        image
+            .discard_pieces(from, to - from, RangeOp::DiscardCut)
+            .await
     }
 
     async fn connection(&self, address: SocketAddr) -> Result<Arc<Client>, String> {
@@ -243,14 +236,11 @@ impl Cluster {
         remember(&mut lock(&self.leaders), pg, leader, term);
     }
 
-    /// Waits (briefly) for a map at least as new as `epoch`.
-    async fn await_epoch(&self, epoch: Epoch) {
+    /// Waits up to `within` for a map at least as new as `epoch`; whether it came.
+    async fn await_epoch(&self, epoch: Epoch, within: Duration) -> bool {
         let mut map = self.map.clone();
-        let _ = tokio::time::timeout(
-            Duration::from_secs(2),
-            map.wait_for(|map| map.epoch >= epoch),
-        )
-        .await;
+        let waited = tokio::time::timeout(within, map.wait_for(|map| map.epoch >= epoch));
+        matches!(waited.await, Ok(Ok(_)))
     }
 
     /// Sends one object request to its PG's leader until it is answered.
@@ -362,7 +352,7 @@ impl Cluster {
                     }
                     Status::StaleEpoch { current } => {
                         last = format!("map epoch {} is older than {}", map.epoch.0, current.0);
-                        self.await_epoch(current).await;
+                        self.await_epoch(current, Duration::from_secs(2)).await;
                         pause = false;
                     }
                     Status::Invalid { message } => return Err(ClientError::Invalid(message)),
@@ -586,8 +576,13 @@ impl Image {
     /// (a removal of a large image is a request per object, not per MiB).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
         self.check(offset, len)?;
-        let requests =
-            self.unchecked_requests(offset, len, u64::MAX, range_request(RangeOp::Discard));
+        self.discard_pieces(offset, len, RangeOp::Discard).await
+    }
+
+    /// The discard `op` of `len` bytes at `offset`, one request per object, without a
+    /// check against the image's size.
+    async fn discard_pieces(&self, offset: u64, len: u64, op: RangeOp) -> Result<(), ClientError> {
+        let requests = self.unchecked_requests(offset, len, u64::MAX, range_request(op));
         self.run_pieces("discard", requests).await?;
         Ok(())
     }

@@ -489,14 +489,16 @@ impl ClusterMap {
                 name,
                 size_bytes,
             } => self.image_resize(pool, name, *size_bytes, next)?,
-            Command::ImageRemove { pool, name, id } => {
-                let (seen, id) = (
-                    *id,
-                    self.image_by_name(pool, name)
-                        .map(|image| image.id)
-                        .ok_or_else(|| unknown_image(pool, name))?,
-                );
-                if let Some(seen) = seen
+            Command::ImageRemove {
+                pool,
+                name,
+                id: seen,
+            } => {
+                let id = self
+                    .image_by_name(pool, name)
+                    .map(|image| image.id)
+                    .ok_or_else(|| unknown_image(pool, name))?;
+                if let Some(seen) = *seen
                     && seen != id
                 {
                     return Err(MapError::ImageReplaced {
@@ -1153,6 +1155,7 @@ mod tests {
     /// is left.
     #[test]
     fn cut_off_data_is_kept_for_discards_until_it_is_discarded() {
+        const MIB: u64 = 1 << 20;
         let mut map = three_hosts();
         let (pool, name) = ("rbd".to_string(), "vm".to_string());
         let resize = |size_bytes| Command::ImageResize {
@@ -1163,23 +1166,23 @@ mod tests {
         map.apply(&Command::ImageCreate {
             pool: pool.clone(),
             name: name.clone(),
-            size_bytes: 10 << 20,
+            size_bytes: 10 * MIB,
             object_size_bytes: None,
         })
         .expect("create");
         let id = map.image_by_name(&pool, &name).expect("image").id;
         let range = |map: &ClusterMap, cut| map.image_range(id, cut).map(|(_, range)| range);
         let since = |map: &ClusterMap| map.image_range(id, true).expect("image").0.cut_epoch;
-        assert_eq!(range(&map, true), Some(10 << 20..10 << 20), "nothing cut");
-        assert_eq!(map.apply(&resize(8 << 20)), Ok(true));
+        assert_eq!(range(&map, true), Some(10 * MIB..10 * MIB), "nothing cut");
+        assert_eq!(map.apply(&resize(8 * MIB)), Ok(true));
         let first_cut = since(&map);
-        assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
+        assert_eq!(map.apply(&resize(6 * MIB)), Ok(true));
         assert_eq!(
             (range(&map, false), range(&map, true)),
-            (Some(0..6 << 20), Some(6 << 20..10 << 20))
+            (Some(0..6 * MIB), Some(6 * MIB..10 * MIB))
         );
         let error = map
-            .apply(&resize(7 << 20))
+            .apply(&resize(7 * MIB))
             .expect_err("no growing")
             .to_string();
         assert!(error.contains("still being discarded"), "{error}");
@@ -1189,47 +1192,37 @@ mod tests {
             to,
             since,
         };
+        let discard = |map: &mut ClusterMap, bytes: Range<u64>, since| {
+            map.apply(&discarded(bytes.start, bytes.end, since))
+        };
         // The first shrink's discard does not cover what the second cut off.
-        assert_eq!(
-            map.apply(&discarded(8 << 20, 10 << 20, first_cut)),
-            Ok(false)
-        );
-        assert_eq!(
-            map.apply(&discarded(6 << 20, 10 << 20, first_cut)),
-            Ok(false)
-        );
-        assert_eq!(
-            map.apply(&discarded(6 << 20, 10 << 20, since(&map))),
-            Ok(true)
-        );
-        assert_eq!(range(&map, true), Some(6 << 20..6 << 20));
-        assert_eq!(map.apply(&resize(7 << 20)), Ok(true));
+        assert_eq!(discard(&mut map, 8 * MIB..10 * MIB, first_cut), Ok(false));
+        assert_eq!(discard(&mut map, 6 * MIB..10 * MIB, first_cut), Ok(false));
+        let cut = since(&map);
+        assert_eq!(discard(&mut map, 6 * MIB..10 * MIB, cut), Ok(true));
+        assert_eq!(range(&map, true), Some(6 * MIB..6 * MIB));
+        assert_eq!(map.apply(&resize(7 * MIB)), Ok(true));
         // Cut off again after the grow: a discard begun before it counts for nothing.
         let before_grow = since(&map);
-        assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
-        assert_eq!(
-            map.apply(&discarded(6 << 20, 7 << 20, before_grow)),
-            Ok(false)
-        );
-        assert_eq!(
-            map.apply(&discarded(6 << 20, 7 << 20, since(&map))),
-            Ok(true)
-        );
+        assert_eq!(map.apply(&resize(6 * MIB)), Ok(true));
+        assert_eq!(discard(&mut map, 6 * MIB..7 * MIB, before_grow), Ok(false));
+        let cut = since(&map);
+        assert_eq!(discard(&mut map, 6 * MIB..7 * MIB, cut), Ok(true));
         // A command from before cuts were numbered (a journal replayed) applies as then.
-        assert_eq!(map.apply(&resize(7 << 20)), Ok(true));
-        assert_eq!(map.apply(&resize(6 << 20)), Ok(true));
+        assert_eq!(map.apply(&resize(7 * MIB)), Ok(true));
+        assert_eq!(map.apply(&resize(6 * MIB)), Ok(true));
         let legacy = format!(
             r#"{{"ImageDiscarded":{{"id":{},"from":{},"to":{}}}}}"#,
             id.0,
-            6 << 20,
-            7 << 20
+            6 * MIB,
+            7 * MIB
         );
         let legacy: Command = serde_json::from_str(&legacy).expect("an older command");
-        assert_eq!(legacy, discarded(6 << 20, 7 << 20, Epoch(0)));
+        assert_eq!(legacy, discarded(6 * MIB, 7 * MIB, Epoch(0)));
         assert_eq!(map.apply(&legacy), Ok(true));
 
         // Removed: the whole image, its cut-off part too, is there for discards only.
-        assert_eq!(map.apply(&resize(4 << 20)), Ok(true));
+        assert_eq!(map.apply(&resize(4 * MIB)), Ok(true));
         let shrunk = since(&map);
         let remove = |id| Command::ImageRemove {
             pool: pool.clone(),
@@ -1244,24 +1237,24 @@ mod tests {
         assert!(map.image_by_name(&pool, &name).is_none());
         assert_eq!(
             (range(&map, false), range(&map, true)),
-            (None, Some(0..6 << 20))
+            (None, Some(0..6 * MIB))
         );
         // The name is free again; the new image is another.
         map.apply(&Command::ImageCreate {
             pool: pool.clone(),
             name: name.clone(),
-            size_bytes: 1 << 20,
+            size_bytes: MIB,
             object_size_bytes: None,
         })
         .expect("create again");
         assert_ne!(map.image_by_name(&pool, &name).map(|i| i.id), Some(id));
         let removal = since(&map);
-        assert_eq!(map.apply(&discarded(0, 4 << 20, removal)), Ok(false));
-        assert_eq!(map.apply(&discarded(0, 6 << 20, shrunk)), Ok(false));
-        assert_eq!(map.apply(&discarded(0, 6 << 20, removal)), Ok(true));
+        assert_eq!(discard(&mut map, 0..4 * MIB, removal), Ok(false));
+        assert_eq!(discard(&mut map, 0..6 * MIB, shrunk), Ok(false));
+        assert_eq!(discard(&mut map, 0..6 * MIB, removal), Ok(true));
         assert!(map.removing.is_empty());
         assert_eq!(
-            map.apply(&discarded(0, 6 << 20, removal)),
+            map.apply(&discarded(0, 6 * MIB, removal)),
             Ok(false),
             "once is enough"
         );

@@ -49,6 +49,7 @@ use basalt_store::checkpoint::Checkpoint;
 use basalt_store::extent_map::Piece;
 use basalt_store::log::{DamagedBatch, Replayed};
 use basalt_store::object_op::{ObjectOp, PayloadRef, PgObjects, kind};
+use basalt_wire::message::RangeOp;
 use basalt_wire::metrics::{self, Exposition};
 use basalt_wire::tcp::{Client, Handler, Server};
 use basalt_wire::{Message, ObjectRange, Status};
@@ -802,6 +803,26 @@ fn invalid(message: impl Into<String>) -> Message {
     })
 }
 
+/// A PG's map floor: the newest map epoch its log (or a snapshot of it) says requests were
+/// taken under ([`pg_log::map_floor_data`]). A leader writes the floor before the first
+/// request it takes under a newer map, and in each term; a later leader with an older map
+/// takes none until its map catches up. Otherwise a leader elected with a map older than an
+/// image's change would take requests the change refuses: a write where the image was
+/// removed or cut off (left there after the discard), or a discard of bytes cut off and
+/// given back to the image since (wiping what was written there). Kept in memory: a
+/// restarted OSD boots with the monitors' newest map.
+#[derive(Debug, Default)]
+struct MapFloor {
+    /// The newest epoch seen in the PG's log, its snapshots, or proposed here.
+    epoch: Epoch,
+    /// The raft term and epoch of the floor this OSD last proposed as leader: proposed
+    /// again in a new term (an entry of an earlier one may have been replaced since).
+    proposed: Option<(u64, Epoch)>,
+    /// Since when this OSD has led the PG with a map older than the floor
+    /// ([`Core::hand_over_below_floor`]).
+    below_since: Option<std::time::Instant>,
+}
+
 struct Core {
     id: OsdId,
     raft: MultiRaft,
@@ -865,21 +886,8 @@ struct Core {
     /// What each peer's last raft frame said of whether it is full, and when it came
     /// ([`Core::replicas_not_full`]).
     peers_full: HashMap<OsdId, (bool, std::time::Instant)>,
-    /// Per PG, the newest map epoch its log (or a snapshot of it) says requests were taken
-    /// under ([`pg_log::map_floor_data`]). A leader writes the floor before the first
-    /// request it takes under a newer map, and in each term; a later leader with an older map takes none
-    /// until its map catches up. Otherwise a leader elected with a map older than an image's
-    /// change would take requests the change refuses: a write where the image was removed
-    /// or cut off (left there after the discard), or a discard of bytes cut off and given
-    /// back to the image since (wiping what was written there). Kept in memory: a restarted
-    /// OSD boots with the monitors' newest map.
-    map_floors: HashMap<PgId, Epoch>,
-    /// Per PG led here, the raft term and epoch of the floor this leader last proposed:
-    /// proposed again in a new term (an entry proposed in an earlier one may have been
-    /// replaced since, though [`Core::map_floors`] remembers its epoch).
-    floors_proposed: HashMap<PgId, (u64, Epoch)>,
-    /// PGs led here below their floor, since when ([`Core::hand_over_below_floor`]).
-    below_floor: HashMap<PgId, std::time::Instant>,
+    /// Each PG's map floor ([`MapFloor`]).
+    map_floors: HashMap<PgId, MapFloor>,
     /// PGs whose leader is being asked whether this replica was removed.
     membership_checks: std::collections::HashSet<PgId>,
     /// See [`OsdConfig::max_moves`].
@@ -1356,11 +1364,10 @@ impl Core {
         let bytes = chunk.data_bytes();
         let last = chunk.next.is_none();
         installing.fuzzy_through = installing.fuzzy_through.max(chunk.applied);
-        // The floors of the entries the snapshot stands for.
-        let floor = self.map_floors.entry(pg).or_default();
-        *floor = (*floor).max(Epoch(chunk.map_floor));
         let transfer = installing.transfer;
         let first = !installing.begun;
+        // The floors of the entries the snapshot stands for.
+        self.raise_map_floor(pg, Epoch(chunk.map_floor));
         let batches = batch::split(snapshot::chunk_entries(pg, chunk, first));
         let log_bytes: u64 = batches
             .iter()
@@ -1687,11 +1694,7 @@ impl Core {
         // This OSD's own map at least: the floors in the entries the snapshot stands for
         // are known here only if persisted since it started (they are no newer than the
         // map it booted with).
-        let map_floor = self
-            .map_floors
-            .get(&pg)
-            .map_or(0, |floor| floor.0)
-            .max(self.map.epoch.0);
+        let map_floor = self.map_floor(pg).max(self.map.epoch).0;
         tokio::spawn(async move {
             let _pin = pin;
             let mut chunk = Chunk {
@@ -1779,10 +1782,10 @@ impl Core {
         }
     }
 
-    /// Checks a client request against the map (`discard`: the request is a discard,
-    /// which also reaches what a shrink cut off and images being removed); `Err` is the
-    /// reply.
-    fn check(&self, range: &ObjectRange, discard: Option<bool>) -> Result<(), Message> {
+    /// Checks a client request against the map (`op`: what a request without data does;
+    /// `None` for a write); `Err` is the reply. Only a [`RangeOp::DiscardCut`] reaches what
+    /// a shrink cut off and images being removed, and nothing else.
+    fn check(&self, range: &ObjectRange, op: Option<RangeOp>) -> Result<(), Message> {
         let ObjectRange {
             pg,
             epoch,
@@ -1801,7 +1804,8 @@ impl Core {
             }
         };
         // A discard carries no data: it may cover a whole object (checked below).
-        if len_bytes == 0 || (len_bytes > REQUEST_BYTES_MAX && discard.is_none()) {
+        let discard = matches!(op, Some(RangeOp::Discard | RangeOp::DiscardCut));
+        if len_bytes == 0 || (len_bytes > REQUEST_BYTES_MAX && !discard) {
             return Err(invalid(format!(
                 "a request of {len_bytes} bytes: from 1 byte to {REQUEST_BYTES_MAX}"
             )));
@@ -1820,18 +1824,14 @@ impl Core {
         // This PG's log holds requests taken under a newer map than ours (by an earlier
         // leader): none is taken here under an older one ("ask again" until ours catches
         // up).
-        if self
-            .map_floors
-            .get(&pg)
-            .is_some_and(|floor| self.map.epoch < *floor)
-        {
+        if self.map.epoch < self.map_floor(pg) {
             return Err(reply(Status::NotLeader { leader: None }));
         }
         // A discard of what an image's removal or shrink cut off, from a client with a
         // newer map, waits for that map here ("ask again"): this OSD must by then refuse
         // the writes of clients with older maps there, or one could land after the
         // discard.
-        let cut = discard == Some(true);
+        let cut = op == Some(RangeOp::DiscardCut);
         if cut && epoch > self.map.epoch {
             return Err(reply(Status::NotLeader { leader: None }));
         }
@@ -1898,11 +1898,7 @@ impl Core {
             }
             return;
         };
-        let discard = match message {
-            Message::Discard { cut, .. } => Some(cut),
-            _ => None,
-        };
-        if let Err(answer) = self.check(&range, discard) {
+        if let Err(answer) = self.check(&range, message.range_op()) {
             let _ = reply_to.send(answer);
             return;
         }
@@ -1946,7 +1942,8 @@ impl Core {
             return;
         }
         match self
-            .propose_map_floor(pg)
+            // A leader's term is the one the request names (checked above).
+            .propose_map_floor(pg, range.term)
             .and_then(|()| self.raft.propose(pg, op.encode()))
         {
             Ok(()) => {
@@ -1974,23 +1971,34 @@ impl Core {
         }
     }
 
-    /// Before a request taken under a map newer than the PG's floor, the floor at this map
-    /// ([`Core::map_floors`]).
-    fn propose_map_floor(&mut self, pg: PgId) -> Result<(), ProposeError> {
-        let epoch = self.map.epoch;
-        let term = self.raft.term(pg).unwrap_or(0);
-        // In one term the leader's own entries stay in its log.
-        if self
-            .floors_proposed
+    /// The PG's map floor ([`MapFloor`]); 0 if none is known.
+    fn map_floor(&self, pg: PgId) -> Epoch {
+        self.map_floors
             .get(&pg)
-            .is_some_and(|&(proposed_in, floor)| proposed_in == term && floor >= epoch)
+            .map_or(Epoch(0), |floor| floor.epoch)
+    }
+
+    /// Raises the PG's map floor to `epoch` if it is lower.
+    fn raise_map_floor(&mut self, pg: PgId, epoch: Epoch) {
+        let floor = self.map_floors.entry(pg).or_default();
+        floor.epoch = floor.epoch.max(epoch);
+    }
+
+    /// Before a request the leader takes in `term` under a map newer than the PG's floor,
+    /// or the first in that term, the floor at this map ([`MapFloor`]).
+    fn propose_map_floor(&mut self, pg: PgId, term: u64) -> Result<(), ProposeError> {
+        let epoch = self.map.epoch;
+        let floor = self.map_floors.entry(pg).or_default();
+        // In one term the leader's own entries stay in its log.
+        if floor
+            .proposed
+            .is_some_and(|(proposed_in, proposed)| proposed_in == term && proposed >= epoch)
         {
             return Ok(());
         }
         self.raft.propose(pg, pg_log::map_floor_data(epoch))?;
-        self.floors_proposed.insert(pg, (term, epoch));
-        let floor = self.map_floors.entry(pg).or_default();
-        *floor = (*floor).max(epoch);
+        floor.proposed = Some((term, epoch));
+        floor.epoch = floor.epoch.max(epoch);
         Ok(())
     }
 
@@ -1999,18 +2007,19 @@ impl Core {
     /// is not coming.
     fn hand_over_below_floor(&mut self) {
         let now = std::time::Instant::now();
-        let below: Vec<PgId> = self
-            .map_floors
-            .iter()
-            .filter(|(pg, floor)| self.map.epoch < **floor && self.raft.is_leader(**pg))
-            .map(|(pg, _)| *pg)
-            .collect();
-        self.below_floor.retain(|pg, _| below.contains(pg));
-        for pg in below {
-            let since = *self.below_floor.entry(pg).or_insert(now);
-            if now.saturating_duration_since(since) < BELOW_FLOOR_FOR {
+        let mut due = Vec::new();
+        for (pg, floor) in &mut self.map_floors {
+            if self.map.epoch >= floor.epoch || !self.raft.is_leader(*pg) {
+                floor.below_since = None;
                 continue;
             }
+            let since = *floor.below_since.get_or_insert(now);
+            if now.saturating_duration_since(since) >= BELOW_FLOOR_FOR {
+                floor.below_since = Some(now);
+                due.push((*pg, floor.epoch));
+            }
+        }
+        for (pg, floor) in due {
             // Not to a replica whose copy a repair here doubts.
             let avoid = self
                 .repairs
@@ -2021,11 +2030,10 @@ impl Core {
             tracing::warn!(
                 %pg,
                 map_epoch = self.map.epoch.0,
-                floor = self.map_floors.get(&pg).map_or(0, |floor| floor.0),
+                floor = floor.0,
                 ?heir,
                 "the pg's log was written under a newer map than this osd has: handing it over"
             );
-            self.below_floor.insert(pg, now);
         }
     }
 
@@ -3284,8 +3292,7 @@ impl Core {
             .filter_map(|entry| pg_log::map_floor_of(&entry.data))
             .max()
         {
-            let known = self.map_floors.entry(pg).or_default();
-            *known = (*known).max(floor);
+            self.raise_map_floor(pg, floor);
         }
         let mut log_entries = Vec::new();
         if let Some((index, term)) = snapshot {
@@ -3584,8 +3591,6 @@ impl Core {
             .remove(&pg);
         self.scrub_fuzzy_through.remove(&pg);
         self.map_floors.remove(&pg);
-        self.floors_proposed.remove(&pg);
-        self.below_floor.remove(&pg);
         self.refresh_live_bytes();
         self.refresh_retained_bytes();
         tracing::info!(%pg, "pg removed from this osd");
@@ -4716,8 +4721,6 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         snapshots_sent: HashMap::new(),
         peers_full: HashMap::new(),
         map_floors: HashMap::new(),
-        floors_proposed: HashMap::new(),
-        below_floor: HashMap::new(),
         generations: HashMap::new(),
         next_generation: 0,
         membership_checks: std::collections::HashSet::new(),

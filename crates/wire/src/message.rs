@@ -411,6 +411,17 @@ impl Message {
         })
     }
 
+    /// What a request without data does ([`range_message`] made it); `None` for a write
+    /// and other messages.
+    pub fn range_op(&self) -> Option<RangeOp> {
+        match self {
+            Message::Read { .. } => Some(RangeOp::Read),
+            Message::Discard { cut: false, .. } => Some(RangeOp::Discard),
+            Message::Discard { cut: true, .. } => Some(RangeOp::DiscardCut),
+            _ => None,
+        }
+    }
+
     /// Addresses an object request to `pg` under map `epoch`, naming the leader's term
     /// `to_term` (0 if not known): a client routing an attempt. Other messages are left as
     /// they are.
@@ -832,6 +843,37 @@ mod tests {
             let (frame, _) = frame::decode(&bytes).expect("valid").expect("complete");
             assert_eq!(Message::decode(&frame), Ok(message));
         }
+    }
+
+    /// A request made by `range_message` says what it does; a write says nothing.
+    #[test]
+    fn range_ops_are_told_back() {
+        let object = ObjectKey {
+            image: ImageId(1),
+            number: 2,
+        };
+        let place = (
+            PgId {
+                pool: PoolId(0),
+                index: 1,
+            },
+            Epoch(3),
+            4,
+            object,
+            5,
+        );
+        for op in [RangeOp::Read, RangeOp::Discard, RangeOp::DiscardCut] {
+            assert_eq!(range_message(op, place, 6).range_op(), Some(op));
+        }
+        let write = Message::Write {
+            pg: place.0,
+            epoch: place.1,
+            term: 4,
+            object,
+            offset_bytes: 5,
+            data: vec![1],
+        };
+        assert_eq!(write.range_op(), None);
     }
 
     proptest! {
