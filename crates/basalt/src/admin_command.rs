@@ -4,6 +4,7 @@
 //! `/etc/basalt/basalt.toml` (its `[cluster] mons`). Every read command takes `--json`.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -276,8 +277,8 @@ async fn finish_cut(
     mons: &[std::net::SocketAddr],
     (spec, id): (&str, ImageId),
     map: ClusterMap,
-) -> anyhow::Result<()> {
-    /// Discarded per call: 1 GiB, a few hundred objects' requests at a time.
+) -> anyhow::Result<u64> {
+    /// Discarded per call at most: 1 GiB, a few hundred objects' requests.
     const STEP: u64 = 1 << 30;
     /// Looks at the map again at most this often when other commands change the image.
     const ROUNDS: usize = 8;
@@ -293,10 +294,12 @@ async fn finish_cut(
     };
     let mut cluster = None;
     let mut map = map;
+    let mut discarded = 0;
     for _ in 0..ROUNDS {
         let Some((since, kept)) = left(&map) else {
-            return Ok(());
+            return Ok(discarded);
         };
+        discarded = 0;
         let cluster = match &cluster {
             Some(cluster) => cluster,
             None => cluster.insert(
@@ -305,15 +308,26 @@ async fn finish_cut(
                     .with_context(context)?,
             ),
         };
-        let mut at = kept.start;
+        // Only what holds data: a thin image's removal then costs a request per PG
+        // rather than one per object.
+        let (ranges, unlisted) = written_ranges(&map, id, kept.clone(), since).await?;
+        if let Some((pg, why)) = unlisted.first() {
+            let others = match unlisted.len() - 1 {
+                0 => String::new(),
+                more => format!(" (and {more} other PGs)"),
+            };
+            eprintln!("note: {why}; every object of image {spec} in pg {pg}{others} is discarded");
+        }
         let mut failed = None;
-        while at < kept.end {
-            let to = kept.end.min(at.saturating_add(STEP));
-            if let Err(error) = cluster.discard_cut(id, (at, to), map.epoch).await {
+        for call in steps_of(&ranges, STEP) {
+            if let Err(error) = cluster.discard_cut(id, &call, map.epoch).await {
                 failed = Some(error);
                 break;
             }
-            at = to;
+            discarded += call
+                .iter()
+                .map(|range| range.end - range.start)
+                .sum::<u64>();
         }
         let next = match failed {
             None => {
@@ -338,6 +352,178 @@ async fn finish_cut(
             .with_context(context)?;
     }
     Err(anyhow::anyhow!("image {spec} kept changing meanwhile")).with_context(context)
+}
+
+/// `ranges` cut into calls of at most `step` bytes each.
+fn steps_of(ranges: &[Range<u64>], step: u64) -> Vec<Vec<Range<u64>>> {
+    let mut calls = Vec::new();
+    let mut call = Vec::new();
+    let mut room = step;
+    for range in ranges {
+        let mut at = range.start;
+        while at < range.end {
+            let to = range.end.min(at.saturating_add(room));
+            call.push(at..to);
+            room -= to - at;
+            at = to;
+            if room == 0 {
+                calls.push(std::mem::take(&mut call));
+                room = step;
+            }
+        }
+    }
+    if !call.is_empty() {
+        calls.push(call);
+    }
+    calls
+}
+
+/// The parts of `kept`, bytes of image `id` kept for discards alone in `map` since the
+/// map of epoch `since`, that hold data: the objects that the leaders of the image's
+/// pool's PGs list ([`basalt_osd::daemon::OsdRequest::ListObjects`]), cut to `kept`,
+/// adjacent ones merged. A PG that gives no list within [`LISTING_WITHIN`] (an OSD of an
+/// older version, no leader) has every object of `kept` it holds in the ranges; those
+/// PGs come second, each with the reason.
+async fn written_ranges(
+    map: &ClusterMap,
+    id: ImageId,
+    kept: Range<u64>,
+    since: Epoch,
+) -> anyhow::Result<(Vec<Range<u64>>, Vec<(PgId, String)>)> {
+    /// PGs asked at once.
+    const PGS_AT_ONCE: usize = 64;
+    let (image, _) = map
+        .image_range(id, true)
+        .with_context(|| format!("image {} is not in the map", id.0))?;
+    let object_size = image.object_size_bytes;
+    anyhow::ensure!(object_size > 0, "image {} has objects of 0 bytes", id.0);
+    let pool = map
+        .pools
+        .get(&image.pool)
+        .with_context(|| format!("pool {} is not in the map", image.pool))?;
+    let objects = kept.start / object_size..kept.end.div_ceil(object_size);
+    let pgs: Vec<PgId> = (0..pool.pg_count)
+        .map(|index| PgId {
+            pool: image.pool,
+            index,
+        })
+        .collect();
+    let mut numbers = Vec::new();
+    let mut unlisted = Vec::new();
+    for group in pgs.chunks(PGS_AT_ONCE) {
+        let mut lists = tokio::task::JoinSet::new();
+        for pg in group {
+            let (map, pg, from) = (map.clone(), *pg, objects.start);
+            lists.spawn(async move { (pg, list_objects(&map, pg, id, from, since).await) });
+        }
+        while let Some(joined) = lists.join_next().await {
+            let (pg, listed) = joined.context("a listing task failed")?;
+            match listed {
+                Ok(listed) => numbers.extend(listed),
+                Err(why) => unlisted.push((pg, why)),
+            }
+        }
+    }
+    if !unlisted.is_empty() {
+        let unlisted: BTreeSet<PgId> = unlisted.iter().map(|(pg, _)| *pg).collect();
+        numbers.extend(objects.clone().filter(|number| {
+            unlisted.contains(&pool.pg_of(basalt_common::ObjectKey {
+                image: id,
+                number: *number,
+            }))
+        }));
+    }
+    numbers.sort_unstable();
+    numbers.dedup();
+    let mut ranges: Vec<Range<u64>> = Vec::new();
+    for number in numbers {
+        let start = number.saturating_mul(object_size).max(kept.start);
+        let end = number
+            .saturating_add(1)
+            .saturating_mul(object_size)
+            .min(kept.end);
+        if start >= end {
+            continue;
+        }
+        match ranges.last_mut() {
+            Some(last) if last.end == start => last.end = end,
+            _ => ranges.push(start..end),
+        }
+    }
+    unlisted.sort_by_key(|(pg, _)| *pg);
+    Ok((ranges, unlisted))
+}
+
+/// How long [`written_ranges`] waits for a PG's list.
+const LISTING_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The numbers of image `id`'s objects from `from` on that `pg`'s leader holds data of,
+/// under a map of epoch `since` or newer; asked of the PG's members as `map` names them,
+/// again and again until one answers or [`LISTING_WITHIN`] has passed.
+async fn list_objects(
+    map: &ClusterMap,
+    pg: PgId,
+    id: ImageId,
+    from: u64,
+    since: Epoch,
+) -> Result<Vec<u64>, String> {
+    use basalt_osd::daemon::{ObjectList, OsdRequest};
+    let members = map
+        .pg(pg)
+        .map(|entry| entry.members.clone())
+        .ok_or_else(|| format!("pg {pg} is not in the map"))?;
+    let deadline = std::time::Instant::now() + LISTING_WITHIN;
+    let ask = |from| {
+        let members = &members;
+        async move {
+            loop {
+                let mut refusals = Vec::new();
+                for osd in members {
+                    let address = map
+                        .osds
+                        .get(osd)
+                        .and_then(|entry| entry.address.parse::<std::net::SocketAddr>().ok());
+                    let Some(address) = address else {
+                        refusals.push(format!("{osd} has no address"));
+                        continue;
+                    };
+                    let request = OsdRequest::ListObjects {
+                        pg,
+                        image: id,
+                        from,
+                        since,
+                    };
+                    let within = std::time::Duration::from_secs(5);
+                    match basalt_osd::daemon::ask_osd::<ObjectList>(address, &request, within).await
+                    {
+                        Ok(list) => return Ok(list),
+                        Err(error) => refusals.push(format!("{osd}: {error}")),
+                    }
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(format!(
+                        "pg {pg} gave no list of image {}'s objects ({})",
+                        id.0,
+                        refusals.join("; ")
+                    ));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let mut numbers = Vec::new();
+    let mut from = from;
+    loop {
+        let list = ask(from).await?;
+        let Some(last) = list.numbers.last().copied() else {
+            return Ok(numbers);
+        };
+        numbers.extend(list.numbers);
+        if list.complete || last == u64::MAX {
+            return Ok(numbers);
+        }
+        from = last + 1;
+    }
 }
 
 pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<ExitCode> {
@@ -439,10 +625,17 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 let epoch = apply(&mon, resize).await?;
                 // Shrunk: the part cut off is discarded now that no write reaches it.
                 let map = map_since(&mon, Epoch(epoch)).await?;
-                if let Some(image) = map.image_by_name(&pool, &name) {
-                    finish_cut(&mon, &mons, (&spec, image.id), map.clone()).await?;
-                }
+                let discarded = match map.image_by_name(&pool, &name) {
+                    Some(image) => finish_cut(&mon, &mons, (&spec, image.id), map.clone()).await?,
+                    None => 0,
+                };
                 println!("image {spec} resized to {size} (map epoch {epoch})");
+                if discarded > 0 {
+                    println!(
+                        "image {spec}: {} of data cut off discarded",
+                        ByteSize(discarded)
+                    );
+                }
             }
             ImageCommand::Rm { spec } => {
                 let (pool, name) = split_spec(&spec)?;
@@ -488,10 +681,14 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                 // The image removed, whichever it was by then (read again: it may have
                 // been removed and created again since this command looked).
                 let map = map_since(&mon, Epoch(epoch)).await?;
+                let mut discarded = 0;
                 for id in removing(&map) {
-                    finish_cut(&mon, &mons, (&spec, id), map.clone()).await?;
+                    discarded += finish_cut(&mon, &mons, (&spec, id), map.clone()).await?;
                 }
-                println!("image {spec}: its data is discarded");
+                println!(
+                    "image {spec}: its data is discarded ({} discarded)",
+                    ByteSize(discarded)
+                );
             }
         }
         Ok(ExitCode::SUCCESS)
@@ -1785,6 +1982,20 @@ pub fn run_pg_repair(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Calls cover the ranges in order, each at most a step, and only the last is short.
+    #[test]
+    fn ranges_are_cut_into_calls_of_a_step_at_most() {
+        let calls = steps_of(&[0..3, 5..12, 20..21], 4);
+        assert_eq!(
+            calls,
+            vec![vec![0..3, 5..6], vec![6..10], vec![10..12, 20..21]]
+        );
+        let whole = 0..8;
+        let calls = steps_of(std::slice::from_ref(&whole), 4);
+        assert_eq!(calls, vec![vec![0..4], vec![4..8]]);
+        assert!(steps_of(&[], 4).is_empty());
+    }
 
     /// Health names a PG without a leader whose member reports raft log entries it cannot
     /// send, with the command; not an active PG, nor a report from a non-member.

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -161,17 +162,18 @@ impl Cluster {
         })
     }
 
-    /// Discards bytes `from..to` of image `id` where only discards reach: what a shrink
-    /// cut off, or an image being removed (`basalt image resize` and `image rm` discard it
-    /// after the map's change, so that no write lands there after the discard). `since`
-    /// is the epoch of a map that has the change: this client waits for it, so that its
-    /// requests carry it and OSDs with older maps ask for them again rather than take
-    /// writes of old maps after them. OSDs refuse the discards outside what their map
-    /// keeps for them (the image grown back over the bytes).
+    /// Discards the byte ranges `ranges` of image `id` where only discards reach: what a
+    /// shrink cut off, or an image being removed (`basalt image resize` and `image rm`
+    /// discard it after the map's change, so that no write lands there after the
+    /// discard). `since` is the epoch of a map that has the change: this client waits for
+    /// it, so that its requests carry it and OSDs with older maps ask for them again
+    /// rather than take writes of old maps after them. OSDs refuse the discards outside
+    /// what their map keeps for them (the image grown back over the bytes). The ranges'
+    /// requests go [`PIECES_IN_FLIGHT_MAX`] at a time, as one request's do.
     pub async fn discard_cut(
         self: &Arc<Self>,
         id: ImageId,
-        (from, to): (u64, u64),
+        ranges: &[Range<u64>],
         since: Epoch,
     ) -> Result<(), ClientError> {
         if !self.await_epoch(since, self.deadline).await {
@@ -188,9 +190,11 @@ impl Cluster {
                 id.0
             ))
         })?;
-        if from > to || from < kept.start || to > kept.end {
+        if let Some(range) = ranges.iter().find(|range| {
+            range.start > range.end || range.start < kept.start || range.end > kept.end
+        }) {
             return Err(ClientError::Invalid(format!(
-                "range {from}..{to} of image {} is not kept for discards alone ({kept:?} is)",
+                "range {range:?} of image {} is not kept for discards alone ({kept:?} is)",
                 id.0
             )));
         }
@@ -201,9 +205,7 @@ impl Cluster {
             name: format!("image {}", id.0),
             object_size_bytes: image.object_size_bytes,
         };
-        image
-            .discard_pieces(from, to - from, RangeOp::DiscardCut)
-            .await
+        image.discard_ranges(ranges, RangeOp::DiscardCut).await
     }
 
     async fn connection(&self, address: SocketAddr) -> Result<Arc<Client>, String> {
@@ -576,13 +578,21 @@ impl Image {
     /// (a removal of a large image is a request per object, not per MiB).
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ClientError> {
         self.check(offset, len)?;
-        self.discard_pieces(offset, len, RangeOp::Discard).await
+        let whole = offset..offset + len;
+        self.discard_ranges(std::slice::from_ref(&whole), RangeOp::Discard)
+            .await
     }
 
-    /// The discard `op` of `len` bytes at `offset`, one request per object, without a
-    /// check against the image's size.
-    async fn discard_pieces(&self, offset: u64, len: u64, op: RangeOp) -> Result<(), ClientError> {
-        let requests = self.unchecked_requests(offset, len, u64::MAX, range_request(op));
+    /// The discard `op` of `ranges`, one request per object each, without a check against
+    /// the image's size.
+    async fn discard_ranges(&self, ranges: &[Range<u64>], op: RangeOp) -> Result<(), ClientError> {
+        let requests = ranges
+            .iter()
+            .flat_map(|range| {
+                let (offset, len) = (range.start, range.end - range.start);
+                self.unchecked_requests(offset, len, u64::MAX, range_request(op))
+            })
+            .collect();
         self.run_pieces("discard", requests).await?;
         Ok(())
     }

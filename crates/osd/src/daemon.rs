@@ -253,6 +253,22 @@ pub enum OsdRequest {
         /// The PG.
         pg: PgId,
     },
+    /// The numbers of `image`'s objects this PG holds data of, from object `from` on, at
+    /// most [`OBJECTS_LISTED_MAX`] ([`ObjectList`]), if this replica leads the PG with a map
+    /// of epoch `since` or newer: what `basalt image rm` and a shrink discard. Answered once
+    /// a map floor entry proposed for it applies, so the list holds every write taken
+    /// before it, and none is taken after it under a map older than `since`.
+    ListObjects {
+        /// The PG.
+        pg: PgId,
+        /// The image.
+        image: basalt_common::ImageId,
+        /// The first object number of interest.
+        from: u64,
+        /// The map epoch the list must be taken under at least (the image's removal or
+        /// shrink).
+        since: Epoch,
+    },
     /// Make this replica the only voter of the PG, whose voters but `lost` make no quorum
     /// (`basalt pg force-quorum`; see `MultiRaft::force_quorum`); answered with the state
     /// then.
@@ -317,6 +333,18 @@ impl Repair {
             log_damaged: false,
         }
     }
+}
+
+/// The most object numbers one [`OsdRequest::ListObjects`] answers with.
+pub const OBJECTS_LISTED_MAX: usize = 65_536;
+
+/// The answer to [`OsdRequest::ListObjects`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ObjectList {
+    /// Object numbers, in order.
+    pub numbers: Vec<u64>,
+    /// Whether these are all from the object asked for on (else ask again past the last).
+    pub complete: bool,
 }
 
 /// One replica's state of a PG.
@@ -768,6 +796,9 @@ struct Proposal {
     arrived: std::time::Instant,
     reply: oneshot::Sender<Message>,
     write_bytes: u64,
+    /// A listing ([`OsdRequest::ListObjects`]) that waits on this entry, not a client
+    /// request: of this image, from this object number on.
+    listing: Option<(basalt_common::ImageId, u64)>,
 }
 
 struct ReadRequest {
@@ -1958,6 +1989,7 @@ impl Core {
                         arrived: std::time::Instant::now(),
                         reply: reply_to,
                         write_bytes,
+                        listing: None,
                     },
                 );
             }
@@ -1996,7 +2028,14 @@ impl Core {
         {
             return Ok(());
         }
+        self.propose_floor_entry(pg, term)
+    }
+
+    /// Proposes a map floor entry at this OSD's map in `pg`, the leader's `term`.
+    fn propose_floor_entry(&mut self, pg: PgId, term: u64) -> Result<(), ProposeError> {
+        let epoch = self.map.epoch;
         self.raft.propose(pg, pg_log::map_floor_data(epoch))?;
+        let floor = self.map_floors.entry(pg).or_default();
         floor.proposed = Some((term, epoch));
         floor.epoch = floor.epoch.max(epoch);
         Ok(())
@@ -2681,6 +2720,12 @@ impl Core {
                 let _ = reply_to.send(control_answer(self.scrub_now(pg)));
                 return;
             }
+            OsdRequest::ListObjects {
+                pg,
+                image,
+                from,
+                since,
+            } => return self.list_objects(pg, (image, from), since, reply_to),
             OsdRequest::MarkUnfoundLost { pg } => {
                 let answer = self.raft.concede(pg).map(|_| self.replica_state(pg));
                 let _ = reply_to.send(control_answer(answer));
@@ -3063,6 +3108,59 @@ impl Core {
         Ok(self.replica_state(pg))
     }
 
+    /// Starts [`OsdRequest::ListObjects`]: proposes a map floor entry at this OSD's map,
+    /// which answers the listing when it applies (`apply`).
+    fn list_objects(
+        &mut self,
+        pg: PgId,
+        listing: (basalt_common::ImageId, u64),
+        since: Epoch,
+        reply_to: oneshot::Sender<Message>,
+    ) {
+        let refused = if !self.raft.is_leader(pg) {
+            let leader = self
+                .raft
+                .leader(pg)
+                .map_or("none known".to_string(), |leader| leader.to_string());
+            Some(format!(
+                "{} does not lead pg {pg} (its leader: {leader})",
+                self.id
+            ))
+        } else if self.map.epoch < since.max(self.map_floor(pg)) {
+            Some(format!(
+                "{} has map epoch {}, older than {}: ask again",
+                self.id,
+                self.map.epoch.0,
+                since.max(self.map_floor(pg)).0
+            ))
+        } else {
+            None
+        };
+        if let Some(refused) = refused {
+            let _ = reply_to.send(control_reply::<ObjectList>(Err(refused)));
+            return;
+        }
+        // Not checked for room: a removal is how a full cluster gets room back, and the
+        // entry is a few bytes (as a discard is).
+        let term = self.raft.term(pg).unwrap_or(0);
+        if let Err(error) = self.propose_floor_entry(pg, term) {
+            let _ = reply_to.send(control_reply::<ObjectList>(Err(error.to_string())));
+            return;
+        }
+        let index = self.raft.last_index(pg).unwrap_or(0);
+        self.proposals.insert(
+            (pg, index),
+            Proposal {
+                term,
+                log_bytes: 0,
+                arrived: std::time::Instant::now(),
+                reply: reply_to,
+                write_bytes: 0,
+                listing: Some(listing),
+            },
+        );
+    }
+
     /// Proposes a scrub marker in `pg`: not into the log of a full replica (it could not
     /// persist it).
     fn propose_marker(&mut self, pg: PgId) -> Result<(), String> {
@@ -3231,7 +3329,22 @@ impl Core {
                 reference.is_some() || op.as_ref().is_some_and(|op| op.kind() == kind::WRITE);
             if let Some(proposal) = self.proposals.remove(&(pg, entry.index)) {
                 self.pending_bytes = self.pending_bytes.saturating_sub(proposal.log_bytes);
-                let answer = if proposal.term == entry.term {
+                let answer = if let Some((image, from)) = proposal.listing {
+                    control_reply(if proposal.term == entry.term {
+                        let objects = self.objects.get(&pg);
+                        let numbers = objects.map_or_else(Vec::new, |objects| {
+                            objects.numbers(image, from, OBJECTS_LISTED_MAX + 1)
+                        });
+                        let complete = numbers.len() <= OBJECTS_LISTED_MAX;
+                        let numbers = numbers.into_iter().take(OBJECTS_LISTED_MAX).collect();
+                        Ok(ObjectList { numbers, complete })
+                    } else {
+                        Err(format!(
+                            "{} lost the lead of pg {pg} before the listing's entry committed",
+                            self.id
+                        ))
+                    })
+                } else if proposal.term == entry.term {
                     if is_write {
                         self.counters.writes.fetch_add(1, Ordering::Relaxed);
                         self.counters
@@ -3411,7 +3524,14 @@ impl Core {
                 if let Some(proposal) = self.proposals.remove(&key) {
                     self.pending_bytes = self.pending_bytes.saturating_sub(proposal.log_bytes);
                     let leader = raft.leader(key.0).filter(|leader| *leader != self.id);
-                    let _ = proposal.reply.send(reply(Status::NotLeader { leader }));
+                    let answer = match proposal.listing {
+                        Some(_) => control_reply::<ObjectList>(Err(format!(
+                            "{} no longer leads pg {}",
+                            self.id, key.0
+                        ))),
+                        None => reply(Status::NotLeader { leader }),
+                    };
+                    let _ = proposal.reply.send(answer);
                 }
             }
         }
@@ -3825,8 +3945,13 @@ async fn fetch_chunk(
 
 /// An answer to an [`OsdRequest`], as the control frame that carries it.
 fn control_answer(result: Result<PgReplicaState, String>) -> Message {
+    control_reply(result)
+}
+
+/// Any answer to an [`OsdRequest`], as [`ask_osd`] reads it.
+fn control_reply<T: serde::Serialize>(result: Result<T, String>) -> Message {
     Message::Control {
-        body: serde_json::to_vec(&result).expect("states encode"),
+        body: serde_json::to_vec(&result).expect("answers encode"),
     }
 }
 
@@ -3837,6 +3962,15 @@ pub async fn query_replica(
     request: &OsdRequest,
     answer_within: Duration,
 ) -> Result<PgReplicaState, String> {
+    ask_osd(address, request, answer_within).await
+}
+
+/// Asks the OSD at `address` (`request`) for an answer of type `T`; as [`query_replica`].
+pub async fn ask_osd<T: serde::de::DeserializeOwned>(
+    address: SocketAddr,
+    request: &OsdRequest,
+    answer_within: Duration,
+) -> Result<T, String> {
     let request = Message::Control {
         body: serde_json::to_vec(request).expect("requests encode"),
     };

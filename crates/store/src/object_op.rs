@@ -417,6 +417,23 @@ impl PgObjects {
         keys
     }
 
+    /// The numbers of `image`'s objects with any byte mapped, from object `from` on, in
+    /// order: at most `max` of them.
+    pub fn numbers(&self, image: ImageId, from: u64, max: usize) -> Vec<u64> {
+        let mut numbers: Vec<u64> = self
+            .objects
+            .keys()
+            .filter(|key| key.image == image && key.number >= from)
+            .map(|key| key.number)
+            .collect();
+        if numbers.len() > max {
+            numbers.select_nth_unstable(max);
+            numbers.truncate(max);
+        }
+        numbers.sort_unstable();
+        numbers
+    }
+
     /// The extents of an object, in order: (offset, length, device offset).
     pub fn extents(&self, object: ObjectKey) -> Vec<(u64, u64, u64)> {
         self.objects
@@ -726,6 +743,43 @@ mod tests {
             }]
         );
         assert_eq!(objects.object_count(), 0);
+    }
+
+    /// An image's objects are listed while any byte of them is mapped, those of other
+    /// images never, in order from the one asked for, at most as many as asked.
+    #[test]
+    fn an_images_objects_are_listed_while_they_hold_data() {
+        let mut objects = PgObjects::new();
+        let other = ObjectKey {
+            image: ImageId(8),
+            number: 5,
+        };
+        for object in [key(9), key(2), key(5), other] {
+            let data = vec![1; 4096];
+            let write = ObjectOp::Write {
+                object,
+                offset_bytes: 0,
+                data,
+            };
+            objects.apply(&write, 1 << 20);
+        }
+        assert_eq!(objects.numbers(ImageId(7), 0, 10), vec![2, 5, 9]);
+        assert_eq!(objects.numbers(ImageId(7), 3, 10), vec![5, 9]);
+        assert_eq!(objects.numbers(ImageId(7), 0, 2), vec![2, 5]);
+        let discard = |len_bytes| ObjectOp::Discard {
+            object: key(5),
+            offset_bytes: 0,
+            len_bytes,
+        };
+        objects.apply(&discard(1024), 0);
+        assert_eq!(
+            objects.numbers(ImageId(7), 3, 10),
+            vec![5, 9],
+            "partly mapped"
+        );
+        objects.apply(&discard(4096), 0);
+        assert_eq!(objects.numbers(ImageId(7), 3, 10), vec![9], "emptied");
+        assert_eq!(objects.numbers(ImageId(8), 0, 10), vec![5]);
     }
 
     /// A range reads the blocks its mapped pieces lie in, and no other: not those of the
