@@ -913,6 +913,22 @@ fn health(
             named.join(", ")
         ));
     }
+    // Ceph's MON_DOWN. An older leader tells no quorum: nothing to say then.
+    let out_of_quorum: Vec<&str> = status
+        .monitors
+        .iter()
+        .filter(|monitor| !status.quorum.contains(monitor))
+        .map(String::as_str)
+        .collect();
+    if !status.quorum.is_empty() && !out_of_quorum.is_empty() {
+        warnings.push(format!(
+            "{}/{} monitors out of quorum: {} (quorum {})",
+            out_of_quorum.len(),
+            status.monitors.len(),
+            out_of_quorum.join(","),
+            status.quorum.join(",")
+        ));
+    }
     if map.osds.is_empty() {
         warnings.push("no osds".to_string());
     }
@@ -1090,6 +1106,7 @@ pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
                 "health": {"status": health_name, "checks": warnings},
                 "epoch": map.epoch.0,
                 "monitors": status.monitors,
+                "quorum": status.quorum,
                 "leader": status.leader,
                 "osds": {"total": map.osds.len(), "up": up, "in": is_in},
                 "pools": map.pools.len(),
@@ -1116,9 +1133,9 @@ pub fn run_status(cluster: ClusterArgs, json: bool) -> anyhow::Result<ExitCode> 
         println!();
         println!("  services:");
         println!(
-            "    mon: {} daemons: {}; leader {}",
+            "    mon: {} daemons, quorum {} (leader {})",
             status.monitors.len(),
-            status.monitors.join(","),
+            status.quorum.join(","),
             status.leader
         );
         println!("    osd: {} osds: {up} up, {is_in} in", map.osds.len());
@@ -2036,6 +2053,32 @@ mod tests {
         );
     }
 
+    /// Health names the monitors out of the leader's quorum (Ceph's MON_DOWN); nothing
+    /// when all are in, nor when the leader tells no quorum (an older version).
+    #[test]
+    fn health_names_monitors_out_of_quorum() {
+        let names = |list: &[&str]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let mut status = status_of(ClusterMap::new(), Vec::new());
+        status.monitors = names(&["a:1", "b:2", "c:3"]);
+        let monitor_warnings = |status: &basalt_mon::protocol::ClusterStatus| {
+            let (warnings, error) = health(status, &[]);
+            assert!(!error);
+            warnings
+                .into_iter()
+                .filter(|warning| warning.contains("monitors"))
+                .collect::<Vec<_>>()
+        };
+        status.quorum = names(&["a:1", "c:3"]);
+        assert_eq!(
+            monitor_warnings(&status),
+            vec!["1/3 monitors out of quorum: b:2 (quorum a:1,c:3)".to_string()]
+        );
+        status.quorum = names(&["a:1", "b:2", "c:3"]);
+        assert!(monitor_warnings(&status).is_empty());
+        status.quorum = Vec::new();
+        assert!(monitor_warnings(&status).is_empty());
+    }
+
     /// A cluster's status with this map and these reports, and no client load.
     fn status_of(
         map: ClusterMap,
@@ -2044,6 +2087,7 @@ mod tests {
         basalt_mon::protocol::ClusterStatus {
             map,
             monitors: Vec::new(),
+            quorum: Vec::new(),
             leader: String::new(),
             reports,
             ops_per_second: (0.0, 0.0),

@@ -995,6 +995,15 @@ fn three_monitors_survive_the_loss_of_their_leader() {
         Some(3),
         "{status:#}"
     );
+    let all_in_quorum = |cluster: &ClusterProcesses| {
+        let status = cluster.cli_json(&["status"]);
+        status["quorum"].as_array().map(Vec::len) == Some(3)
+    };
+    wait_for(
+        "all three monitors in quorum",
+        Duration::from_secs(10),
+        || all_in_quorum(&cluster),
+    );
     let leader = status["leader"].as_str().expect("a leader").to_string();
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     let write = verified_write("16M");
@@ -1029,6 +1038,23 @@ fn three_monitors_survive_the_loss_of_their_leader() {
         status["leader"],
         started.elapsed()
     );
+    // Health names the dead monitor (Ceph's MON_DOWN), and the quorum leaves it out.
+    wait_for(
+        "health to name the dead monitor",
+        Duration::from_secs(30),
+        || {
+            let status = cluster.cli_json(&["status"]);
+            let named = status["health"]["checks"].as_array().is_some_and(|checks| {
+                checks.iter().any(|check| {
+                    check.as_str().is_some_and(|check| {
+                        check.starts_with("1/3 monitors out of quorum: ") && check.contains(&leader)
+                    })
+                })
+            });
+            let quorum = status["quorum"].as_array().cloned().unwrap_or_default();
+            named && quorum.len() == 2 && !quorum.iter().any(|monitor| *monitor == leader.as_str())
+        },
+    );
     // Changes still commit, through whichever monitor the CLI reaches.
     cluster.cli_ok(&["image", "create", "rbd/second", "--size", "8MiB"]);
     assert_eq!(
@@ -1057,6 +1083,11 @@ fn three_monitors_survive_the_loss_of_their_leader() {
             serde_json::from_slice::<serde_json::Value>(&output.stdout)
                 .is_ok_and(|images| images.as_array().map(Vec::len) == Some(2))
         },
+    );
+    wait_for(
+        "the restarted monitor back in quorum",
+        Duration::from_secs(30),
+        || all_in_quorum(&cluster),
     );
 }
 

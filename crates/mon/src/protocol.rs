@@ -287,8 +287,12 @@ impl MonReply {
 pub struct ClusterStatus {
     /// The map.
     pub map: ClusterMap,
-    /// The monitors configured, by address (whether each is alive is not tracked yet).
+    /// The monitors configured, by address.
     pub monitors: Vec<String>,
+    /// Those the leader heard from lately, itself included: its quorum. Empty from a
+    /// monitor of an older version, which did not tell.
+    #[serde(default)]
+    pub quorum: Vec<String>,
     /// The monitor that answered, which leads.
     pub leader: String,
     /// Each up OSD's latest report.

@@ -40,6 +40,10 @@ const MON_GROUP: PgId = PgId {
 };
 /// A raft tick.
 const TICK: Duration = Duration::from_millis(100);
+/// A monitor the leader heard from within this long is in its quorum (`basalt status`):
+/// two election timeouts, while a follower answers the leader's heartbeats every two
+/// ticks.
+const QUORUM_HEARD_WITHIN: Duration = Duration::from_secs(2);
 /// The longest a subscriber may wait for a map in one request.
 const MAP_WAIT_MAX: Duration = Duration::from_secs(30);
 /// How often the leader checks liveness.
@@ -146,6 +150,8 @@ struct State {
     reports: BTreeMap<OsdId, Report>,
     /// Whether this monitor led at the last check (liveness restarts on a new leader).
     was_leader: bool,
+    /// When each other monitor (by rank) last sent this one a raft message.
+    heard: BTreeMap<usize, Instant>,
 }
 
 /// What the core task hears.
@@ -276,6 +282,13 @@ impl Monitor {
             if *pg == MON_GROUP
                 && let Some(message) = decode_message(message)
             {
+                // Raft numbers monitors from 1 (rank 0 is raft id 1).
+                if let Some(rank) = (message.from as usize)
+                    .checked_sub(1)
+                    .filter(|rank| *rank < self.peers.len())
+                {
+                    self.lock().heard.insert(rank, Instant::now());
+                }
                 let _ = self.events.send(Event::Raft(message));
             }
             return None;
@@ -455,9 +468,20 @@ impl Monitor {
                 report.checksum_errors.apply(report.report.clone(), now),
             ));
         }
+        let in_quorum = |rank: &usize| {
+            *rank == self.rank
+                || state
+                    .heard
+                    .get(rank)
+                    .is_some_and(|at| now.saturating_duration_since(*at) <= QUORUM_HEARD_WITHIN)
+        };
         ClusterStatus {
             map: state.map.clone(),
             monitors: self.peers.iter().map(ToString::to_string).collect(),
+            quorum: (0..self.peers.len())
+                .filter(in_quorum)
+                .map(|rank| self.peers[rank].to_string())
+                .collect(),
             leader: self.peers[self.rank].to_string(),
             reports,
             ops_per_second: ops,
@@ -763,6 +787,7 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
             liveness: Liveness::new(config.grace, config.down_out_interval),
             reports: BTreeMap::new(),
             was_leader: false,
+            heard: BTreeMap::new(),
         }),
         maps,
         events,
