@@ -130,6 +130,9 @@ pub enum ImageCommand {
         /// The new size.
         #[arg(long)]
         size: ByteSize,
+        /// Allow a smaller size: the data past it is discarded, for good.
+        #[arg(long)]
+        allow_shrink: bool,
     },
     /// Remove an image.
     Rm {
@@ -609,7 +612,11 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     println!("  objects:     {}", value["objects"]);
                 }
             }
-            ImageCommand::Resize { spec, size } => {
+            ImageCommand::Resize {
+                spec,
+                size,
+                allow_shrink,
+            } => {
                 let (pool, name) = split_spec(&spec)?;
                 let map = mon.map().await?;
                 // What an earlier shrink left to discard goes first (the image may not
@@ -621,6 +628,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     pool: pool.clone(),
                     name: name.clone(),
                     size_bytes: size.0,
+                    grow_only: !allow_shrink,
                 };
                 let epoch = apply(&mon, resize).await?;
                 // Shrunk: the part cut off is discarded now that no write reaches it.

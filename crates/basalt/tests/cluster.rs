@@ -289,6 +289,16 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
     );
     refused(&["image", "rm", "p/nothing"], "does not exist");
     refused(&["image", "resize", "p/img", "--size", "1000"], "size");
+    // A shrink discards data for good: only when asked for in so many words.
+    refused(
+        &["image", "resize", "p/img", "--size", "1GiB"],
+        "a resize to 1GiB would discard the data past it, for good (`basalt image resize \
+         --allow-shrink` does)",
+    );
+    assert_eq!(
+        cluster.cli_json(&["image", "info", "p/img"])["size_bytes"],
+        2u64 << 30
+    );
     cluster.cli_ok(&["image", "rm", "p/img"]);
     cluster.cli_ok(&["pool", "rm", "p"]);
     assert_eq!(cluster.cli_json(&["pool", "ls"]), json!([]));
@@ -1332,7 +1342,15 @@ fn shrinking_or_removing_an_image_frees_its_space() {
     wait_for("three copies of 32 MiB", Duration::from_secs(30), || {
         used() >= 3 * 32 * MIB
     });
-    let shrunk = cluster.cli_ok(&["image", "resize", "rbd/vol", "--size", "8MiB"]);
+    let shrink = [
+        "image",
+        "resize",
+        "rbd/vol",
+        "--size",
+        "8MiB",
+        "--allow-shrink",
+    ];
+    let shrunk = cluster.cli_ok(&shrink);
     assert!(
         shrunk.contains("24MiB of data cut off discarded"),
         "{shrunk}"
@@ -1416,7 +1434,14 @@ fn an_interrupted_removal_or_shrink_is_finished_by_running_it_again() {
     });
     interrupted(
         &cluster,
-        &["image", "resize", "rbd/vol", "--size", "4MiB"],
+        &[
+            "image",
+            "resize",
+            "rbd/vol",
+            "--size",
+            "4MiB",
+            "--allow-shrink",
+        ],
         &|| cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 4 * MIB,
     );
     cluster.wait_clean(Duration::from_secs(60));
@@ -1536,7 +1561,14 @@ fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_
     // The shrink changes the map; its command is killed before it discards anything.
     interrupted(
         &cluster,
-        &["image", "resize", "rbd/vol", "--size", "8MiB"],
+        &[
+            "image",
+            "resize",
+            "rbd/vol",
+            "--size",
+            "8MiB",
+            "--allow-shrink",
+        ],
         &|| cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 8 * MIB,
     );
     let cut = block_on(fetch_map(&cluster));

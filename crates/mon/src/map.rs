@@ -257,6 +257,11 @@ pub enum Command {
         name: String,
         /// New size.
         size_bytes: u64,
+        /// Refuse a smaller size ([`MapError::Shrink`]): `basalt image resize` without
+        /// `--allow-shrink`. False in commands from before it existed (a journal
+        /// replayed), which apply as they did then.
+        #[serde(default)]
+        grow_only: bool,
     },
     /// Remove an image: it moves to [`ClusterMap::removing`] until its data is discarded.
     ImageRemove {
@@ -304,6 +309,19 @@ pub enum MapError {
         pool: String,
         /// Image name.
         name: String,
+    },
+    /// A resize that would shrink the image, not allowed.
+    #[error(
+        "image {image} is {size}: a resize to {asked} would discard the data past it, for \
+         good (`basalt image resize --allow-shrink` does)"
+    )]
+    Shrink {
+        /// POOL/NAME.
+        image: String,
+        /// Its size.
+        size: basalt_common::ByteSize,
+        /// The size asked for.
+        asked: basalt_common::ByteSize,
     },
     /// The image of that name is another than the command saw.
     #[error("image {image} is another image now (id {now}, not {seen}): look again")]
@@ -488,7 +506,8 @@ impl ClusterMap {
                 pool,
                 name,
                 size_bytes,
-            } => self.image_resize(pool, name, *size_bytes, next)?,
+                grow_only,
+            } => self.image_resize(pool, name, (*size_bytes, *grow_only), next)?,
             Command::ImageRemove {
                 pool,
                 name,
@@ -750,7 +769,7 @@ impl ClusterMap {
         &mut self,
         pool: &str,
         name: &str,
-        size_bytes: u64,
+        (size_bytes, grow_only): (u64, bool),
         epoch: Epoch,
     ) -> Result<bool, MapError> {
         check_size(size_bytes)?;
@@ -759,6 +778,13 @@ impl ClusterMap {
             .map(|image| image.id)
             .ok_or_else(|| unknown_image(pool, name))?;
         let image = self.images.get_mut(&id).expect("found above");
+        if grow_only && size_bytes < image.size_bytes {
+            return Err(MapError::Shrink {
+                image: format!("{pool}/{name}"),
+                size: basalt_common::ByteSize(image.size_bytes),
+                asked: basalt_common::ByteSize(size_bytes),
+            });
+        }
         if size_bytes > image.size_bytes && image.discard_to > image.size_bytes {
             // Growing would bring back what the shrink cut off.
             return Err(MapError::Discarding {
@@ -1107,6 +1133,7 @@ mod tests {
                     pool: "rbd".into(),
                     name: "vm2".into(),
                     size_bytes: 4096,
+                    grow_only: false,
                 },
                 "rbd/vm2 does not exist",
             ),
@@ -1123,7 +1150,8 @@ mod tests {
             map.apply(&Command::ImageResize {
                 pool: "rbd".into(),
                 name: "vm1".into(),
-                size_bytes: 20 << 30
+                size_bytes: 20 << 30,
+                grow_only: false,
             }),
             Ok(true)
         );
@@ -1150,6 +1178,43 @@ mod tests {
         );
     }
 
+    /// A resize that only may grow refuses a smaller size and leaves the map as it was;
+    /// the same size and a larger one go through, and so does a shrink allowed (as every
+    /// resize from before the choice existed).
+    #[test]
+    fn a_shrink_needs_to_be_allowed() {
+        const MIB: u64 = 1 << 20;
+        let mut map = three_hosts();
+        map.apply(&Command::ImageCreate {
+            pool: "rbd".into(),
+            name: "vm".into(),
+            size_bytes: 10 * MIB,
+            object_size_bytes: None,
+        })
+        .expect("create");
+        let resize = |size_bytes, grow_only| Command::ImageResize {
+            pool: "rbd".into(),
+            name: "vm".into(),
+            size_bytes,
+            grow_only,
+        };
+        let before = map.clone();
+        let error = map.apply(&resize(8 * MIB, true)).expect_err("a shrink");
+        assert_eq!(
+            error.to_string(),
+            "image rbd/vm is 10MiB: a resize to 8MiB would discard the data past it, for good \
+             (`basalt image resize --allow-shrink` does)"
+        );
+        assert_eq!(map, before);
+        assert_eq!(map.apply(&resize(10 * MIB, true)), Ok(false));
+        assert_eq!(map.apply(&resize(12 * MIB, true)), Ok(true));
+        assert_eq!(map.apply(&resize(8 * MIB, false)), Ok(true));
+        // A command in a journal from before has no choice recorded: it shrinks.
+        let legacy = r#"{"ImageResize":{"pool":"rbd","name":"vm","size_bytes":4194304}}"#;
+        let legacy: Command = serde_json::from_str(legacy).expect("decodes");
+        assert_eq!(legacy, resize(4 * MIB, false));
+    }
+
     /// What a shrink cuts off and a removed image stay in the map, for discards only,
     /// until `ImageDiscarded` covers them, for that cut; an image may not grow over what
     /// is left.
@@ -1162,6 +1227,7 @@ mod tests {
             pool: pool.clone(),
             name: name.clone(),
             size_bytes,
+            grow_only: false,
         };
         map.apply(&Command::ImageCreate {
             pool: pool.clone(),
