@@ -119,6 +119,11 @@ pub async fn serve(
     let poll = connection.target.poll();
     let result = loop {
         connection.process_input();
+        // Ending (the host closed or ended the connection, its controller was torn down):
+        // the commands under way are given up at once, never polled again (see the end).
+        if connection.terminating || connection.is_closed() {
+            connection.in_flight.clear();
+        }
         if connection.is_finished() {
             break Ok(());
         }
@@ -148,6 +153,12 @@ pub async fn serve(
         let closed = &mut connection.closed;
         tokio::select! {
             biased;
+            // First: a command that could complete once the controller is torn down must
+            // not (a host that reconnected may be writing the same blocks again).
+            _ = wait_closed(closed), if reading => {
+                connection.stop_reading();
+                connection.terminating = true;
+            }
             responses = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
                 connection.respond_all(responses);
             }
@@ -164,19 +175,17 @@ pub async fn serve(
             read = reader.read_buf(&mut connection.input), if can_read => {
                 connection.on_read(read);
             }
-            _ = wait_closed(closed), if reading => {
-                connection.stop_reading();
-                connection.terminating = true;
-            }
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                 connection.check_deadlines(connect_deadline);
             }
         }
     };
+    connection.in_flight.clear();
     if let Some(queue) = connection.queue.take() {
         connection.target.disconnect(&queue);
     }
-    // Commands still under way are given up, as the host has given them up: it sends them
+    // Commands still under way were given up (just above, before the queue is seen gone),
+    // as the host has given them up: it sends them
     // again on its next connection, and may send later commands for the same blocks
     // there. One kept going here (an image bdev's write retrying while its PG has no
     // leader) could land after those. What a command already handed on does not land
@@ -185,7 +194,6 @@ pub async fn serve(
     // an image's client sends nothing more for a request dropped (what it sent before
     // comes before later requests in its PG's raft log, the leader's term in each request
     // keeping an old one held in a socket from going in after a newer leader's).
-    connection.in_flight.clear();
     let _ = writer.shutdown().await;
     result
 }
@@ -248,7 +256,7 @@ impl Connection {
                     return true;
                 }
             }
-            if !self.in_flight.is_empty() {
+            if !self.in_flight.is_empty() && !self.is_closed() {
                 let responses =
                     poll_fn(|cx| Poll::Ready(poll_ready(&mut self.in_flight, cx))).await;
                 if let Poll::Ready(responses) = responses {
