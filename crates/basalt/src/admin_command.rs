@@ -134,10 +134,13 @@ pub enum ImageCommand {
         #[arg(long)]
         allow_shrink: bool,
     },
-    /// Remove an image.
+    /// Remove an image: refused while a target's bdev uses it, unless forced.
     Rm {
         /// POOL/NAME.
         spec: String,
+        /// Remove it even while in use (its users' writes fail from then on).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -379,6 +382,24 @@ fn steps_of(ranges: &[Range<u64>], step: u64) -> Vec<Vec<Range<u64>>> {
         calls.push(call);
     }
     calls
+}
+
+/// Fails if image `id` (`spec`) has watchers: a target's bdev uses it. Monitors of an
+/// older version, which do not know, get a note and no refusal.
+async fn refuse_if_watched(mon: &MonClient, spec: &str, id: ImageId) -> anyhow::Result<()> {
+    use basalt_mon::protocol::{MonReply, MonRequest};
+    match mon.request(&MonRequest::Watchers { image: id }).await? {
+        MonReply::Watchers(watchers) if watchers.is_empty() => Ok(()),
+        MonReply::Watchers(watchers) => anyhow::bail!(
+            "image {spec} is in use by {} (remove it from there first, or pass --force to \
+             remove it all the same: their writes fail from then on)",
+            watchers.join(", ")
+        ),
+        other => {
+            eprintln!("note: the monitors do not say whether image {spec} is in use: {other:?}");
+            Ok(())
+        }
+    }
 }
 
 /// The parts of `kept`, bytes of image `id` kept for discards alone in `map` since the
@@ -645,7 +666,7 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     );
                 }
             }
-            ImageCommand::Rm { spec } => {
+            ImageCommand::Rm { spec, force } => {
                 let (pool, name) = split_spec(&spec)?;
                 // Removals of this name not finished (their discards interrupted).
                 let removing = |map: &ClusterMap| -> Vec<ImageId> {
@@ -678,11 +699,17 @@ pub fn run_image(cluster: ClusterArgs, command: ImageCommand) -> anyhow::Result<
                     }
                     return Ok(ExitCode::SUCCESS);
                 }
+                let seen = map.image_by_name(&pool, &name).map(|image| image.id);
+                if let Some(id) = seen
+                    && !force
+                {
+                    refuse_if_watched(&mon, &spec, id).await?;
+                }
                 // The image seen, not another given the name since.
                 let remove = Command::ImageRemove {
                     pool: pool.clone(),
                     name: name.clone(),
-                    id: map.image_by_name(&pool, &name).map(|image| image.id),
+                    id: seen,
                 };
                 let epoch = apply(&mon, remove).await?;
                 println!("image {spec} removed (map epoch {epoch}); discarding its data");

@@ -1342,15 +1342,7 @@ fn shrinking_or_removing_an_image_frees_its_space() {
     wait_for("three copies of 32 MiB", Duration::from_secs(30), || {
         used() >= 3 * 32 * MIB
     });
-    let shrink = [
-        "image",
-        "resize",
-        "rbd/vol",
-        "--size",
-        "8MiB",
-        "--allow-shrink",
-    ];
-    let shrunk = cluster.cli_ok(&shrink);
+    let shrunk = cluster.cli_ok(&SHRINK_VOL_TO_8MIB);
     assert!(
         shrunk.contains("24MiB of data cut off discarded"),
         "{shrunk}"
@@ -1389,7 +1381,41 @@ fn shrinking_or_removing_an_image_frees_its_space() {
         removed.contains("its data is discarded (4MiB discarded)"),
         "{removed}"
     );
+
+    // An image a target's bdev uses is not removed unless forced; once the bdev is gone,
+    // it is.
+    let in_use = |image: &str, bdev: &str| {
+        let output = cluster.cli(&["image", "rm", image]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "removed in use");
+        let said = format!("image {image} is in use by bdev {bdev} of pid");
+        assert!(stderr.contains(&said), "{stderr}");
+    };
+    in_use("rbd/vol", "img");
+    cluster.cli_ok(&["image", "create", "rbd/forced", "--size", "8MiB"]);
+    let mons = cluster.mon_addresses();
+    let forced = json!({"name": "forced", "pool": "rbd", "image": "forced", "mons": mons});
+    target.rpc_ok("bdev_basalt_create", forced);
+    in_use("rbd/forced", "forced");
+    cluster.cli_ok(&["image", "rm", "rbd/forced", "--force"]);
+    target.rpc_ok("nbd_server_remove_export", json!({"name": "img"}));
+    target.rpc_ok("bdev_basalt_delete", json!({"name": "img"}));
+    wait_for(
+        "the image removed once its bdev is gone",
+        Duration::from_secs(20),
+        || cluster.cli(&["image", "rm", "rbd/vol"]).status.success(),
+    );
 }
+
+/// Shrinks image rbd/vol to 8 MiB.
+const SHRINK_VOL_TO_8MIB: [&str; 6] = [
+    "image",
+    "resize",
+    "rbd/vol",
+    "--size",
+    "8MiB",
+    "--allow-shrink",
+];
 
 /// Writes the first `mib` MiB of `image` with `basalt bench`, 1 MiB at a time.
 fn bench_write_mib(cluster: &ClusterProcesses, image: &str, mib: u64) {
@@ -1559,18 +1585,9 @@ fn a_leader_with_a_map_older_than_its_pgs_log_takes_no_request_until_it_catches_
     };
 
     // The shrink changes the map; its command is killed before it discards anything.
-    interrupted(
-        &cluster,
-        &[
-            "image",
-            "resize",
-            "rbd/vol",
-            "--size",
-            "8MiB",
-            "--allow-shrink",
-        ],
-        &|| cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 8 * MIB,
-    );
+    interrupted(&cluster, &SHRINK_VOL_TO_8MIB, &|| {
+        cluster.cli_json(&["image", "info", "rbd/vol"])["size_bytes"] == 8 * MIB
+    });
     let cut = block_on(fetch_map(&cluster));
     let image = cut.images.values().next().expect("the image").clone();
     let object = basalt_common::ObjectKey {

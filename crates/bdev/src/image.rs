@@ -11,6 +11,13 @@ use basalt_io::DmaBuf;
 
 use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, GrowingInfo, libc_errno};
 
+/// This host's name, for people (`?` if unknown).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .unwrap_or_else(|_| "?".to_string())
+}
+
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
 
@@ -24,6 +31,19 @@ struct Shared {
     info: GrowingInfo,
     /// Holds the cluster connection alive as well.
     image: Image,
+    /// Who this bdev is to the monitors, as a watcher of the image.
+    watcher: String,
+}
+
+impl Drop for Shared {
+    /// The bdev is gone: the image has one watcher less (if a runtime is at hand to say
+    /// so; else the monitors forget it after `WATCH_TTL`).
+    fn drop(&mut self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let unwatch = self.image.watch(std::mem::take(&mut self.watcher), false);
+            runtime.spawn(unwatch);
+        }
+    }
 }
 
 impl Shared {
@@ -43,11 +63,38 @@ impl ImageBdev {
     /// A bdev of `info` over `image`; within a tokio runtime, it follows the image's size
     /// from then on.
     pub fn new(info: BdevInfo, image: Image) -> Self {
+        let watcher = format!(
+            "bdev {} of pid {} on {}",
+            info.name,
+            std::process::id(),
+            hostname()
+        );
         let shared = Arc::new(Shared {
             info: GrowingInfo::new(info),
             image,
+            watcher,
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            // The image is in use while the bdev lives: the monitors hear so every
+            // WATCH_RENEW.
+            let bdev = Arc::downgrade(&shared);
+            runtime.spawn(async move {
+                let every = basalt_client::WATCH_RENEW;
+                let mut renew =
+                    tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    renew.tick().await;
+                    let Some(shared) = bdev.upgrade() else {
+                        return;
+                    };
+                    let watch = shared.image.watch(shared.watcher.clone(), true);
+                    drop(shared);
+                    if let Err(error) = watch.await {
+                        tracing::debug!(%error, "the image's watch was not renewed");
+                    }
+                }
+            });
             let mut changes = shared.image.map_changes();
             let bdev = Arc::downgrade(&shared);
             runtime.spawn(async move {
@@ -75,6 +122,15 @@ impl ImageBdev {
             });
         }
         Self { shared }
+    }
+
+    /// Tells the monitors now that this bdev uses its image (`new` has it renewed from
+    /// then on); a refusal is logged, not fatal (monitors of an older version).
+    pub async fn watch(&self) {
+        let shared = &self.shared;
+        if let Err(error) = shared.image.watch(shared.watcher.clone(), true).await {
+            tracing::warn!(%error, image = shared.image.name(), "the monitors were not told the image is in use");
+        }
     }
 }
 

@@ -130,6 +130,8 @@ async fn image_create(
     params.uuid = Some(uuid);
     let construct = ConfigCall::new("bdev_basalt_create", &params);
     let bdev = crate::image::ImageBdev::new(info, image);
+    // In use from the moment this answers: `basalt image rm` then refuses.
+    bdev.watch().await;
     registry.insert(Box::new(bdev), BdevKind::Image, construct)?;
     Ok(json!(params.name))
 }

@@ -19,6 +19,10 @@ use std::time::Duration;
 use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 use basalt_mon::map::ClusterMap;
 use basalt_mon::{MonClient, MonClientError};
+
+/// How often an image's watcher renews its watch ([`Image::watch`]), and how long the
+/// monitors remember one not renewed.
+pub use basalt_mon::protocol::{WATCH_RENEW, WATCH_TTL};
 use basalt_wire::message::RangeOp;
 use basalt_wire::tcp::Client;
 use basalt_wire::{Message, Status};
@@ -455,6 +459,30 @@ impl Image {
     /// the cluster connection is gone.
     pub fn map_changes(&self) -> watch::Receiver<Arc<ClusterMap>> {
         self.cluster.map.clone()
+    }
+
+    /// Tells the monitors that `watcher` uses this image (`present`), or no longer does
+    /// (`basalt image rm` refuses while an image has watchers); the future holds what it
+    /// needs, so that it may outlive the image.
+    pub fn watch(
+        &self,
+        watcher: String,
+        present: bool,
+    ) -> impl std::future::Future<Output = Result<(), ClientError>> + Send + 'static {
+        let (cluster, image) = (self.cluster.clone(), self.id);
+        async move {
+            let request = basalt_mon::protocol::MonRequest::Watch {
+                image,
+                watcher,
+                present,
+            };
+            match cluster.mon.request(&request).await? {
+                basalt_mon::protocol::MonReply::Ok => Ok(()),
+                other => Err(ClientError::Io(format!(
+                    "the monitors answered a watch with {other:?}"
+                ))),
+            }
+        }
     }
 
     /// Its size now (it follows resizes).

@@ -4,7 +4,9 @@
 //! control plane is small and rare next to the data path, and JSON keeps it readable in a
 //! packet capture and easy to extend.
 
-use basalt_common::{Epoch, OsdId, PgId};
+use std::time::Duration;
+
+use basalt_common::{Epoch, ImageId, OsdId, PgId};
 use basalt_wire::Message;
 use serde::{Deserialize, Serialize};
 
@@ -234,7 +236,30 @@ pub enum MonRequest {
     Command(Command),
     /// The cluster's state for `basalt status`.
     Status,
+    /// A client uses an image (a target's image bdev): it says so every [`WATCH_RENEW`],
+    /// and with `present` false when it stops. `basalt image rm` refuses to remove an
+    /// image with watchers.
+    Watch {
+        /// The image.
+        image: ImageId,
+        /// Who watches, for people: `bdev img of pid 123 on host1`.
+        watcher: String,
+        /// Whether it watches (false: it stopped).
+        present: bool,
+    },
+    /// The image's watchers, heard from within [`WATCH_TTL`] ([`MonReply::Watchers`]).
+    Watchers {
+        /// The image.
+        image: ImageId,
+    },
 }
+
+/// How often a watcher of an image says so ([`MonRequest::Watch`]).
+pub const WATCH_RENEW: Duration = Duration::from_secs(2);
+/// A watcher not heard from for this long is gone; a monitor that leads for less than
+/// this answers [`MonRequest::Watchers`] only once it has led this long (every watcher has
+/// told it by then).
+pub const WATCH_TTL: Duration = Duration::from_secs(6);
 
 /// A monitor's answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -259,6 +284,8 @@ pub enum MonReply {
     },
     /// The cluster's state.
     Status(ClusterStatus),
+    /// An image's watchers ([`MonRequest::Watchers`]).
+    Watchers(Vec<String>),
     /// Refused, with the reason.
     Error(String),
     /// The monitors cannot take the request now (no leader yet, the leader unreachable, a

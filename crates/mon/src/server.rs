@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use basalt_common::{Epoch, OsdId, PgId, PoolId};
+use basalt_common::{Epoch, ImageId, OsdId, PgId, PoolId};
 use basalt_replication::{
     Action, MultiRaft, RaftMessage, Restored, decode_message, encode_message,
 };
@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::journal::Journal;
 use crate::liveness::{Liveness, Verdict};
 use crate::map::{ClusterMap, Command};
-use crate::protocol::{ClusterStatus, MonReply, MonRequest, OsdReport, decode};
+use crate::protocol::{ClusterStatus, MonReply, MonRequest, OsdReport, WATCH_TTL, decode};
 
 /// The journal's file in the data directory.
 pub const JOURNAL_FILE: &str = "mon.journal";
@@ -152,6 +152,10 @@ struct State {
     was_leader: bool,
     /// When each other monitor (by rank) last sent this one a raft message.
     heard: BTreeMap<usize, Instant>,
+    /// Since when this monitor leads, as the last check saw.
+    leading_since: Option<Instant>,
+    /// Each image's watchers ([`MonRequest::Watch`]), by who, when last heard from.
+    watchers: BTreeMap<ImageId, BTreeMap<String, Instant>>,
 }
 
 /// What the core task hears.
@@ -380,6 +384,24 @@ impl Monitor {
             MonRequest::Heartbeat { osd, report } => self.heartbeat(osd, report).await,
             MonRequest::Command(command) => self.propose(command).await,
             MonRequest::Status => MonReply::Status(self.status()),
+            MonRequest::Watch {
+                image,
+                watcher,
+                present,
+            } => {
+                let mut state = self.lock();
+                let watchers = state.watchers.entry(image).or_default();
+                if present {
+                    watchers.insert(watcher, Instant::now());
+                } else {
+                    watchers.remove(&watcher);
+                }
+                if watchers.is_empty() {
+                    state.watchers.remove(&image);
+                }
+                MonReply::Ok
+            }
+            MonRequest::Watchers { image } => self.watchers(image).await,
             MonRequest::GetMap { .. } => unreachable!("answered above"),
         };
         Some(reply.to_message())
@@ -445,6 +467,36 @@ impl Monitor {
         MonReply::Ok
     }
 
+    /// [`MonRequest::Watchers`]: once this monitor has led for [`WATCH_TTL`], so that every
+    /// watcher has told it of itself since it leads.
+    async fn watchers(&self, image: ImageId) -> MonReply {
+        let since = self.lock().leading_since;
+        let wait = since.map_or(WATCH_TTL, |since| WATCH_TTL.saturating_sub(since.elapsed()));
+        tokio::time::sleep(wait).await;
+        let state = self.lock();
+        // Led all along: since then (or, unknown when asked, since before the request).
+        let led_all_along = match (since, state.leading_since) {
+            (_, None) => false,
+            (Some(before), now) => now == Some(before),
+            (None, Some(_)) => true,
+        };
+        if !self.is_leader() || !led_all_along {
+            return MonReply::unavailable("the monitors' leader changed: ask again");
+        }
+        let now = Instant::now();
+        let watchers = state
+            .watchers
+            .get(&image)
+            .map_or_else(Vec::new, |watchers| {
+                watchers
+                    .iter()
+                    .filter(|(_, at)| now.saturating_duration_since(**at) <= WATCH_TTL)
+                    .map(|(watcher, _)| watcher.clone())
+                    .collect()
+            });
+        MonReply::Watchers(watchers)
+    }
+
     fn status(&self) -> ClusterStatus {
         let state = self.lock();
         let mut ops = (0.0, 0.0);
@@ -495,8 +547,11 @@ impl Monitor {
             let mut state = self.lock();
             let leads = self.is_leader();
             if leads && !state.was_leader {
-                // A new leader gives every up OSD a grace from now to report in.
+                // A new leader gives every up OSD a grace from now to report in, and
+                // image watchers a time to tell it of themselves.
                 let now = Instant::now();
+                state.leading_since = Some(now);
+                state.watchers.clear();
                 let up: Vec<OsdId> = state
                     .map
                     .osds
@@ -510,8 +565,14 @@ impl Monitor {
             }
             state.was_leader = leads;
             if !leads {
+                state.leading_since = None;
                 return;
             }
+            let now = Instant::now();
+            state.watchers.retain(|_, watchers| {
+                watchers.retain(|_, at| now.saturating_duration_since(*at) <= WATCH_TTL);
+                !watchers.is_empty()
+            });
             let mut verdicts = state.liveness.check(Instant::now());
             // An OSD removed from the map is no longer watched.
             verdicts.retain(|verdict| {
@@ -788,6 +849,8 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
             reports: BTreeMap::new(),
             was_leader: false,
             heard: BTreeMap::new(),
+            leading_since: None,
+            watchers: BTreeMap::new(),
         }),
         maps,
         events,
