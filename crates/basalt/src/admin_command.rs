@@ -387,8 +387,10 @@ fn steps_of(ranges: &[Range<u64>], step: u64) -> Vec<Vec<Range<u64>>> {
 /// Fails if image `id` (`spec`) has watchers: a target's bdev uses it. Monitors of an
 /// older version, which do not know, get a note and no refusal.
 async fn refuse_if_watched(mon: &MonClient, spec: &str, id: ImageId) -> anyhow::Result<()> {
-    use basalt_mon::protocol::{MonReply, MonRequest};
-    match mon.request(&MonRequest::Watchers { image: id }).await? {
+    use basalt_mon::protocol::{MonReply, MonRequest, WATCH_TTL};
+    // The monitors' leader may hold the answer for up to WATCH_TTL (a new one).
+    let ask = MonRequest::Watchers { image: id };
+    match mon.request_waiting(&ask, WATCH_TTL).await? {
         MonReply::Watchers(watchers) if watchers.is_empty() => Ok(()),
         MonReply::Watchers(watchers) => anyhow::bail!(
             "image {spec} is in use by {} (remove it from there first, or pass --force to \

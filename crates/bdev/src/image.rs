@@ -5,6 +5,7 @@
 //! write zeroes and discard both discard, since discarded ranges read as zeroes.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use basalt_client::{ClientError, Image};
 use basalt_io::DmaBuf;
@@ -63,11 +64,15 @@ impl ImageBdev {
     /// A bdev of `info` over `image`; within a tokio runtime, it follows the image's size
     /// from then on.
     pub fn new(info: BdevInfo, image: Image) -> Self {
+        // Unique to this bdev: one of the same name made later in this process is another
+        // watcher (its watch and this one's end do not mix).
+        static MADE: AtomicU64 = AtomicU64::new(0);
         let watcher = format!(
-            "bdev {} of pid {} on {}",
+            "bdev {} of pid {} on {} (#{})",
             info.name,
             std::process::id(),
-            hostname()
+            hostname(),
+            MADE.fetch_add(1, Ordering::Relaxed)
         );
         let shared = Arc::new(Shared {
             info: GrowingInfo::new(info),

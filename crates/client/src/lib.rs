@@ -19,15 +19,15 @@ use std::time::Duration;
 use basalt_common::{Epoch, ImageId, ObjectKey, OsdId, PgId, PoolId};
 use basalt_mon::map::ClusterMap;
 use basalt_mon::{MonClient, MonClientError};
-
-/// How often an image's watcher renews its watch ([`Image::watch`]), and how long the
-/// monitors remember one not renewed.
-pub use basalt_mon::protocol::{WATCH_RENEW, WATCH_TTL};
 use basalt_wire::message::RangeOp;
 use basalt_wire::tcp::Client;
 use basalt_wire::{Message, Status};
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+/// How often an image's watcher renews its watch ([`Image::watch`]), and how long the
+/// monitors remember one not renewed.
+pub use basalt_mon::protocol::{WATCH_RENEW, WATCH_TTL};
 
 /// The largest piece of a request sent to an OSD at once.
 pub const PIECE_BYTES_MAX: u64 = basalt_wire::message::OBJECT_REQUEST_BYTES_MAX;
@@ -478,9 +478,10 @@ impl Image {
             };
             match cluster.mon.request(&request).await? {
                 basalt_mon::protocol::MonReply::Ok => Ok(()),
-                other => Err(ClientError::Io(format!(
-                    "the monitors answered a watch with {other:?}"
-                ))),
+                basalt_mon::protocol::MonReply::Error(refused) => {
+                    Err(MonClientError::Refused(refused).into())
+                }
+                other => Err(MonClientError::Protocol(format!("{other:?}")).into()),
             }
         }
     }

@@ -260,6 +260,8 @@ pub const WATCH_RENEW: Duration = Duration::from_secs(2);
 /// this answers [`MonRequest::Watchers`] only once it has led this long (every watcher has
 /// told it by then).
 pub const WATCH_TTL: Duration = Duration::from_secs(6);
+// A watcher renews three times within the time it is remembered.
+const _: () = assert!(3 * WATCH_RENEW.as_secs() <= WATCH_TTL.as_secs());
 
 /// A monitor's answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

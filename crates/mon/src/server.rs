@@ -152,10 +152,12 @@ struct State {
     was_leader: bool,
     /// When each other monitor (by rank) last sent this one a raft message.
     heard: BTreeMap<usize, Instant>,
-    /// Since when this monitor leads, as the last check saw.
-    leading_since: Option<Instant>,
-    /// Each image's watchers ([`MonRequest::Watch`]), by who, when last heard from.
-    watchers: BTreeMap<ImageId, BTreeMap<String, Instant>>,
+    /// Since when this monitor leads, and in which raft term; `None` while it does not.
+    leading_since: Option<(Instant, u64)>,
+    /// Each image's watchers ([`MonRequest::Watch`]), by who: when last heard from, and
+    /// whether it watches (false: it said it stopped; kept for [`WATCH_TTL`], so that a
+    /// renewal sent before and arriving after counts for nothing).
+    watchers: BTreeMap<ImageId, BTreeMap<String, (Instant, bool)>>,
 }
 
 /// What the core task hears.
@@ -391,13 +393,11 @@ impl Monitor {
             } => {
                 let mut state = self.lock();
                 let watchers = state.watchers.entry(image).or_default();
-                if present {
-                    watchers.insert(watcher, Instant::now());
-                } else {
-                    watchers.remove(&watcher);
-                }
-                if watchers.is_empty() {
-                    state.watchers.remove(&image);
+                // Each request runs in a task of its own: a renewal sent before the
+                // watcher stopped may come after it said so.
+                let stopped = matches!(watchers.get(&watcher), Some((_, false)));
+                if !(present && stopped) {
+                    watchers.insert(watcher, (Instant::now(), present));
                 }
                 MonReply::Ok
             }
@@ -467,21 +467,17 @@ impl Monitor {
         MonReply::Ok
     }
 
-    /// [`MonRequest::Watchers`]: once this monitor has led for [`WATCH_TTL`], so that every
-    /// watcher has told it of itself since it leads.
+    /// [`MonRequest::Watchers`]: once this monitor has led for [`WATCH_TTL`] in one raft
+    /// term, so that every watcher has told it of itself since it leads ("ask again" if
+    /// its lead ended or began anew meanwhile).
     async fn watchers(&self, image: ImageId) -> MonReply {
         let since = self.lock().leading_since;
-        let wait = since.map_or(WATCH_TTL, |since| WATCH_TTL.saturating_sub(since.elapsed()));
-        tokio::time::sleep(wait).await;
+        let led =
+            |since: Option<(Instant, u64)>| since.map_or(Duration::ZERO, |(at, _)| at.elapsed());
+        tokio::time::sleep(WATCH_TTL.saturating_sub(led(since))).await;
         let state = self.lock();
-        // Led all along: since then (or, unknown when asked, since before the request).
-        let led_all_along = match (since, state.leading_since) {
-            (_, None) => false,
-            (Some(before), now) => now == Some(before),
-            (None, Some(_)) => true,
-        };
-        if !self.is_leader() || !led_all_along {
-            return MonReply::unavailable("the monitors' leader changed: ask again");
+        if !self.is_leader() || led(state.leading_since) < WATCH_TTL {
+            return MonReply::unavailable("the monitors' leader is new: ask again");
         }
         let now = Instant::now();
         let watchers = state
@@ -490,7 +486,9 @@ impl Monitor {
             .map_or_else(Vec::new, |watchers| {
                 watchers
                     .iter()
-                    .filter(|(_, at)| now.saturating_duration_since(**at) <= WATCH_TTL)
+                    .filter(|(_, (at, present))| {
+                        *present && now.saturating_duration_since(*at) <= WATCH_TTL
+                    })
                     .map(|(watcher, _)| watcher.clone())
                     .collect()
             });
@@ -547,11 +545,8 @@ impl Monitor {
             let mut state = self.lock();
             let leads = self.is_leader();
             if leads && !state.was_leader {
-                // A new leader gives every up OSD a grace from now to report in, and
-                // image watchers a time to tell it of themselves.
+                // A new leader gives every up OSD a grace from now to report in.
                 let now = Instant::now();
-                state.leading_since = Some(now);
-                state.watchers.clear();
                 let up: Vec<OsdId> = state
                     .map
                     .osds
@@ -565,12 +560,11 @@ impl Monitor {
             }
             state.was_leader = leads;
             if !leads {
-                state.leading_since = None;
                 return;
             }
             let now = Instant::now();
             state.watchers.retain(|_, watchers| {
-                watchers.retain(|_, at| now.saturating_duration_since(*at) <= WATCH_TTL);
+                watchers.retain(|_, (at, _)| now.saturating_duration_since(*at) <= WATCH_TTL);
                 !watchers.is_empty()
             });
             let mut verdicts = state.liveness.check(Instant::now());
@@ -748,6 +742,21 @@ impl Core {
             }
         }
         let leader = self.raft.leader(MON_GROUP).map(|osd| osd.0 as usize);
+        // A lead of its own begins (or begins anew, in a later term): image watchers have
+        // WATCH_TTL to tell this monitor of themselves.
+        let term = self.raft.term(MON_GROUP).unwrap_or(0);
+        let leads = leader == Some(self.monitor.rank);
+        {
+            let mut state = self.monitor.lock();
+            match state.leading_since {
+                Some((_, since_term)) if leads && since_term == term => {}
+                _ if leads => {
+                    state.leading_since = Some((Instant::now(), term));
+                    state.watchers.clear();
+                }
+                _ => state.leading_since = None,
+            }
+        }
         self.leader.send_if_modified(|current| {
             let changed = *current != leader;
             *current = leader;

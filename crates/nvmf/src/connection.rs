@@ -134,7 +134,6 @@ pub async fn serve(
         let has_output = connection.output_start < connection.output.len();
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
-        let reading = connection.reading;
         // Idle, or waiting for a lone command under way (an image bdev's reply from its
         // OSDs): look for the next command or the completion for a while before the reactor
         // sleeps, never past the next deadline. Not with several commands under way: they
@@ -150,16 +149,24 @@ pub async fn serve(
                 continue;
             }
         }
+        let terminating = connection.terminating;
+        // A command under way is not completed once the controller is torn down (a host
+        // that reconnected may be writing the same blocks again), even if the teardown
+        // comes from another thread while this task polls.
+        let closed_now = if has_in_flight {
+            connection.closed.clone()
+        } else {
+            None
+        };
         let closed = &mut connection.closed;
         tokio::select! {
             biased;
-            // First: a command that could complete once the controller is torn down must
-            // not (a host that reconnected may be writing the same blocks again).
-            _ = wait_closed(closed), if reading => {
-                connection.stop_reading();
-                connection.terminating = true;
-            }
-            responses = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
+            responses = poll_fn(|cx| {
+                if closed_now.as_ref().is_some_and(|closed| *closed.borrow()) {
+                    return Poll::Pending;
+                }
+                poll_ready(&mut connection.in_flight, cx)
+            }), if has_in_flight => {
                 connection.respond_all(responses);
             }
             written = writer.write(&connection.output[connection.output_start..]), if has_output => {
@@ -174,6 +181,12 @@ pub async fn serve(
             }
             read = reader.read_buf(&mut connection.input), if can_read => {
                 connection.on_read(read);
+            }
+            // Not only while reading: a queue the host disconnected may still have
+            // commands under way, to be dropped when the controller goes.
+            _ = wait_closed(closed), if !terminating => {
+                connection.stop_reading();
+                connection.terminating = true;
             }
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                 connection.check_deadlines(connect_deadline);
