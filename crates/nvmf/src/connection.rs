@@ -73,6 +73,8 @@ struct Connection {
     negotiated: Negotiated,
     queue: Option<BoundQueue>,
     closed: Option<watch::Receiver<bool>>,
+    /// The same, read (never waited on) while completions are polled.
+    closed_flag: Option<watch::Receiver<bool>>,
     input: Vec<u8>,
     input_start: usize,
     output: Vec<u8>,
@@ -104,6 +106,7 @@ pub async fn serve(
         negotiated: Negotiated::initial(Role::Controller),
         queue: None,
         closed: None,
+        closed_flag: None,
         input: Vec::with_capacity(READ_CHUNK_BYTES),
         input_start: 0,
         output: Vec::with_capacity(READ_CHUNK_BYTES),
@@ -150,19 +153,15 @@ pub async fn serve(
             }
         }
         let terminating = connection.terminating;
-        // A command under way is not completed once the controller is torn down (a host
-        // that reconnected may be writing the same blocks again), even if the teardown
-        // comes from another thread while this task polls.
-        let closed_now = if has_in_flight {
-            connection.closed.clone()
-        } else {
-            None
-        };
         let closed = &mut connection.closed;
+        let closed_flag = &connection.closed_flag;
         tokio::select! {
             biased;
+            // A command under way is not completed once the controller is torn down (a
+            // host that reconnected may be writing the same blocks again), even if the
+            // teardown comes from another thread while this task polls.
             responses = poll_fn(|cx| {
-                if closed_now.as_ref().is_some_and(|closed| *closed.borrow()) {
+                if closed_flag.as_ref().is_some_and(|closed| *closed.borrow()) {
                     return Poll::Pending;
                 }
                 poll_ready(&mut connection.in_flight, cx)
@@ -775,6 +774,7 @@ impl Connection {
             Ok(queue) => {
                 let controller_id = queue.controller.id;
                 self.closed = Some(queue.controller.closed());
+                self.closed_flag = self.closed.clone();
                 self.sq_head = 1 % queue.sq_size;
                 self.queue = Some(queue);
                 self.push_response(
