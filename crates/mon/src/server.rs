@@ -154,10 +154,49 @@ struct State {
     heard: BTreeMap<usize, Instant>,
     /// Since when this monitor leads, and in which raft term; `None` while it does not.
     leading_since: Option<(Instant, u64)>,
-    /// Each image's watchers ([`MonRequest::Watch`]), by who: when last heard from, and
-    /// whether it watches (false: it said it stopped; kept for [`WATCH_TTL`], so that a
-    /// renewal sent before and arriving after counts for nothing).
-    watchers: BTreeMap<ImageId, BTreeMap<String, (Instant, bool)>>,
+    /// Each image's watchers ([`MonRequest::Watch`]).
+    watchers: ImageWatchers,
+}
+
+/// Each image's watchers, by who: when last heard from, and whether it watches (false: it
+/// said it stopped; kept for [`WATCH_TTL`], so that a renewal sent before and arriving
+/// after counts for nothing). Time is an argument.
+#[derive(Default)]
+struct ImageWatchers(BTreeMap<ImageId, BTreeMap<String, (Instant, bool)>>);
+
+impl ImageWatchers {
+    /// `watcher` says, at `now`, that it watches `image` (`present`) or stopped.
+    fn heard(&mut self, image: ImageId, watcher: String, present: bool, now: Instant) {
+        let watchers = self.0.entry(image).or_default();
+        // Each request runs in a task of its own: a renewal sent before the watcher
+        // stopped may come after it said so.
+        let stopped = matches!(watchers.get(&watcher), Some((_, false)));
+        if !(present && stopped) {
+            watchers.insert(watcher, (now, present));
+        }
+    }
+
+    /// The watchers of `image` at `now`: those that watch and were heard from within
+    /// [`WATCH_TTL`].
+    fn of(&self, image: ImageId, now: Instant) -> Vec<String> {
+        self.0.get(&image).map_or_else(Vec::new, |watchers| {
+            watchers
+                .iter()
+                .filter(|(_, (at, present))| {
+                    *present && now.saturating_duration_since(*at) <= WATCH_TTL
+                })
+                .map(|(watcher, _)| watcher.clone())
+                .collect()
+        })
+    }
+
+    /// Forgets what was last heard of more than [`WATCH_TTL`] before `now`.
+    fn prune(&mut self, now: Instant) {
+        self.0.retain(|_, watchers| {
+            watchers.retain(|_, (at, _)| now.saturating_duration_since(*at) <= WATCH_TTL);
+            !watchers.is_empty()
+        });
+    }
 }
 
 /// What the core task hears.
@@ -391,14 +430,8 @@ impl Monitor {
                 watcher,
                 present,
             } => {
-                let mut state = self.lock();
-                let watchers = state.watchers.entry(image).or_default();
-                // Each request runs in a task of its own: a renewal sent before the
-                // watcher stopped may come after it said so.
-                let stopped = matches!(watchers.get(&watcher), Some((_, false)));
-                if !(present && stopped) {
-                    watchers.insert(watcher, (Instant::now(), present));
-                }
+                let now = Instant::now();
+                self.lock().watchers.heard(image, watcher, present, now);
                 MonReply::Ok
             }
             MonRequest::Watchers { image } => self.watchers(image).await,
@@ -479,20 +512,7 @@ impl Monitor {
         if !self.is_leader() || led(state.leading_since) < WATCH_TTL {
             return MonReply::unavailable("the monitors' leader is new: ask again");
         }
-        let now = Instant::now();
-        let watchers = state
-            .watchers
-            .get(&image)
-            .map_or_else(Vec::new, |watchers| {
-                watchers
-                    .iter()
-                    .filter(|(_, (at, present))| {
-                        *present && now.saturating_duration_since(*at) <= WATCH_TTL
-                    })
-                    .map(|(watcher, _)| watcher.clone())
-                    .collect()
-            });
-        MonReply::Watchers(watchers)
+        MonReply::Watchers(state.watchers.of(image, Instant::now()))
     }
 
     fn status(&self) -> ClusterStatus {
@@ -562,11 +582,7 @@ impl Monitor {
             if !leads {
                 return;
             }
-            let now = Instant::now();
-            state.watchers.retain(|_, watchers| {
-                watchers.retain(|_, (at, _)| now.saturating_duration_since(*at) <= WATCH_TTL);
-                !watchers.is_empty()
-            });
+            state.watchers.prune(Instant::now());
             let mut verdicts = state.liveness.check(Instant::now());
             // An OSD removed from the map is no longer watched.
             verdicts.retain(|verdict| {
@@ -752,7 +768,7 @@ impl Core {
                 Some((_, since_term)) if leads && since_term == term => {}
                 _ if leads => {
                     state.leading_since = Some((Instant::now(), term));
-                    state.watchers.clear();
+                    state.watchers = ImageWatchers::default();
                 }
                 _ => state.leading_since = None,
             }
@@ -859,7 +875,7 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
             was_leader: false,
             heard: BTreeMap::new(),
             leading_since: None,
-            watchers: BTreeMap::new(),
+            watchers: ImageWatchers::default(),
         }),
         maps,
         events,
@@ -943,6 +959,34 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A watcher counts while heard from within WATCH_TTL; one that said it stopped does
+    /// not, nor does its renewal that arrives after that; other images' watchers never.
+    #[test]
+    fn image_watchers_count_while_they_renew_and_not_after_they_stop() {
+        let start = Instant::now();
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let (image, other) = (ImageId(1), ImageId(2));
+        let mut watchers = ImageWatchers::default();
+        watchers.heard(image, "a".into(), true, at(0));
+        watchers.heard(image, "b".into(), true, at(0));
+        watchers.heard(other, "c".into(), true, at(0));
+        assert_eq!(watchers.of(image, at(1)), vec!["a", "b"]);
+        // "a" stops; its renewal sent before comes after.
+        watchers.heard(image, "a".into(), false, at(2));
+        watchers.heard(image, "a".into(), true, at(2));
+        assert_eq!(watchers.of(image, at(2)), vec!["b"]);
+        // "b" renews no more: gone after WATCH_TTL.
+        let ttl = WATCH_TTL.as_secs();
+        assert_eq!(watchers.of(image, at(ttl)), vec!["b"]);
+        assert!(watchers.of(image, at(ttl + 1)).is_empty());
+        assert_eq!(watchers.of(other, at(1)), vec!["c"]);
+        // Pruned, the stop of "a" is forgotten too: "a" may watch again.
+        watchers.prune(at(3 + ttl));
+        assert!(watchers.0.is_empty());
+        watchers.heard(image, "a".into(), true, at(3 + ttl));
+        assert_eq!(watchers.of(image, at(3 + ttl)), vec!["a"]);
+    }
 
     fn report(checksum_errors: u64, age: Option<u64>) -> OsdReport {
         OsdReport {
