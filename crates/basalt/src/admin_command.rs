@@ -505,14 +505,6 @@ async fn list_objects(
             loop {
                 let mut refusals = Vec::new();
                 for osd in members {
-                    let address = map
-                        .osds
-                        .get(osd)
-                        .and_then(|entry| entry.address.parse::<std::net::SocketAddr>().ok());
-                    let Some(address) = address else {
-                        refusals.push(format!("{osd} has no address"));
-                        continue;
-                    };
                     let request = OsdRequest::ListObjects {
                         pg,
                         image: id,
@@ -520,8 +512,7 @@ async fn list_objects(
                         since,
                     };
                     let within = std::time::Duration::from_secs(5);
-                    match basalt_osd::daemon::ask_osd::<ObjectList>(address, &request, within).await
-                    {
+                    match ask_osd_for::<ObjectList>(map, *osd, &request, within).await {
                         Ok(list) => return Ok(list),
                         Err(error) => refusals.push(format!("{osd}: {error}")),
                     }
@@ -1826,19 +1817,29 @@ async fn odd_replicas_of(
     Ok(Ok(odd))
 }
 
-/// Sends `request` to OSD `osd` of `map`.
+/// Sends `request` to OSD `osd` of `map`, which answers with the replica's state.
 async fn ask_osd(
     map: &ClusterMap,
     osd: OsdId,
     request: &basalt_osd::daemon::OsdRequest,
     answer_within: std::time::Duration,
 ) -> ReplicaState {
+    ask_osd_for(map, osd, request, answer_within).await
+}
+
+/// Sends `request` to OSD `osd` of `map`, which answers with a `T`.
+async fn ask_osd_for<T: serde::de::DeserializeOwned>(
+    map: &ClusterMap,
+    osd: OsdId,
+    request: &basalt_osd::daemon::OsdRequest,
+    answer_within: std::time::Duration,
+) -> Result<T, String> {
     let address = map
         .osds
         .get(&osd)
         .and_then(|entry| entry.address.parse::<std::net::SocketAddr>().ok())
         .ok_or_else(|| format!("{osd} has no address in the map"))?;
-    basalt_osd::daemon::query_replica(address, request, answer_within).await
+    basalt_osd::daemon::ask_osd(address, request, answer_within).await
 }
 
 /// Repairs one PG: rebuilds its odd replicas from the leader, puts a scrub marker in its

@@ -236,9 +236,7 @@ pub struct OsdArgs {
 const SCRUB_INTERVAL_MAX_SECONDS: u64 = 365 * 24 * 3600;
 
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|name| name.trim().to_string())
-        .unwrap_or_else(|_| "localhost".to_string())
+    basalt_io::process::hostname().unwrap_or_else(|| "localhost".to_string())
 }
 
 pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {

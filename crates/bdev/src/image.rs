@@ -12,13 +12,6 @@ use basalt_io::DmaBuf;
 
 use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, GrowingInfo, libc_errno};
 
-/// This host's name, for people (`?` if unknown).
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|name| name.trim().to_string())
-        .unwrap_or_else(|_| "?".to_string())
-}
-
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
 
@@ -71,7 +64,7 @@ impl ImageBdev {
             "bdev {} of pid {} on {} (#{})",
             info.name,
             std::process::id(),
-            hostname(),
+            basalt_io::process::hostname().unwrap_or_else(|| "?".to_string()),
             MADE.fetch_add(1, Ordering::Relaxed)
         );
         let shared = Arc::new(Shared {

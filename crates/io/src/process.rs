@@ -1,4 +1,4 @@
-//! Process-wide settings of command-line tools.
+//! Process-wide settings of command-line tools, and what a process knows of its host.
 #![allow(unsafe_code)]
 
 /// Lets SIGPIPE end the process, as command-line tools do: `basalt pg ls | head` then
@@ -9,6 +9,13 @@ pub fn default_sigpipe() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+}
+
+/// This host's name (`None` if it cannot be read).
+pub fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|name| name.trim().to_string())
 }
 
 /// Offers the CPU to any other runnable thread (`sched_yield`); returns at once when there

@@ -73,8 +73,6 @@ struct Connection {
     negotiated: Negotiated,
     queue: Option<BoundQueue>,
     closed: Option<watch::Receiver<bool>>,
-    /// The same, read (never waited on) while completions are polled.
-    closed_flag: Option<watch::Receiver<bool>>,
     input: Vec<u8>,
     input_start: usize,
     output: Vec<u8>,
@@ -106,7 +104,6 @@ pub async fn serve(
         negotiated: Negotiated::initial(Role::Controller),
         queue: None,
         closed: None,
-        closed_flag: None,
         input: Vec::with_capacity(READ_CHUNK_BYTES),
         input_start: 0,
         output: Vec::with_capacity(READ_CHUNK_BYTES),
@@ -154,14 +151,14 @@ pub async fn serve(
         }
         let terminating = connection.terminating;
         let closed = &mut connection.closed;
-        let closed_flag = &connection.closed_flag;
+        let queue = &connection.queue;
         tokio::select! {
             biased;
             // A command under way is not completed once the controller is torn down (a
             // host that reconnected may be writing the same blocks again), even if the
             // teardown comes from another thread while this task polls.
             responses = poll_fn(|cx| {
-                if closed_flag.as_ref().is_some_and(|closed| *closed.borrow()) {
+                if queue.as_ref().is_some_and(|queue| queue.controller.is_closed()) {
                     return Poll::Pending;
                 }
                 poll_ready(&mut connection.in_flight, cx)
@@ -197,9 +194,8 @@ pub async fn serve(
         connection.target.disconnect(&queue);
     }
     // Commands still under way were given up (just above, before the queue is seen gone),
-    // as the host has given them up: it sends them
-    // again on its next connection, and may send later commands for the same blocks
-    // there. One kept going here (an image bdev's write retrying while its PG has no
+    // as the host has given them up: it sends them again on its next connection, and may
+    // send later commands for the same blocks there. One kept going here (an image bdev's write retrying while its PG has no
     // leader) could land after those. What a command already handed on does not land
     // after them as a rule: a file bdev's engine keeps its buffers until the kernel is
     // done with them (a write already submitted completes within the device's time), and
@@ -774,7 +770,6 @@ impl Connection {
             Ok(queue) => {
                 let controller_id = queue.controller.id;
                 self.closed = Some(queue.controller.closed());
-                self.closed_flag = self.closed.clone();
                 self.sq_head = 1 % queue.sq_size;
                 self.queue = Some(queue);
                 self.push_response(

@@ -3094,18 +3094,24 @@ impl Core {
 
     /// Proposes a scrub marker in `pg` now ([`OsdRequest::Scrub`]), if it is led here.
     fn scrub_now(&mut self, pg: PgId) -> Result<PgReplicaState, String> {
-        if !self.raft.is_leader(pg) {
-            let leader = self
-                .raft
-                .leader(pg)
-                .map_or("none known".to_string(), |leader| leader.to_string());
-            return Err(format!(
-                "{} does not lead pg {pg} (its leader: {leader})",
-                self.id
-            ));
-        }
+        self.leads(pg)?;
         self.propose_marker(pg)?;
         Ok(self.replica_state(pg))
+    }
+
+    /// `Err` naming the leader unless this replica leads `pg`.
+    fn leads(&self, pg: PgId) -> Result<(), String> {
+        if self.raft.is_leader(pg) {
+            return Ok(());
+        }
+        let leader = self
+            .raft
+            .leader(pg)
+            .map_or("none known".to_string(), |leader| leader.to_string());
+        Err(format!(
+            "{} does not lead pg {pg} (its leader: {leader})",
+            self.id
+        ))
     }
 
     /// Starts [`OsdRequest::ListObjects`]: proposes a map floor entry at this OSD's map,
@@ -3117,25 +3123,15 @@ impl Core {
         since: Epoch,
         reply_to: oneshot::Sender<Message>,
     ) {
-        let refused = if !self.raft.is_leader(pg) {
-            let leader = self
-                .raft
-                .leader(pg)
-                .map_or("none known".to_string(), |leader| leader.to_string());
-            Some(format!(
-                "{} does not lead pg {pg} (its leader: {leader})",
-                self.id
-            ))
-        } else if self.map.epoch < since.max(self.map_floor(pg)) {
-            Some(format!(
-                "{} has map epoch {}, older than {}: ask again",
-                self.id,
-                self.map.epoch.0,
-                since.max(self.map_floor(pg)).0
-            ))
-        } else {
-            None
-        };
+        let needed = since.max(self.map_floor(pg));
+        let refused = self.leads(pg).err().or_else(|| {
+            (self.map.epoch < needed).then(|| {
+                format!(
+                    "{} has map epoch {}, older than {}: ask again",
+                    self.id, self.map.epoch.0, needed.0
+                )
+            })
+        });
         if let Some(refused) = refused {
             let _ = reply_to.send(control_reply::<ObjectList>(Err(refused)));
             return;
