@@ -1320,9 +1320,7 @@ fn an_exported_image_follows_a_resize() {
         blocks() == Some(65536)
     });
     // A new connection sees the new size and uses all of it.
-    let info = run_ok(Command::new("qemu-img").args(["info", "--output=json", &uri]));
-    let info: serde_json::Value = serde_json::from_str(&info).expect("qemu-img json");
-    assert_eq!(info["virtual-size"], 32u64 << 20);
+    assert_eq!(nbd_size(&uri), 32 << 20);
     qemu_io_ok(&uri, false, &["write -P 0x3c 31M 1M"]);
     qemu_io_ok(&uri, true, &["read -P 0x3c 31M 1M", "read -P 0xa1 0 1M"]);
 }
@@ -1333,11 +1331,14 @@ fn an_exported_image_follows_a_resize() {
 #[test]
 fn shrinking_or_removing_an_image_frees_its_space() {
     require("qemu-io");
+    require("qemu-img");
     let dir = ScratchDir::new("cluster-image-space");
     let cluster = small_osd_cluster(&dir.path, 1, "256MiB", None, "32MiB");
     let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     const MIB: u64 = 1 << 20;
     let used = || used_bytes(&cluster);
+    let blocks =
+        || target.rpc_ok("bdev_get_bdevs", json!({"name": "img"}))[0]["num_blocks"].as_u64();
     qemu_io_ok(&uri, false, &["write -P 0xab 0 32M"]);
     wait_for("three copies of 32 MiB", Duration::from_secs(30), || {
         used() >= 3 * 32 * MIB
@@ -1352,11 +1353,16 @@ fn shrinking_or_removing_an_image_frees_its_space() {
         Duration::from_secs(30),
         || used() <= 3 * 9 * MIB,
     );
+    // The exported bdev follows the shrink: a new connection sees 8 MiB.
+    wait_for("the bdev to shrink", Duration::from_secs(10), || {
+        blocks() == Some(16384)
+    });
+    assert_eq!(nbd_size(&uri), 8 * MIB);
     cluster.cli_ok(&["image", "resize", "rbd/vol", "--size", "32MiB"]);
     wait_for("the bdev to grow", Duration::from_secs(10), || {
-        target.rpc_ok("bdev_get_bdevs", json!({"name": "img"}))[0]["num_blocks"].as_u64()
-            == Some(65536)
+        blocks() == Some(65536)
     });
+    assert_eq!(nbd_size(&uri), 32 * MIB);
     qemu_io_ok(&uri, true, &["read -P 0xab 0 8M", "read -P 0 8M 24M"]);
 
     cluster.cli_ok(&["image", "create", "rbd/other", "--size", "64MiB"]);
@@ -1407,6 +1413,13 @@ fn shrinking_or_removing_an_image_frees_its_space() {
         Duration::from_secs(4),
         || cluster.cli(&["image", "rm", "rbd/vol"]).status.success(),
     );
+}
+
+/// The size in bytes of the NBD export at `uri`, as `qemu-img info` finds it.
+fn nbd_size(uri: &str) -> u64 {
+    let info = run_ok(Command::new("qemu-img").args(["info", "--output=json", uri]));
+    let info: serde_json::Value = serde_json::from_str(&info).expect("qemu-img json");
+    info["virtual-size"].as_u64().expect("virtual-size")
 }
 
 /// Shrinks image rbd/vol to 8 MiB.

@@ -292,8 +292,9 @@ pub trait Bdev: Send + Sync {
     /// counters: the registry's decorator does).
     fn count_in_place(&self, _write: bool, _len_bytes: u64, _elapsed: Duration, _ok: bool) {}
 
-    /// Takes on the size of what backs the bdev now (a file or block device that grew)
-    /// and returns the block count. Bdevs whose size cannot change refuse (`EOPNOTSUPP`).
+    /// Takes on the size of what backs the bdev now (a file or block device that grew, an
+    /// image resized) and returns the block count. Bdevs whose size cannot change refuse
+    /// (`EOPNOTSUPP`).
     fn rescan(&self) -> Result<u64, BdevError> {
         Err(self
             .info()
@@ -301,12 +302,19 @@ pub trait Bdev: Send + Sync {
     }
 }
 
-/// How many times a bdev can grow.
+/// How many times a bdev can change size.
 const GROWTHS_MAX: usize = 63;
 
-/// The info of a bdev whose size can grow: the info at creation and after each growth, each
-/// set once, so that a reference [`Bdev::info`] handed out stays valid while the bdev lives;
-/// an index points at the latest. No lock on the I/O path, nothing leaked.
+/// The info of a bdev whose size can change: the info at creation and after each change,
+/// each set once, so that a reference [`Bdev::info`] handed out stays valid while the bdev
+/// lives; an index points at the latest. No lock on the I/O path, nothing leaked.
+/// Whether a bdev may take on a smaller size ([`GrowingInfo::resize`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Shrink {
+    Refused,
+    Allowed,
+}
+
 pub(crate) struct GrowingInfo {
     infos: Box<[OnceLock<BdevInfo>]>,
     current: AtomicUsize,
@@ -333,17 +341,20 @@ impl GrowingInfo {
     }
 
     /// Takes on the block count that `measure` finds (it runs under the growth lock) and
-    /// returns it. A smaller one is refused: blocks a guest may hold data in would vanish
-    /// under it. `what` names what backs the bdev, for the errors.
-    pub(crate) fn grow(
+    /// returns it. A smaller one is refused unless `shrink` allows it: blocks a guest may
+    /// hold data in would vanish under it (an image's shrink was asked for in so many words
+    /// and its data cut off is discarded; a file that shrank is an accident). `what` names
+    /// what backs the bdev, for the errors.
+    pub(crate) fn resize(
         &self,
         what: &str,
+        shrink: Shrink,
         measure: impl FnOnce(&BdevInfo) -> Result<u64, BdevError>,
     ) -> Result<u64, BdevError> {
         let _one_at_a_time = self.growing.lock().unwrap_or_else(|p| p.into_inner());
         let current = self.get();
         let block_count = measure(current)?;
-        if block_count < current.block_count {
+        if block_count < current.block_count && shrink == Shrink::Refused {
             return Err(current.io_error(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
@@ -352,16 +363,16 @@ impl GrowingInfo {
                 ),
             )));
         }
-        if block_count > current.block_count {
+        if block_count != current.block_count {
             let next = self.current.load(Ordering::Acquire) + 1;
-            let grown = BdevInfo {
+            let resized = BdevInfo {
                 block_count,
                 ..current.clone()
             };
-            if next > GROWTHS_MAX || self.infos[next].set(grown).is_err() {
+            if next > GROWTHS_MAX || self.infos[next].set(resized).is_err() {
                 return Err(current.io_error(io::Error::other(format!(
-                    "it has grown {GROWTHS_MAX} times, the most a bdev can; delete it and \
-                     create it again"
+                    "it has changed size {GROWTHS_MAX} times, the most a bdev can; delete it \
+                     and create it again"
                 ))));
             }
             self.current.store(next, Ordering::Release);
@@ -384,6 +395,45 @@ mod tests {
             block_count,
             optimal_io_boundary_blocks: 0,
         }
+    }
+
+    #[test]
+    fn a_size_shrinks_only_where_allowed_and_earlier_infos_stay_valid() {
+        let sized = GrowingInfo::new(info(512, 100));
+        let first = sized.get();
+        let shrunk = sized.resize("f", Shrink::Refused, |_| Ok(50));
+        assert!(
+            shrunk
+                .expect_err("refused")
+                .to_string()
+                .contains("only grows")
+        );
+        assert_eq!(sized.get().block_count, 100);
+        assert_eq!(
+            sized.resize("f", Shrink::Refused, |_| Ok(150)).expect("resized"),
+            150
+        );
+        assert_eq!(sized.resize("i", Shrink::Allowed, |_| Ok(40)).expect("resized"), 40);
+        assert_eq!(sized.get().block_count, 40);
+        assert!(sized.get().extent(39 * 512, 512).is_ok());
+        assert!(
+            sized.get().extent(40 * 512, 512).is_err(),
+            "past the new end"
+        );
+        // A reference handed out before still reads what it read.
+        assert_eq!(first.block_count, 100);
+        // The same size again takes no slot; each change takes one, up to the limit.
+        for _ in 0..10 {
+            sized.resize("i", Shrink::Allowed, |_| Ok(40)).expect("resized");
+        }
+        let mut changes = 2;
+        while sized
+            .resize("i", Shrink::Allowed, |current| Ok(current.block_count ^ 1))
+            .is_ok()
+        {
+            changes += 1;
+        }
+        assert_eq!(changes, GROWTHS_MAX);
     }
 
     #[test]

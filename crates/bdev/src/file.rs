@@ -4,7 +4,7 @@ use std::path::Path;
 
 use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenError, OpenOptions};
 
-use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, GrowingInfo, InPlace};
+use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, GrowingInfo, InPlace, Shrink};
 
 /// How to open a file bdev.
 #[derive(Debug, Clone)]
@@ -131,7 +131,7 @@ impl Bdev for FileBdev {
 
     fn rescan(&self) -> Result<u64, crate::BdevError> {
         let what = self.path().display().to_string();
-        self.info.grow(&what, |current| {
+        self.info.resize(&what, Shrink::Refused, |current| {
             let size_bytes = std::fs::File::open(self.path())
                 .and_then(|file| basalt_io::device::size_bytes(&file))
                 .map_err(|error| current.io_error(error))?;

@@ -10,13 +10,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use basalt_client::{ClientError, Image};
 use basalt_io::DmaBuf;
 
-use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, GrowingInfo, libc_errno};
+use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, GrowingInfo, Shrink, libc_errno};
 
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
 
 /// A bdev over a Basalt image. It follows the image's size: when the cluster map says the
-/// image grew, so does the bdev (and the frontends that watch sizes tell their hosts).
+/// image grew or shrank (`image resize --allow-shrink`, whose cut-off data is discarded),
+/// so does the bdev, and the frontends that watch sizes tell their hosts (NVMe/TCP by a
+/// namespace attribute notice, vhost-user-blk by a config change; an NBD connection's
+/// size is fixed at its handshake, and its requests past the new end are refused).
 pub struct ImageBdev {
     shared: Arc<Shared>,
 }
@@ -43,13 +46,14 @@ impl Drop for Shared {
 impl Shared {
     /// Takes on the image's size in the map now.
     fn follow_size(&self) -> Result<u64, BdevError> {
-        self.info.grow(self.image.name(), |current| {
-            let size_bytes = self
-                .image
-                .size_bytes()
-                .map_err(|error| io_error(current, error))?;
-            Ok(size_bytes / u64::from(current.block_size))
-        })
+        self.info
+            .resize(self.image.name(), Shrink::Allowed, |current| {
+                let size_bytes = self
+                    .image
+                    .size_bytes()
+                    .map_err(|error| io_error(current, error))?;
+                Ok(size_bytes / u64::from(current.block_size))
+            })
     }
 }
 
@@ -104,7 +108,7 @@ impl ImageBdev {
                     let before = shared.info.get().block_count;
                     match shared.follow_size() {
                         Ok(blocks) if blocks != before => {
-                            tracing::info!(bdev = %shared.info.get().name, blocks, "image grew");
+                            tracing::info!(bdev = %shared.info.get().name, blocks, before, "image resized");
                         }
                         Ok(_) => {}
                         Err(error) => {
