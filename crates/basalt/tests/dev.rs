@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use support::*;
 
-/// Starts `basalt dev` in `dir`; returns it, the URI it printed and its remaining output.
+/// Starts `basalt dev` in `dir`, checks that it printed how to connect (NBD, NVMe/TCP, the
+/// CLI's config); returns it, the URI it printed and its remaining output.
 fn start_dev(
     dir: &ScratchDir,
     (nbd_port, nvmf_port): (u16, u16),
@@ -66,6 +67,20 @@ fn start_dev(
         format!("nbd://127.0.0.1:{nbd_port}/disk0"),
         "{printed}"
     );
+    // The rest of how to connect, up to the last line of it.
+    while !printed.contains("Ctrl-C stops it.") {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("basalt dev stopped printing: {printed}"))
+            .expect("utf8 line");
+        printed.push_str(&line);
+        printed.push('\n');
+    }
+    let connect =
+        format!("nvme connect -t tcp -a 127.0.0.1 -s {nvmf_port} -n nqn.2016-06.io.basalt:disk0");
+    assert!(printed.contains(&connect), "{printed}");
+    let conf = format!("export BASALT_CONF={}", dir.join("basalt.toml").display());
+    assert!(printed.contains(&conf), "{printed}");
     (child, uri, lines)
 }
 
@@ -132,6 +147,9 @@ fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
         "8MiB",
     ]));
     assert!(report.contains(", 0 mismatches"), "{report}");
+    // fastblock's block_bench summary line, for those who compare against it.
+    assert!(report.contains("  block_bench: p0.1: "), "{report}");
+    assert!(report.contains(", biased stdv: "), "{report}");
     assert!(!report.contains("errors:"), "{report}");
     qemu_io_ok(&uri, false, &["write -P 0xab 0 64k", "flush"]);
     stop_dev(child, lines);

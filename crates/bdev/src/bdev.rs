@@ -410,10 +410,17 @@ mod tests {
         );
         assert_eq!(sized.get().block_count, 100);
         assert_eq!(
-            sized.resize("f", Shrink::Refused, |_| Ok(150)).expect("resized"),
+            sized
+                .resize("f", Shrink::Refused, |_| Ok(150))
+                .expect("resized"),
             150
         );
-        assert_eq!(sized.resize("i", Shrink::Allowed, |_| Ok(40)).expect("resized"), 40);
+        assert_eq!(
+            sized
+                .resize("i", Shrink::Allowed, |_| Ok(40))
+                .expect("resized"),
+            40
+        );
         assert_eq!(sized.get().block_count, 40);
         assert!(sized.get().extent(39 * 512, 512).is_ok());
         assert!(
@@ -424,7 +431,9 @@ mod tests {
         assert_eq!(first.block_count, 100);
         // The same size again takes no slot; each change takes one, up to the limit.
         for _ in 0..10 {
-            sized.resize("i", Shrink::Allowed, |_| Ok(40)).expect("resized");
+            sized
+                .resize("i", Shrink::Allowed, |_| Ok(40))
+                .expect("resized");
         }
         let mut changes = 2;
         while sized

@@ -206,6 +206,7 @@ impl Report {
                 .map(|(n, v)| format!("{n} {v:.1}"))
                 .collect();
             let _ = writeln!(text, "  percentiles (us): {}", percentiles.join(", "));
+            let _ = writeln!(text, "  block_bench: {}", d.block_bench);
         }
         if self.errors > 0 {
             let _ = writeln!(
