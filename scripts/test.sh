@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs the external clients the tests use (fio,
-# qemu-img/qemu-io, the libnbd tools), then checks formatting, runs clippy with warnings
+# qemu-img/qemu-io, the libnbd tools, losetup), then checks formatting, runs clippy with warnings
 # as errors, and runs every test (unit, property, process and tidy tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,7 @@ declare -A packages=(
   [qemu-io]=qemu-utils
   [nbdinfo]=libnbd-bin
   [nbdcopy]=libnbd-bin
+  [losetup]=mount
 )
 missing=()
 for tool in "${!packages[@]}"; do

@@ -14,6 +14,8 @@
 //!
 //! [osd]
 //! data_dir = "/var/lib/basalt/osd.0"
+//! # device = "/dev/nvme1n1"   # default: data_dir/osd.log, a file
+//! # format = true             # format a device holding no Basalt superblock
 //! listen = "127.0.0.1:0"
 //! host = "node1"
 //! device_size = "4GiB"
@@ -76,6 +78,8 @@ pub struct MonSection {
 #[serde(deny_unknown_fields)]
 pub struct OsdSection {
     data_dir: Option<PathBuf>,
+    device: Option<PathBuf>,
+    format: Option<bool>,
     listen: Option<SocketAddr>,
     host: Option<String>,
     weight: Option<f64>,
@@ -186,9 +190,19 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
 /// Options of `basalt osd` (the daemon).
 #[derive(clap::Args)]
 pub struct OsdArgs {
-    /// Where its device file lives.
+    /// Where its small files live (a lock, the checksum error count), and its device file
+    /// `osd.log` unless --device names another.
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Its device: a raw block device (e.g. /dev/nvme1n1; formatted only with --format) or
+    /// a file (created on first start when missing). Default: DATA_DIR/osd.log.
+    #[arg(long)]
+    pub device: Option<PathBuf>,
+    /// Format the device if it holds no Basalt superblock (a new block device), erasing
+    /// what it holds. A device that holds one is used as it is, so the flag can stay in a
+    /// service's command line.
+    #[arg(long)]
+    pub format: bool,
     /// Monitor addresses.
     #[arg(long, value_delimiter = ',')]
     pub mon: Vec<String>,
@@ -201,7 +215,7 @@ pub struct OsdArgs {
     /// Its share of PGs.
     #[arg(long)]
     pub weight: Option<f64>,
-    /// Size of the device file created on first start.
+    /// Size of the device file created on first start (a block device has its own).
     #[arg(long)]
     pub device_size: Option<ByteSize>,
     /// Create the device file sparse: a hole instead of zeroes written over it, so it takes
@@ -264,6 +278,8 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             .data_dir
             .or(section.data_dir)
             .context("--data-dir is required")?,
+        device: args.device.or(section.device),
+        format: args.format || section.format == Some(true),
         device_size_bytes: device_size,
         device_fill: if args.sparse_device || section.sparse_device == Some(true) {
             basalt_osd::log_device::Fill::Sparse

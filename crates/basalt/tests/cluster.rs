@@ -200,6 +200,117 @@ fn data_survives_a_crash_of_every_process() {
     );
 }
 
+/// OSDs on raw block devices (loop devices here): a device without a Basalt superblock is
+/// formatted only with `--format`, and used as it is from then on (the flag stays); the
+/// data survives the OSDs' crash. A second OSD on a device or a data directory in use, or
+/// a second monitor on a monitor's data directory, is refused.
+#[test]
+fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
+    require("qemu-io");
+    require("losetup");
+    let dir = ScratchDir::new("cluster-block");
+    let devices: Vec<LoopDevice> = (0..3)
+        .map(|n| LoopDevice::new(&dir.join(&format!("disk{n}.img")), 128 << 20))
+        .collect();
+    let device = |n: usize| devices[n].path.to_str().expect("utf8 path").to_string();
+    // Refused without --format. (Each process that should be refused gets 30 s: one
+    // that started would run on.)
+    let refused = run(within_30s()
+        .args(["osd", "--mon", "127.0.0.1:1", "--device", &device(0)])
+        .arg("--data-dir")
+        .arg(dir.join("refused")));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "formatted without --format");
+    assert!(
+        stderr.contains("not a basalt osd device") && stderr.contains("--format"),
+        "{stderr}"
+    );
+    let on_device = |n: usize| vec!["--device".to_string(), device(n), "--format".to_string()];
+    let mut cluster = ClusterProcesses::start_custom(
+        &dir.path,
+        vec![format!("127.0.0.1:{}", free_port())],
+        (0..3).map(|n| (None, on_device(n))).collect(),
+    );
+    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x6b 0 8M"]);
+
+    // The device, and the data directory, are the running OSD's alone.
+    let second = |device: &str, data_dir: &std::path::Path| {
+        let output = run(within_30s()
+            .args(["osd", "--mon", &cluster.mon_address, "--device", device])
+            .arg("--data-dir")
+            .arg(data_dir));
+        assert!(!output.status.success(), "a second osd started");
+        String::from_utf8_lossy(&output.stderr).to_string()
+    };
+    let stderr = second(&device(0), &dir.join("second"));
+    assert!(
+        stderr.contains(&format!("{} is in use", device(0))),
+        "{stderr}"
+    );
+    let stderr = second(
+        &dir.join("other.log").display().to_string(),
+        &dir.join("osd.1"),
+    );
+    assert!(
+        stderr.contains("is in use by another process (pid "),
+        "{stderr}"
+    );
+    let mon = run(within_30s()
+        .args(["mon", "--listen", &format!("127.0.0.1:{}", free_port())])
+        .arg("--data-dir")
+        .arg(dir.join("mon.0")));
+    let stderr = String::from_utf8_lossy(&mon.stderr);
+    assert!(!mon.status.success(), "a second monitor started");
+    assert!(stderr.contains("is in use by another process"), "{stderr}");
+
+    // Every OSD crashes and starts again with the same flags: the devices are not
+    // formatted again, the data reads back.
+    drop(target);
+    cluster.crash_every_osd();
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, true, &["read -P 0x6b 0 8M", "read -P 0 8M 8M"]);
+    for n in 0..3 {
+        let log = cluster.log_text(&format!("osd.{n}"));
+        let formats = log.matches("formatted the osd device").count();
+        assert_eq!(
+            formats, 1,
+            "osd.{n} formatted its device {formats} times: {log}"
+        );
+    }
+}
+
+/// `basalt`, killed if it still runs after 30 s.
+fn within_30s() -> Command {
+    let mut command = Command::new("timeout");
+    command.arg("30").arg(env!("CARGO_BIN_EXE_basalt"));
+    command
+}
+
+/// A loop device over a sparse file, detached when dropped.
+struct LoopDevice {
+    path: std::path::PathBuf,
+}
+
+impl LoopDevice {
+    fn new(file: &std::path::Path, len: u64) -> Self {
+        sparse_file(file, len);
+        let path = run_ok(Command::new("losetup").args(["-f", "--show"]).arg(file));
+        Self {
+            path: path.trim().into(),
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.path).status();
+    }
+}
+
 #[test]
 fn the_cli_refuses_bad_input_with_a_clear_message() {
     let dir = ScratchDir::new("cluster-cli");

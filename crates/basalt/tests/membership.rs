@@ -141,14 +141,7 @@ fn pgs_move_off_an_osd_marked_out_and_back_when_it_is_marked_in() {
 
     // Every OSD crashes and restarts: the configurations are durable.
     drop(target);
-    for n in 0..4 {
-        cluster.kill_osd(n);
-    }
-    for n in 0..4 {
-        cluster.start_osd(n);
-    }
-    cluster.wait_osds_up(4);
-    cluster.wait_clean(Duration::from_secs(60));
+    cluster.crash_every_osd();
     cluster.wait_replicas_equal(Duration::from_secs(120));
     let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
     for run in [&first, &second] {

@@ -673,6 +673,8 @@ struct Core {
     monitor: Arc<Monitor>,
     raft: MultiRaft,
     journal: Journal,
+    /// The data directory, this process's while the core runs.
+    _claim: basalt_io::device::Claim,
     proposals: HashMap<u64, (u64, oneshot::Sender<MonReply>)>,
     peers: HashMap<OsdId, mpsc::UnboundedSender<RaftMessage>>,
     leader: watch::Sender<Option<usize>>,
@@ -853,6 +855,8 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
                     .join(",")
             ))
         })?;
+    let claim =
+        basalt_io::device::claim_dir(&config.data_dir).map_err(io_error(&config.data_dir))?;
     let journal_path = config.data_dir.join(JOURNAL_FILE);
     let (journal, restored): (Journal, Restored) =
         Journal::open(&journal_path).map_err(io_error(&journal_path))?;
@@ -899,6 +903,7 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
         monitor: monitor.clone(),
         raft,
         journal,
+        _claim: claim,
         proposals: HashMap::new(),
         peers: peers
             .iter()

@@ -135,8 +135,15 @@ const SNAPSHOT_SILENCE: Duration = Duration::from_secs(30);
 /// How an OSD runs.
 #[derive(Debug, Clone)]
 pub struct OsdConfig {
-    /// Where its device file lives (created on first start).
+    /// Its own small files (the lock, the checksum error count), and its device file
+    /// [`DEVICE_FILE`] unless `device` names another.
     pub data_dir: PathBuf,
+    /// Its device: a file (created on first start when missing) or a raw block device;
+    /// `None`: `data_dir`/[`DEVICE_FILE`].
+    pub device: Option<PathBuf>,
+    /// Formats a device that exists but holds no Basalt superblock (a block device, or a
+    /// file made beforehand), erasing what it holds. A device with one is used as it is.
+    pub format: bool,
     /// The size of a device file created on first start.
     pub device_size_bytes: u64,
     /// How a device file created on first start is filled (see [`Fill`]).
@@ -4141,23 +4148,81 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Creates and formats the device file if it does not exist yet; returns the superblock.
-async fn prepare_device(path: &Path, size_bytes: u64, fill: Fill) -> Result<Superblock, OsdError> {
+/// Claims the OSD's device at `path` and reads its superblock, formatting it first when
+/// it is a file not there yet (of `config.device_size_bytes`), or holds no Basalt
+/// superblock and `config.format` says so.
+async fn prepare_device(
+    path: &Path,
+    config: &OsdConfig,
+) -> Result<(Superblock, basalt_io::device::Claim), OsdError> {
     if !path.exists() {
-        let file = std::fs::File::create(path).map_err(io_error(path))?;
-        file.set_len(size_bytes).map_err(io_error(path))?;
-        drop(file);
-        LogDevice::format_as(path, random_uuid().map_err(io_error(path))?, fill).await?;
-        tracing::info!(path = %path.display(), size_bytes, "formatted a new osd device");
+        create_device_file(path, config.device_size_bytes, config.device_fill).await?;
     }
-    use std::io::Read;
-    let mut block = vec![0u8; BLOCK_SIZE];
-    std::fs::File::open(path)
-        .and_then(|mut file| file.read_exact(&mut block))
-        .map_err(io_error(path))?;
-    Superblock::decode(&block).map_err(|error| OsdError::Io {
+    let claim = basalt_io::device::claim_device(path).map_err(io_error(path))?;
+    let read = || {
+        use std::io::Read;
+        let mut block = vec![0u8; BLOCK_SIZE];
+        std::fs::File::open(path)
+            .and_then(|mut file| file.read_exact(&mut block))
+            .map_err(io_error(path))?;
+        Ok::<_, OsdError>(Superblock::decode(&block))
+    };
+    let refused = |error: crate::superblock::SuperblockError, hint: &str| OsdError::Io {
         path: path.display().to_string(),
-        source: std::io::Error::other(error.to_string()),
-    })
+        source: std::io::Error::other(format!("{error}{hint}")),
+    };
+    let superblock = match read()? {
+        Ok(superblock) => superblock,
+        Err(error @ crate::superblock::SuperblockError::NoMagic { .. }) if !config.format => {
+            return Err(refused(
+                error,
+                "; `basalt osd --format` formats it, erasing what it holds",
+            ));
+        }
+        Err(crate::superblock::SuperblockError::NoMagic { .. }) => {
+            // Never a sparse fill on a block device: its discarded blocks need not read
+            // back as zeroes.
+            let block_device = basalt_io::device::is_block_device(path).map_err(io_error(path))?;
+            let fill = if block_device {
+                Fill::Zeroes
+            } else {
+                config.device_fill
+            };
+            LogDevice::format_as(path, random_uuid().map_err(io_error(path))?, fill).await?;
+            tracing::info!(path = %path.display(), "formatted the osd device");
+            read()?.map_err(|error| refused(error, ""))?
+        }
+        // A Basalt device that does not read right is not formatted over, even when
+        // asked: it may be this OSD's, damaged.
+        Err(error) => {
+            return Err(refused(
+                error,
+                " (a Basalt device: to reuse it for a new OSD, erase its first 4 KiB first)",
+            ));
+        }
+    };
+    Ok((superblock, claim))
+}
+
+/// Creates the device file at `path`, of `size_bytes`, formatted. It is made under
+/// another name and renamed once formatted, so that a start cut short (Ctrl-C while it
+/// writes zeroes) leaves no half-made device that later starts refuse.
+async fn create_device_file(path: &Path, size_bytes: u64, fill: Fill) -> Result<(), OsdError> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".new");
+    let new = path.with_file_name(name);
+    let file = std::fs::File::create(&new).map_err(io_error(&new))?;
+    file.set_len(size_bytes).map_err(io_error(&new))?;
+    drop(file);
+    LogDevice::format_as(&new, random_uuid().map_err(io_error(&new))?, fill).await?;
+    std::fs::rename(&new, path).map_err(io_error(path))?;
+    if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+        std::fs::File::open(dir)
+            .and_then(|dir| dir.sync_all())
+            .map_err(io_error(dir))?;
+    }
+    tracing::info!(path = %path.display(), size_bytes, "formatted a new osd device");
+    Ok(())
 }
 
 /// A started OSD.
@@ -4178,6 +4243,8 @@ pub struct Running {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _server: Server,
     log: Arc<LogDevice>,
+    /// The data directory and the device, this process's while it runs.
+    _claims: [basalt_io::device::Claim; 2],
 }
 
 impl Running {
@@ -4303,8 +4370,13 @@ fn clean_span(ring: u64) -> u64 {
 /// the monitors and hosts its PGs.
 pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
     std::fs::create_dir_all(&config.data_dir).map_err(io_error(&config.data_dir))?;
-    let path = config.data_dir.join(DEVICE_FILE);
-    let superblock = prepare_device(&path, config.device_size_bytes, config.device_fill).await?;
+    let dir_claim =
+        basalt_io::device::claim_dir(&config.data_dir).map_err(io_error(&config.data_dir))?;
+    let path = config
+        .device
+        .clone()
+        .unwrap_or_else(|| config.data_dir.join(DEVICE_FILE));
+    let (superblock, device_claim) = prepare_device(&path, &config).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
     // An OSD that could hold less than one largest write would report itself full at once.
@@ -4963,6 +5035,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         tasks,
         _server: server,
         log: running_log,
+        _claims: [dir_claim, device_claim],
     })
 }
 

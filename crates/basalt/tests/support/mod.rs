@@ -519,6 +519,20 @@ impl ClusterProcesses {
         }
     }
 
+    /// Kills every OSD (SIGKILL), starts them again and waits until they are up and
+    /// every PG is clean.
+    pub fn crash_every_osd(&mut self) {
+        let count = self.osds.len();
+        for n in 0..count {
+            self.kill_osd(n);
+        }
+        for n in 0..count {
+            self.start_osd(n);
+        }
+        self.wait_osds_up(count);
+        self.wait_clean(Duration::from_secs(60));
+    }
+
     /// Kills every monitor (SIGKILL).
     pub fn kill_mon(&mut self) {
         for n in 0..self.mons.len() {
