@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Linux guest that run.sh boots: a Debian 12 kernel and an initramfs holding
-# busybox, bash, kmod, nvme-cli, fio, e2fsprogs and nbd-client with their shared libraries
+# busybox, bash, kmod, nvme-cli, fio, e2fsprogs, util-linux (blkdiscard -z) and nbd-client
+# with their shared libraries
 # and the kernel modules the tests need. Everything comes from Debian's archive as .debs
 # downloaded at run time into $BASALT_GUEST_DIR (default /var/tmp/basalt-guest), never into
 # the repository. Warm runs return at once; `rm -rf $BASALT_GUEST_DIR` starts over (that is
@@ -19,7 +20,7 @@ verbose=0
 
 # Packages whose programs the guest runs. Their library dependencies are added by
 # resolve_closure below; add a package here and its libraries follow.
-guest_packages=(busybox-static bash kmod nvme-cli fio e2fsprogs nbd-client)
+guest_packages=(busybox-static bash kmod nvme-cli fio e2fsprogs util-linux nbd-client)
 
 # Modules copied into the initramfs, with their dependencies (modprobe resolves those).
 # The full module tree is ~400 MB; the initramfs carries only this subset.

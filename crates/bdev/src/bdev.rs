@@ -81,6 +81,13 @@ pub enum BdevError {
 }
 
 impl BdevError {
+    /// Whether what backs the bdev did not answer in time (an image's cluster without a
+    /// leader for its PG past the client's deadline): the bdev is not ready rather than
+    /// broken, and a retry later may succeed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, BdevError::Io { source, .. } if source.kind() == io::ErrorKind::TimedOut)
+    }
+
     /// The errno a frontend should report: `EINVAL` for bad requests, `ENOSPC` when the
     /// backing store is full, `EIO` for other failures.
     pub fn errno(&self) -> i32 {

@@ -312,13 +312,20 @@ impl Connection {
     }
 
     fn can_read(&self) -> bool {
+        self.reading && !self.terminating && self.has_room()
+    }
+
+    /// Whether another command may start: fewer under way than the queue's size (and the
+    /// asynchronous event requests), and the responses not yet sent under their bound. A
+    /// host that sends more than its queue's size at once has the rest wait in the input
+    /// buffer (and then in the socket) until commands complete, so that its commands
+    /// under way, each with its buffer, stay bounded.
+    fn has_room(&self) -> bool {
         let depth_max = self
             .queue
             .as_ref()
             .map_or(1, |queue| usize::from(queue.sq_size));
-        self.reading
-            && !self.terminating
-            && self.in_flight.len() + self.transfers.len() <= depth_max + ASYNC_EVENT_REQUESTS_MAX
+        self.in_flight.len() + self.transfers.len() <= depth_max + ASYNC_EVENT_REQUESTS_MAX
             && self.output.len() - self.output_start < OUTPUT_BYTES_MAX
     }
 
@@ -400,6 +407,9 @@ impl Connection {
             let bytes = &input[self.input_start..];
             match decode(bytes, &self.negotiated) {
                 Ok(None) => break,
+                // A command waits for room; data for a command under way does not (it is
+                // what lets commands waiting for it complete).
+                Ok(Some((Pdu::CapsuleCmd(_), _))) if !self.has_room() => break,
                 Ok(Some((pdu, used))) => {
                     self.input_start += used;
                     self.handle(pdu, &bytes[..used]);

@@ -117,6 +117,10 @@ fn bdev_status(error: &BdevError) -> Status {
             Status::INVALID_FIELD.with_dnr()
         }
         _ if error.errno() == libc_errno::ENOSPC => Status::CAPACITY_EXCEEDED.with_dnr(),
+        // What the bdev cannot do at all (a discard on a file system without holes).
+        _ if error.errno() == libc_errno::EOPNOTSUPP => Status::INVALID_OPCODE.with_dnr(),
+        // An image's cluster that did not answer in time: the host may try again.
+        _ if error.is_timeout() => Status::NAMESPACE_NOT_READY,
         _ => Status::INTERNAL_ERROR,
     }
 }
@@ -228,5 +232,32 @@ async fn run(
             Ok(Response::status(id, Status::SUCCESS))
         }
         _ => Ok(Response::status(id, Status::INVALID_OPCODE.with_dnr())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bdev_failures_map_to_their_nvme_status() {
+        let info = basalt_bdev::bdev::BdevInfo {
+            name: "b".into(),
+            uuid: String::new(),
+            product_name: "test",
+            block_size: 512,
+            block_count: 8,
+            optimal_io_boundary_blocks: 0,
+        };
+        let io = |error: std::io::Error| bdev_status(&info.io_error(error));
+        let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "no leader");
+        assert_eq!(io(timed_out), Status::NAMESPACE_NOT_READY);
+        let unsupported = std::io::Error::from_raw_os_error(libc_errno::EOPNOTSUPP);
+        assert_eq!(io(unsupported), Status::INVALID_OPCODE.with_dnr());
+        let full = std::io::Error::from_raw_os_error(libc_errno::ENOSPC);
+        assert_eq!(io(full), Status::CAPACITY_EXCEEDED.with_dnr());
+        assert_eq!(io(std::io::Error::other("eio")), Status::INTERNAL_ERROR);
+        let past = info.extent(8 * 512, 512).expect_err("past the end");
+        assert_eq!(bdev_status(&past), Status::LBA_OUT_OF_RANGE.with_dnr());
     }
 }

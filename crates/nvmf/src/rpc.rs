@@ -137,6 +137,7 @@ async fn dispatch(
                     params.host, params.nqn
                 )));
             }
+            subsystem.disconnect_hosts_not_allowed();
             target.discovery_changed();
             Ok(json!(true))
         }
@@ -144,6 +145,7 @@ async fn dispatch(
             let params: AllowAnyHostParams = RpcError::parse_params(method, params)?;
             let subsystem = nvm_subsystem(target, &params.nqn)?;
             subsystem.lock().allow_any_host = params.allow_any_host;
+            subsystem.disconnect_hosts_not_allowed();
             target.discovery_changed();
             Ok(json!(true))
         }

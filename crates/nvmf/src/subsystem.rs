@@ -119,8 +119,8 @@ impl TransportOptions {
 }
 
 /// Checks an NQN against the NVMe grammar: `nqn.2014-08.org.nvmexpress:uuid:` and a UUID,
-/// or `nqn.YYYY-MM.` a reverse domain name, then optionally `:` and any string; at most
-/// 223 bytes. The error says what is wrong.
+/// the discovery NQN, or `nqn.YYYY-MM.` a reverse domain name, then `:` and a string the
+/// domain's owner chose (not empty); at most 223 bytes. The error says what is wrong.
 pub fn validate_nqn(nqn: &str) -> Result<(), String> {
     if nqn.is_empty() {
         return Err("nqn is empty".into());
@@ -159,7 +159,15 @@ pub fn validate_nqn(nqn: &str) -> Result<(), String> {
             "nqn {nqn:?} lacks the date \"yyyy-mm.\" after \"nqn.\""
         ));
     }
-    let domain = rest[8..].split(':').next().unwrap_or("");
+    if nqn == crate::fabrics::DISCOVERY_NQN {
+        return Ok(());
+    }
+    let (domain, name) = rest[8..].split_once(':').unwrap_or((&rest[8..], ""));
+    if name.is_empty() {
+        return Err(format!(
+            "nqn {nqn:?} lacks \":\" and a name after its domain (as in \"nqn.2016-06.io.spdk:cnode1\")"
+        ));
+    }
     if domain.is_empty() {
         return Err(format!(
             "nqn {nqn:?} has no reverse domain name after its date"
@@ -379,6 +387,34 @@ impl Subsystem {
         state.allow_any_host || state.hosts.contains(host_nqn)
     }
 
+    /// Tears down the controllers of hosts no longer allowed (a host removed, or any host
+    /// no longer allowed), as SPDK does: their queues' connections end, and a host that
+    /// connects again is refused. How many went.
+    pub fn disconnect_hosts_not_allowed(&self) -> usize {
+        let refused: Vec<Arc<Controller>> = {
+            let state = self.lock();
+            if state.allow_any_host {
+                return 0;
+            }
+            state
+                .controllers
+                .values()
+                .filter(|controller| !state.hosts.contains(&controller.host_nqn))
+                .cloned()
+                .collect()
+        };
+        for controller in &refused {
+            tracing::info!(
+                subnqn = %self.nqn,
+                hostnqn = %controller.host_nqn,
+                controller = controller.id,
+                "host no longer allowed: controller torn down"
+            );
+            controller.close();
+        }
+        refused.len()
+    }
+
     /// Whether this is the discovery subsystem.
     pub fn is_discovery(&self) -> bool {
         self.nqn == DISCOVERY_NQN
@@ -423,7 +459,7 @@ mod tests {
             "nqn.2014-08.org.nvmexpress.discovery",
             "nqn.2026-11.io.basalt:disk0",
             "nqn.2014-08.org.nvmexpress:uuid:0f8fad5b-d9cb-469f-a165-70867728950e",
-            "nqn.2000-01.a",
+            "nqn.2000-01.a:b",
         ] {
             assert_eq!(validate_nqn(good), Ok(()), "{good}");
         }
@@ -435,7 +471,9 @@ mod tests {
             ("nqn.2016-06.:x", "no reverse domain"),
             ("nqn.2016-06.1io.spdk:x", "label"),
             ("nqn.2016-06.io-.spdk:x", "label"),
-            ("nqn.2016-06.io..spdk", "label"),
+            ("nqn.2016-06.io..spdk:x", "label"),
+            ("nqn.2016-06.io.spdk", "lacks \":\""),
+            ("nqn.2016-06.io.spdk:", "lacks \":\""),
             ("nqn.2014-08.org.nvmexpress:uuid:not-a-uuid", "not a UUID"),
         ] {
             let error = validate_nqn(bad).expect_err(bad);

@@ -276,21 +276,28 @@ async fn send_and_drain(stream: &mut TcpStream, bytes: &[u8]) {
 /// An enabled controller on a new admin connection, from the recorded admin stream; the
 /// connection (kept open: the controller lives with it) and its controller id.
 async fn live_controller(target: SocketAddr, admin: &[Vec<u8>]) -> (TcpStream, u16) {
+    let (mut stream, response) = connected(target, &admin[0], &admin[1]).await;
+    let controller_id = u16::from_le_bytes([response[8], response[9]]);
+    let rest: Vec<u8> = admin[2..].concat();
+    send_and_drain(&mut stream, &rest).await;
+    (stream, controller_id)
+}
+
+/// A new connection to `target` that sent `ic_req` and then the Connect capsule
+/// `connect`; the connection and the Connect's response capsule.
+async fn connected(target: SocketAddr, ic_req: &[u8], connect: &[u8]) -> (TcpStream, [u8; 24]) {
     let mut stream = TcpStream::connect(target).await.expect("connect");
-    stream.write_all(&admin[0]).await.expect("icreq");
+    stream.write_all(ic_req).await.expect("icreq");
     let mut ic_resp = [0u8; 128];
     stream.read_exact(&mut ic_resp).await.expect("icresp");
-    stream.write_all(&admin[1]).await.expect("connect");
+    stream.write_all(connect).await.expect("connect");
     let mut response = [0u8; 24];
     stream
         .read_exact(&mut response)
         .await
         .expect("connect response");
     assert_eq!(response[0], 0x05, "a response capsule");
-    let controller_id = u16::from_le_bytes([response[8], response[9]]);
-    let rest: Vec<u8> = admin[2..].concat();
-    send_and_drain(&mut stream, &rest).await;
-    (stream, controller_id)
+    (stream, response)
 }
 
 /// Names controller `controller_id` in an I/O queue's Connect capsule: 16 bytes into the
@@ -305,6 +312,63 @@ fn join_controller(connect: &mut [u8], controller_id: u16, digests: bool) {
         let digest = crc32c::crc32c(&connect[data..end]);
         connect[end..].copy_from_slice(&digest.to_le_bytes());
     }
+}
+
+/// A host that sends more commands than its queue holds, all at once (a recorded Flush
+/// capsule, many times over, to a namespace whose flushes wait behind a gate): the target
+/// starts no more than the queue's size (each command under way holds a buffer; a burst
+/// of reads of 128 KiB each would hold hundreds of MiB), takes the rest as commands
+/// complete, and answers every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_past_its_queue_size_waits_for_room() {
+    let fixture = fixture(json!({"trtype": "TCP"})).await;
+    let held = basalt_bdev::gated::Held {
+        flushes: true,
+        ..Default::default()
+    };
+    let gate = gated_namespace(&fixture, held).await;
+    let session = record_session(fixture.address, false).await;
+    let (_admin, controller_id) = live_controller(fixture.address, &session.admin).await;
+    let mut connect = session.io[1].clone();
+    join_controller(&mut connect, controller_id, false);
+    // The Connect command's SQSIZE (0's based), 44 bytes into its SQE.
+    let sq_size = u64::from(u16::from_le_bytes([connect[8 + 44], connect[8 + 45]])) + 1;
+    let flush = session
+        .io
+        .iter()
+        .find(|pdu| pdu[0] == 0x04 && pdu[8] == 0x00)
+        .expect("a recorded flush capsule");
+    let commands = 4 * sq_size;
+    let mut burst = Vec::new();
+    for cid in 0..commands {
+        let mut capsule = flush.clone();
+        capsule[8 + 2..8 + 4].copy_from_slice(&(cid as u16).to_le_bytes());
+        capsule[8 + 4..8 + 8].copy_from_slice(&2u32.to_le_bytes());
+        burst.extend_from_slice(&capsule);
+    }
+    let (mut stream, mut response) = connected(fixture.address, &session.io[0], &connect).await;
+    stream.write_all(&burst).await.expect("the burst");
+    // The target starts what the queue holds (and a few asynchronous event requests'
+    // worth), then waits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = gate.started();
+    assert!(
+        started >= sq_size.min(8) && started <= sq_size + 5,
+        "{started} flushes started of {commands} sent on a queue of {sq_size}"
+    );
+    gate.open();
+    let mut answered = 0;
+    while answered < commands {
+        let read =
+            tokio::time::timeout(Duration::from_secs(10), stream.read_exact(&mut response)).await;
+        read.unwrap_or_else(|_| panic!("{answered} of {commands} answered"))
+            .expect("a response");
+        assert_eq!(response[0], 0x05, "a response capsule");
+        let status = u16::from_le_bytes([response[8 + 14], response[8 + 15]]) >> 1;
+        assert_eq!(status, 0, "flush {answered} failed");
+        answered += 1;
+    }
+    assert_eq!(gate.started(), commands);
 }
 
 #[test]

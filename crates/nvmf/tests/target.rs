@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use basalt_bdev::registry::BdevKind;
 use basalt_bdev::{Bdev, BdevFuture, Extent};
 use basalt_io::DmaBuf;
 use basalt_io::Reactors;
@@ -262,13 +261,7 @@ async fn every_command_with_and_without_digests() {
             .expect_err("the queue is closed");
         read_write_cycle(&host, 0, 16, 4096, 7).await;
 
-        let controllers = rpc(
-            &fixture,
-            "nvmf_subsystem_get_controllers",
-            json!({"nqn": NQN}),
-        )
-        .await
-        .expect("controllers");
+        let controllers = controllers(&fixture).await;
         assert_eq!(controllers.as_array().map(Vec::len), Some(1));
         assert_eq!(
             controllers[0]["num_io_qpairs"],
@@ -318,17 +311,6 @@ impl Counting {
 }
 
 /// Registers a bdev of a test's own with the fixture's bdevs.
-fn register_bdev(fixture: &Fixture, bdev: Box<dyn Bdev>) {
-    let construct = basalt_common::ConfigCall {
-        method: "test".to_string(),
-        params: json!({}),
-    };
-    fixture
-        .registry
-        .insert(bdev, BdevKind::Malloc, construct)
-        .expect("insert");
-}
-
 impl Bdev for Counting {
     fn info(&self) -> &basalt_bdev::BdevInfo {
         self.inner.info()
@@ -412,17 +394,12 @@ async fn writes_are_durable_at_completion_over_a_bdev_with_a_write_cache() {
 /// waits behind a closed gate when the host goes; once the gate opens, it never lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_under_way_are_given_up_when_their_connection_closes() {
-    use basalt_bdev::gated::{Gated, Held};
     let fixture = fixture(json!({"trtype": "TCP"})).await;
-    let held = Held {
+    let held = basalt_bdev::gated::Held {
         writes: true,
-        ..Held::default()
+        ..Default::default()
     };
-    let malloc = basalt_bdev::malloc::MallocBdev::new_named("Gated0", BLOCK, BLOCKS);
-    let gated = Gated::new(Box::new(malloc), held);
-    let gate = gated.handle();
-    register_bdev(&fixture, Box::new(gated));
-    assert_eq!(add_namespace(&fixture, "Gated0").await, json!(2));
+    let gate = gated_namespace(&fixture, held).await;
     let host = Arc::new(
         Host::connect(fixture.address, NQN, HostOptions::default())
             .await
@@ -438,16 +415,7 @@ async fn commands_under_way_are_given_up_when_their_connection_closes() {
     let _ = write.await;
     drop(host);
     // The target sees the connections close: the controller goes.
-    let controllers = || async {
-        rpc(
-            &fixture,
-            "nvmf_subsystem_get_controllers",
-            json!({"nqn": NQN}),
-        )
-        .await
-        .expect("controllers")
-    };
-    while controllers()
+    while controllers(&fixture)
         .await
         .as_array()
         .is_some_and(|c| !c.is_empty())
@@ -550,9 +518,35 @@ async fn hosts_not_allowed_are_refused() {
     )
     .await
     .expect("allow");
-    Host::connect(fixture.address, NQN, options)
+    let allowed = Host::connect(fixture.address, NQN, options.clone())
         .await
         .expect("allowed now");
+    read_write_cycle(&allowed, 0, 0, 4096, 3).await;
+    // Removed, the host loses its controller at once: its queues close, and it is
+    // refused when it connects again.
+    rpc(
+        &fixture,
+        "nvmf_subsystem_remove_host",
+        json!({"nqn": NQN, "host": options.host_nqn}),
+    )
+    .await
+    .expect("remove");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while controllers(&fixture).await != json!([]) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the controller stays"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    allowed
+        .read(0, 1, 0, 8, BLOCK)
+        .await
+        .expect_err("its queues are closed");
+    Host::connect(fixture.address, NQN, options)
+        .await
+        .err()
+        .expect("refused again");
     let unknown = Host::connect(
         fixture.address,
         "nqn.2016-06.io.basalt:nothing",
@@ -577,14 +571,11 @@ async fn a_silent_host_loses_its_controller() {
         .expect("connect");
     read_write_cycle(&host, 0, 0, 4096, 1).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let controllers = rpc(
-        &fixture,
-        "nvmf_subsystem_get_controllers",
-        json!({"nqn": NQN}),
-    )
-    .await
-    .expect("controllers");
-    assert_eq!(controllers, json!([]), "the controller is gone");
+    assert_eq!(
+        controllers(&fixture).await,
+        json!([]),
+        "the controller is gone"
+    );
     host.read(0, 1, 0, 8, BLOCK)
         .await
         .expect_err("its queues are closed");

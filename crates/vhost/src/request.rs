@@ -116,7 +116,10 @@ pub fn parse<M: GuestMemory>(
             Permissions::Read
         };
         if !memory.check_range(address, len as usize, access) {
-            return Err((ShapeError::OutsideMemory, None));
+            return Err((
+                ShapeError::OutsideMemory,
+                last_status_byte(descriptors, memory),
+            ));
         }
         let run = Run { address, len };
         if write_only {
@@ -147,6 +150,15 @@ pub fn parse<M: GuestMemory>(
         writable,
         status,
     })
+}
+
+/// The chain's status byte for a chain that failed before its runs were sorted out: the
+/// last byte of its last descriptor, if that is device-writable and in guest memory (a
+/// buffer outside it elsewhere in the chain still gets its `STATUS_IOERR`).
+fn last_status_byte<M: GuestMemory>(descriptors: &Descriptors, memory: &M) -> Option<GuestAddress> {
+    let &(address, len, write_only) = descriptors.iter().rev().find(|(_, len, _)| *len > 0)?;
+    let status = address.checked_add(u64::from(len) - 1)?;
+    (write_only && memory.check_range(status, 1, Permissions::Write)).then_some(status)
 }
 
 /// Takes the last writable byte off `writable` as the status byte.
@@ -297,8 +309,18 @@ mod tests {
             (GuestAddress(1 << 20), 1, true),
         ];
         assert_eq!(
-            parse(&outside, &memory).map_err(|e| e.0),
-            Err(ShapeError::OutsideMemory)
+            parse(&outside, &memory),
+            Err((ShapeError::OutsideMemory, None))
+        );
+        // A data buffer outside, the status byte inside: the request fails with a status.
+        let outside_data = vec![
+            (GuestAddress(0x100), 16, false),
+            (GuestAddress(1 << 20), 512, true),
+            (GuestAddress(0x2000), 1, true),
+        ];
+        assert_eq!(
+            parse(&outside_data, &memory),
+            Err((ShapeError::OutsideMemory, Some(GuestAddress(0x2000))))
         );
         let backwards = vec![
             (GuestAddress(0x100), 16, false),

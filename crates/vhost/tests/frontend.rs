@@ -452,11 +452,19 @@ fn drive(dir: &Path, bdev: Arc<dyn Bdev>, bdev_file: Option<&Path>) {
         STATUS_IOERR,
         "readable after writable"
     );
+    guest
+        .memory
+        .write_obj(0xffu8, GuestAddress(0x9000))
+        .expect("status byte");
     let used = guest.submit(&[
         (0x8000, 16, false),
         (MEMORY_SIZE as u64 + 4096, 512, true),
         (0x9000, 1, true),
     ]);
+    assert_eq!(used, 1, "the status byte alone written");
+    assert_eq!(guest.status(0x9000), STATUS_IOERR, "outside guest memory");
+    // Outside guest memory where the status byte would be: returned unused.
+    let used = guest.submit(&[(0x8000, 16, false), (MEMORY_SIZE as u64 + 4096, 1, true)]);
     assert_eq!(used, 0, "returned unused: nothing written");
 
     // An available index further ahead than the queue holds breaks that queue only while

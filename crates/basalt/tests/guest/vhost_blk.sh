@@ -41,6 +41,17 @@ if ! dd if=/dev/vda bs=4096 skip=12800 count=64 iflag=direct status=none |
   exit 1
 fi
 
+step "write zeroes reads back as zeroes"
+# The driver sends VIRTIO_BLK_T_WRITE_ZEROES for BLKZEROOUT only when the device offers it.
+[ "$(cat /sys/block/vda/queue/write_zeroes_max_bytes)" -gt 0 ]
+dd if=/dev/urandom of=/dev/vda bs=4096 seek=13000 count=32 oflag=direct status=none
+blkdiscard -z -o $((13000 * 4096)) -l $((32 * 4096)) /dev/vda
+if ! dd if=/dev/vda bs=4096 skip=13000 count=32 iflag=direct status=none |
+  cmp -s - <(head -c $((32 * 4096)) /dev/zero); then
+  echo "vhost_blk: blocks written with zeroes are not zeroes" >&2
+  exit 1
+fi
+
 step "ext4 (inode tables zeroed by write zeroes), files, checksums across remount"
 mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 /dev/vda
 mount -t ext4 /dev/vda /mnt

@@ -108,6 +108,43 @@ pub async fn read_write_cycle(host: &Host, queue: usize, lba: u64, len: usize, s
     assert_eq!(back, data, "lba {lba}, {len} bytes");
 }
 
+/// Puts `bdev` (one a test built) in the fixture's registry.
+pub fn register_bdev(fixture: &Fixture, bdev: Box<dyn basalt_bdev::Bdev>) {
+    let construct = basalt_common::ConfigCall {
+        method: "test".to_string(),
+        params: json!({}),
+    };
+    fixture
+        .registry
+        .insert(bdev, basalt_bdev::registry::BdevKind::Malloc, construct)
+        .expect("insert");
+}
+
+/// A malloc bdev `Gated0` whose `held` operations wait behind a gate, exported as
+/// namespace 2 of [`NQN`]; the gate.
+pub async fn gated_namespace(
+    fixture: &Fixture,
+    held: basalt_bdev::gated::Held,
+) -> basalt_bdev::gated::GateHandle {
+    let malloc = basalt_bdev::malloc::MallocBdev::new_named("Gated0", BLOCK, BLOCKS);
+    let gated = basalt_bdev::gated::Gated::new(Box::new(malloc), held);
+    let gate = gated.handle();
+    register_bdev(fixture, Box::new(gated));
+    assert_eq!(add_namespace(fixture, "Gated0").await, json!(2));
+    gate
+}
+
+/// The controllers of [`NQN`], as `nvmf_subsystem_get_controllers` lists them.
+pub async fn controllers(fixture: &Fixture) -> Value {
+    rpc(
+        fixture,
+        "nvmf_subsystem_get_controllers",
+        json!({"nqn": NQN}),
+    )
+    .await
+    .expect("controllers")
+}
+
 /// Exports bdev `name` as the next namespace of [`NQN`]; its nsid.
 pub async fn add_namespace(fixture: &Fixture, name: &str) -> Value {
     rpc(
