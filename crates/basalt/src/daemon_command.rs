@@ -164,7 +164,15 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
             .listen
             .or(section.listen)
             .unwrap_or_else(|| "127.0.0.1:6780".parse().expect("address")),
-        grace: Duration::from_secs(args.grace.or(section.grace_seconds).unwrap_or(6)),
+        grace: match args.grace.or(section.grace_seconds).unwrap_or(6) {
+            seconds @ GRACE_MIN_SECONDS.. => Duration::from_secs(seconds),
+            seconds => anyhow::bail!(
+                "--grace {seconds}: at least {GRACE_MIN_SECONDS} seconds (OSDs send a heartbeat \
+                 every {} s; a shorter grace marks live OSDs down whenever one is late, and \
+                 every mark moves their PGs' leaders)",
+                basalt_osd::daemon::HEARTBEAT_INTERVAL.as_secs()
+            ),
+        },
         down_out_interval: Duration::from_secs(
             args.down_out_interval
                 .or(section.down_out_seconds)
@@ -174,9 +182,21 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
         peers: match (args.peers.is_empty(), section.peers.is_empty()) {
             (false, _) => resolve_mons(&args.peers).context("--peers")?,
             (true, false) => resolve_mons(&section.peers).context("[mon] peers")?,
+            // A config file shared by every node names the monitors once, in [cluster].
+            (true, true) if file.cluster.mons.len() > 1 => {
+                resolve_mons(&file.cluster.mons).context("[cluster] mons")?
+            }
             (true, true) => Vec::new(),
         },
     };
+    let monitors = config.peers.len().max(1);
+    if monitors.is_multiple_of(2) {
+        eprintln!(
+            "basalt mon: note: {monitors} monitors survive the loss of no more than {} \
+             would; an odd number (1, 3 or 5) is the usual choice",
+            monitors - 1
+        );
+    }
     crate::control_runtime()?.block_on(async move {
         let running = basalt_mon::server::start(config).await?;
         println!("basalt mon: listening on {}", running.address);
@@ -186,6 +206,9 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
     })?;
     Ok(ExitCode::SUCCESS)
 }
+
+/// The shortest grace `basalt mon` takes: three OSD heartbeats.
+const GRACE_MIN_SECONDS: u64 = 3;
 
 /// Options of `basalt osd` (the daemon).
 #[derive(clap::Args)]
@@ -287,10 +310,17 @@ pub fn run_osd(args: OsdArgs) -> anyhow::Result<ExitCode> {
             basalt_osd::log_device::Fill::Zeroes
         },
         mons: resolve_mons(&mons)?,
-        listen: args
+        listen: match args
             .listen
             .or(section.listen)
-            .unwrap_or_else(|| "127.0.0.1:0".parse().expect("address")),
+            .unwrap_or_else(|| "127.0.0.1:0".parse().expect("address"))
+        {
+            unspecified if unspecified.ip().is_unspecified() => anyhow::bail!(
+                "--listen {unspecified}: give the address of one interface (the OSD puts it \
+                 in the map, where its peers and clients look it up)"
+            ),
+            listen => listen,
+        },
         host: args.host.or(section.host).unwrap_or_else(hostname),
         weight: args.weight.or(section.weight).unwrap_or(1.0),
         metrics_addr: args.metrics_addr.or(section.metrics_addr),

@@ -169,6 +169,26 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     std::fs::write(&conf, format!("[cluster]\nmons = [\"{mon_address}\"]\n"))
         .with_context(|| format!("writing {}", conf.display()))?;
 
+    // Ctrl-C or SIGTERM while the cluster starts (minutes, when OSD devices are zeroed)
+    // stops the daemons started so far too, rather than leave them running.
+    let (children, mon) = tokio::select! {
+        started = start_cluster(&args, mon_address) => started?,
+        result = crate::shutdown_signal() => {
+            result?;
+            println!("basalt dev: stopped while starting");
+            return Ok(());
+        }
+    };
+    serve_started(args, mon_address, conf, children, mon).await
+}
+
+/// Starts the monitor and the OSDs, creates the pool and the image if missing, and waits
+/// until every PG has a leader. Dropped before, it stops the daemons it started.
+async fn start_cluster(
+    args: &DevArgs,
+    mon_address: SocketAddr,
+) -> anyhow::Result<(Children, MonClient)> {
+    let dir = &args.data_dir;
     let mut children = Children(Vec::new());
     children.spawn(
         "mon",
@@ -246,7 +266,18 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         Ok((led >= pgs as usize).then_some(()))
     })
     .await?;
+    Ok((children, mon))
+}
 
+/// Exports the image and serves until Ctrl-C or SIGTERM, then stops everything.
+async fn serve_started(
+    args: DevArgs,
+    mon_address: SocketAddr,
+    conf: std::path::PathBuf,
+    mut children: Children,
+    mon: MonClient,
+) -> anyhow::Result<()> {
+    let dir = &args.data_dir;
     let socket = dir.join("target.sock");
     let target = Target::new(
         crate::core_count(),

@@ -290,6 +290,53 @@ fn within_30s() -> Command {
     command
 }
 
+/// A pool whose `min_size` is its size holds writes back while one of its replicas is
+/// down (as Ceph holds I/O to a PG below `min_size`; raft alone would go on with two of
+/// three), and they go through once it is back.
+#[test]
+fn writes_wait_while_fewer_replicas_than_min_size_are_live() {
+    require("qemu-io");
+    let dir = ScratchDir::new("cluster-min-size");
+    let mut cluster = ClusterProcesses::start(&dir.path, 3);
+    let pool = ["pool", "create", "rbd", "--pg-count", "1", "--size", "3"];
+    cluster.cli_ok(&[&pool[..], &["--min-size", "3"]].concat());
+    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", "16MiB"]);
+    cluster.wait_clean(Duration::from_secs(60));
+    let (_target, uri) = export_image(&dir.path, &cluster, "rbd", "vol");
+    qemu_io_ok(&uri, false, &["write -P 0x11 0 1M"]);
+    let leader = only_pg_leader(&cluster);
+    let follower = (0..3)
+        .find(|n| cluster.osd_id(*n) != leader)
+        .expect("a follower");
+    cluster.kill_osd(follower);
+    // Longer than a leader counts a silent replica live.
+    std::thread::sleep(Duration::from_secs(4));
+    let mut writer = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x22 0 1M", &uri])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(
+        writer.try_wait().expect("try_wait").is_none(),
+        "a write went through with 2 of 3 replicas live and min_size 3"
+    );
+    cluster.start_osd(follower);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = writer.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(45),
+            "the write stayed held back with every replica back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "the held write failed: {status}");
+    qemu_io_ok(&uri, true, &["read -P 0x22 0 1M"]);
+}
+
 /// A loop device over a sparse file, detached when dropped.
 struct LoopDevice {
     path: std::path::PathBuf,
@@ -352,6 +399,20 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         ],
         "use a larger device",
     );
+    // It held nothing: it is gone, so that a start with a larger size makes it again.
+    assert!(!tiny.join("osd.log").exists(), "a device too small is kept");
+    let tiny = tiny.to_str().expect("utf-8");
+    refused(
+        &["osd", "--data-dir", tiny, "--listen", "0.0.0.0:0"],
+        "give the address of one interface",
+    );
+    let mon = run(basalt().args(["mon", "--grace", "1", "--data-dir", tiny]));
+    let stderr = String::from_utf8_lossy(&mon.stderr);
+    assert!(
+        !mon.status.success(),
+        "a monitor started with a grace of 1 s"
+    );
+    assert!(stderr.contains("--grace 1: at least 3 seconds"), "{stderr}");
     cluster.cli_ok(&["pool", "create", "p", "--pg-count", "4", "--size", "1"]);
     refused(
         &["pool", "create", "p", "--pg-count", "4", "--size", "1"],

@@ -10,6 +10,38 @@ use std::time::Duration;
 
 use support::*;
 
+/// Spawns `basalt dev` in `dir` (a 64 MiB image, 256 MiB OSDs, sparse or not), its
+/// stdout piped.
+fn spawn_dev(
+    dir: &ScratchDir,
+    (nbd_port, nvmf_port): (u16, u16),
+    mon_port: u16,
+    sparse: bool,
+) -> std::process::Child {
+    let mut command = basalt();
+    command.args([
+        "dev",
+        "--size",
+        "64MiB",
+        "--osd-size",
+        "256MiB",
+        "--pg-count",
+        "8",
+    ]);
+    if sparse {
+        command.arg("--sparse-osds");
+    }
+    command
+        .args(["--nbd-port", &nbd_port.to_string()])
+        .args(["--nvmf-port", &nvmf_port.to_string()])
+        .args(["--mon-port", &mon_port.to_string(), "--data-dir"])
+        .arg(&dir.path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn basalt dev")
+}
+
 /// Starts `basalt dev` in `dir`, checks that it printed how to connect (NBD, NVMe/TCP, the
 /// CLI's config); returns it, the URI it printed and its remaining output.
 fn start_dev(
@@ -21,29 +53,7 @@ fn start_dev(
     String,
     std::io::Lines<BufReader<std::process::ChildStdout>>,
 ) {
-    let mut child = basalt()
-        .args([
-            "dev",
-            "--size",
-            "64MiB",
-            "--osd-size",
-            "256MiB",
-            "--sparse-osds",
-            "--pg-count",
-            "8",
-            "--nbd-port",
-            &nbd_port.to_string(),
-            "--nvmf-port",
-            &nvmf_port.to_string(),
-            "--mon-port",
-            &mon_port.to_string(),
-            "--data-dir",
-        ])
-        .arg(&dir.path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn basalt dev");
+    let mut child = spawn_dev(dir, (nbd_port, nvmf_port), mon_port, true);
     let stdout = child.stdout.take().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let mut printed = String::new();
@@ -163,4 +173,39 @@ fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
     let (child, uri, lines) = start_dev(&dir, ports, mon_port);
     qemu_io_ok(&uri, true, &["read -P 0xab 0 64k", "read -P 0 32M 64k"]);
     stop_dev(child, lines);
+}
+
+/// SIGTERM while `basalt dev` starts its cluster (here as soon as its OSDs are spawned):
+/// it stops the daemons it started and exits, leaving none running.
+#[test]
+fn dev_stopped_while_starting_leaves_no_daemon_running() {
+    let dir = ScratchDir::new("dev-early-stop");
+    let mon_port = free_port();
+    // Devices zeroed (not sparse): the OSDs take a while to start.
+    let mut child = spawn_dev(&dir, (free_port(), free_port()), mon_port, false);
+    wait_for("the osds to be spawned", Duration::from_secs(20), || {
+        dir.join("osd.2.log").exists()
+    });
+    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "basalt dev exited with {status}");
+    let mut printed = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().expect("stdout"), &mut printed)
+        .expect("stdout");
+    assert!(printed.contains("stopped while starting"), "{printed}");
+    // No process left with the data directory on its command line.
+    let path = dir.path.display().to_string();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|entry| {
+            let cmdline = std::fs::read(entry.ok()?.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            cmdline.contains(&path).then_some(cmdline)
+        })
+        .collect();
+    assert!(left.is_empty(), "left running: {left:?}");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", mon_port)).is_err(),
+        "the monitor stopped with dev"
+    );
 }

@@ -666,9 +666,15 @@ impl ClusterMap {
         if size == 0 || size > POOL_SIZE_MAX {
             return Err(invalid("size", size, "1 to 5 replicas"));
         }
-        let min_size = min_size.unwrap_or(size / 2 + 1);
-        if min_size == 0 || min_size > size {
-            return Err(invalid("min_size", min_size, "1 to the pool's size"));
+        let majority = size / 2 + 1;
+        let min_size = min_size.unwrap_or(majority);
+        if min_size < majority || min_size > size {
+            return Err(invalid(
+                "min_size",
+                min_size,
+                "from a majority of the pool's size (raft commits a write only on a majority \
+                 of the replicas, so fewer cannot take writes) to its size",
+            ));
         }
         let id = PoolId(self.next_pool);
         self.next_pool += 1;
@@ -1051,6 +1057,15 @@ mod tests {
                     min_size: Some(4),
                 },
                 "min_size 4",
+            ),
+            (
+                Command::PoolCreate {
+                    name: "p".into(),
+                    pg_count: 64,
+                    size: 3,
+                    min_size: Some(1),
+                },
+                "min_size 1",
             ),
             (
                 Command::PoolCreate {

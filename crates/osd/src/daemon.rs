@@ -1971,6 +1971,10 @@ impl Core {
         let write_bytes = op.payload().len() as u64;
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;
+        if let Err(status) = self.enough_replicas(pg) {
+            let _ = reply_to.send(reply(status));
+            return;
+        }
         if write_bytes > 0
             && let Err(status) = self
                 .replicas_not_full(pg)
@@ -2081,6 +2085,43 @@ impl Core {
                 "the pg's log was written under a newer map than this osd has: handing it over"
             );
         }
+    }
+
+    /// Holds writes to `pg` back (`Busy`: the client tries again until its deadline) while
+    /// fewer of its voters are live than its pool's `min_size`, as Ceph holds I/O to a PG
+    /// below it: this OSD, and the peers it had a raft frame from within
+    /// [`PEER_FULL_FOR`] (a replica answers its leaders' heartbeats every other tick).
+    /// Only a `min_size` above a majority of the voters can hold a write back: raft
+    /// commits nothing without a majority anyway (the monitors refuse a lower one).
+    fn enough_replicas(&self, pg: PgId) -> Result<(), Status> {
+        if !self.raft.is_leader(pg) {
+            return Ok(());
+        }
+        let (Some(pool), Some(members)) = (self.map.pools.get(&pg.pool), self.raft.members(pg))
+        else {
+            return Ok(());
+        };
+        let live = members
+            .voters
+            .iter()
+            .filter(|osd| {
+                **osd == self.id
+                    || self
+                        .peers_full
+                        .get(osd)
+                        .is_some_and(|(_, at)| at.elapsed() < PEER_FULL_FOR)
+            })
+            .count();
+        if live >= pool.min_size as usize {
+            return Ok(());
+        }
+        Err(Status::Busy {
+            message: format!(
+                "pg {pg} has {live} of its {} replicas live, fewer than its pool's min_size {}",
+                members.voters.len(),
+                pool.min_size
+            ),
+        })
     }
 
     /// Refuses a write to `pg` while one of its voters is full: a replica that cannot
@@ -4376,6 +4417,7 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         .device
         .clone()
         .unwrap_or_else(|| config.data_dir.join(DEVICE_FILE));
+    let made_now = !path.exists();
     let (superblock, device_claim) = prepare_device(&path, &config).await?;
     let opened = LogDevice::open(&path).await?;
     let capacity_bytes = superblock.log_end_bytes - superblock.log_start_bytes;
@@ -4385,6 +4427,11 @@ pub async fn start(config: OsdConfig) -> Result<Running, OsdError> {
         crate::log_device::MAX_BATCH_BYTES,
     );
     if writable < least {
+        if made_now {
+            // It holds nothing yet: a start with a larger --device-size makes it again.
+            drop(opened);
+            let _ = std::fs::remove_file(&path);
+        }
         return Err(OsdError::TooSmall {
             path: path.display().to_string(),
             capacity_bytes,
