@@ -11,6 +11,7 @@
 //! grace_seconds = 6
 //! down_out_seconds = 600
 //! metrics_addr = "127.0.0.1:9480"
+//! max_pgs_per_osd = 1000
 //!
 //! [osd]
 //! data_dir = "/var/lib/basalt/osd.0"
@@ -69,6 +70,7 @@ pub struct MonSection {
     grace_seconds: Option<u64>,
     down_out_seconds: Option<u64>,
     metrics_addr: Option<SocketAddr>,
+    max_pgs_per_osd: Option<u32>,
     #[serde(default)]
     peers: Vec<String>,
 }
@@ -140,6 +142,10 @@ pub struct MonArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Refuse a new pool that would put more PG replicas than this on each OSD in (each is
+    /// a raft group on its OSD, and every PG is in the map). Default 1000.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_pgs_per_osd: Option<u32>,
     /// Every monitor of the cluster, this one's --listen address included (1, 3 or 5;
     /// the same list on each). Without it, this monitor is the only one.
     #[arg(long, value_delimiter = ',')]
@@ -179,6 +185,11 @@ pub fn run_mon(args: MonArgs) -> anyhow::Result<ExitCode> {
                 .unwrap_or(600),
         ),
         metrics_addr: args.metrics_addr.or(section.metrics_addr),
+        max_pgs_per_osd: match args.max_pgs_per_osd.or(section.max_pgs_per_osd) {
+            Some(0) => anyhow::bail!("[mon] max_pgs_per_osd: at least 1"),
+            Some(max) => max,
+            None => basalt_mon::map::PGS_PER_OSD_MAX_DEFAULT,
+        },
         peers: match (args.peers.is_empty(), section.peers.is_empty()) {
             (false, _) => resolve_mons(&args.peers).context("--peers")?,
             (true, false) => resolve_mons(&section.peers).context("[mon] peers")?,

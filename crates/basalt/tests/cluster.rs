@@ -225,6 +225,44 @@ fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
         stderr.contains("not a basalt osd device") && stderr.contains("--format"),
         "{stderr}"
     );
+    let osd_on = |device: &str, data_dir: &str| {
+        run(within_30s()
+            .args([
+                "osd",
+                "--mon",
+                "127.0.0.1:1",
+                "--format",
+                "--device",
+                device,
+            ])
+            .arg("--data-dir")
+            .arg(dir.join(data_dir)))
+    };
+    // A device named that is not there is not made as a file.
+    let missing = dir.join("no-such-device");
+    let output = osd_on(missing.to_str().expect("utf8"), "missing");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("does not exist"),
+        "{stderr}"
+    );
+    assert!(!missing.exists(), "a file made in place of the device");
+    // A device that holds something else is not formatted over, even with --format.
+    let write_at = |offset: u64, bytes: &[u8]| {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&devices[0].path)
+            .expect("open the device");
+        file.write_all_at(bytes, offset).expect("write");
+        file.sync_all().expect("sync");
+    };
+    write_at(4096, b"a file system's label");
+    let output = osd_on(&device(0), "holds-data");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "formatted over data");
+    assert!(stderr.contains("holds data (at byte 4096)"), "{stderr}");
+    write_at(4096, &[0; 64]);
     let on_device = |n: usize| vec!["--device".to_string(), device(n), "--format".to_string()];
     let mut cluster = ClusterProcesses::start_custom(
         &dir.path,
@@ -376,6 +414,11 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         &["pool", "create", "p", "--pg-count", "4", "--size", "0"],
         "size 0",
     );
+    // 2048 PG replicas on the one OSD: more than an OSD is let hold.
+    refused(
+        &["pool", "create", "p", "--pg-count", "2048", "--size", "1"],
+        "would put 2048 PG replicas on each of the 1 OSDs in, more than 1000",
+    );
     refused(
         &["image", "create", "nopool/img", "--size", "1GiB"],
         "\"nopool\" does not exist",
@@ -471,6 +514,25 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         cluster.cli_json(&["image", "info", "p/img"])["size_bytes"],
         2u64 << 30
     );
+    // Status shows the client I/O going on, from the OSDs' reports.
+    let mut bench = basalt()
+        .args(["bench", "--image", "p/img", "--mon", &cluster.mon_address])
+        .args(["--rw", "randwrite", "--runtime", "6", "--size", "16MiB"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("basalt bench");
+    wait_for("status to show writes", Duration::from_secs(6), || {
+        let client = &cluster.cli_json(&["status"])["client"];
+        client["write_ops_per_second"].as_f64() > Some(0.0)
+            && client["write_bytes_per_second"].as_f64() > Some(0.0)
+    });
+    let text = cluster.cli_ok(&["status"]);
+    let client = text
+        .lines()
+        .find(|line| line.trim_start().starts_with("client:"))
+        .unwrap_or_else(|| panic!("no client line: {text}"));
+    assert!(!client.ends_with(" 0 op/s wr"), "{client}");
+    assert!(bench.wait().expect("bench").success());
     cluster.cli_ok(&["image", "rm", "p/img"]);
     cluster.cli_ok(&["pool", "rm", "p"]);
     assert_eq!(cluster.cli_json(&["pool", "ls"]), json!([]));

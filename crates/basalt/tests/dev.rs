@@ -180,9 +180,8 @@ fn dev_serves_an_image_that_qemu_io_uses_and_keeps_it_across_restarts() {
 #[test]
 fn dev_stopped_while_starting_leaves_no_daemon_running() {
     let dir = ScratchDir::new("dev-early-stop");
-    let mon_port = free_port();
     // Devices zeroed (not sparse): the OSDs take a while to start.
-    let mut child = spawn_dev(&dir, (free_port(), free_port()), mon_port, false);
+    let mut child = spawn_dev(&dir, (free_port(), free_port()), free_port(), false);
     wait_for("the osds to be spawned", Duration::from_secs(20), || {
         dir.join("osd.2.log").exists()
     });
@@ -204,8 +203,4 @@ fn dev_stopped_while_starting_leaves_no_daemon_running() {
         })
         .collect();
     assert!(left.is_empty(), "left running: {left:?}");
-    assert!(
-        std::net::TcpStream::connect(("127.0.0.1", mon_port)).is_err(),
-        "the monitor stopped with dev"
-    );
 }

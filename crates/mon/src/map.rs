@@ -21,6 +21,11 @@ use crate::placement::{self, Candidate};
 pub const POOL_SIZE_MAX: u32 = 5;
 /// The most PGs a pool may have.
 pub const PG_COUNT_MAX: u32 = 32768;
+/// PG replicas per OSD in at most, unless the monitors are told otherwise
+/// (`basalt mon --max-pgs-per-osd`): each is a raft group with its heartbeats and memory on
+/// its OSD, and every PG is in the map sent to every client (Ceph's `mon_max_pg_per_osd`
+/// is 250).
+pub const PGS_PER_OSD_MAX_DEFAULT: u32 = 1000;
 /// The smallest and largest object sizes.
 pub const OBJECT_SIZE_MIN: u64 = 4096;
 /// The largest object size.
@@ -666,15 +671,11 @@ impl ClusterMap {
         if size == 0 || size > POOL_SIZE_MAX {
             return Err(invalid("size", size, "1 to 5 replicas"));
         }
-        let majority = size / 2 + 1;
-        let min_size = min_size.unwrap_or(majority);
-        if min_size < majority || min_size > size {
-            return Err(invalid(
-                "min_size",
-                min_size,
-                "from a majority of the pool's size (raft commits a write only on a majority \
-                 of the replicas, so fewer cannot take writes) to its size",
-            ));
+        // Applied as logged: a min_size below a majority, which the monitors refuse now
+        // (`ClusterMap::refusal`), is in the logs of clusters made before.
+        let min_size = min_size.unwrap_or(size / 2 + 1);
+        if min_size == 0 || min_size > size {
+            return Err(invalid("min_size", min_size, "1 to the pool's size"));
         }
         let id = PoolId(self.next_pool);
         self.next_pool += 1;
@@ -905,6 +906,55 @@ pub fn check_size(size_bytes: u64) -> Result<(), MapError> {
     Ok(())
 }
 
+impl ClusterMap {
+    /// Why the monitors' leader refuses to propose `command` (checked before the command
+    /// goes in the log, never when it applies: a monitor's settings, and rules newer than
+    /// commands already logged, must not make monitors apply the log differently), or
+    /// `None`. `max_pgs_per_osd`: see [`PGS_PER_OSD_MAX_DEFAULT`].
+    pub fn refusal(&self, command: &Command, max_pgs_per_osd: u32) -> Option<String> {
+        let Command::PoolCreate {
+            name,
+            pg_count,
+            size,
+            min_size,
+        } = command
+        else {
+            return None;
+        };
+        let majority = size / 2 + 1;
+        if let Some(min_size) = min_size.filter(|min_size| *min_size < majority) {
+            return Some(format!(
+                "min_size {min_size}: at least {majority}, a majority of the pool's size {size} \
+                 (raft commits a write only on a majority of the replicas, so fewer cannot \
+                 take writes)"
+            ));
+        }
+        let (per_osd, osds) = self.pg_replicas_per_osd_with(*pg_count, *size);
+        (per_osd > u64::from(max_pgs_per_osd)).then(|| {
+            format!(
+                "pool {name}: {pg_count} PGs of {size} replicas would put {per_osd} PG \
+                 replicas on each of the {osds} OSDs in, more than {max_pgs_per_osd} (basalt \
+                 mon --max-pgs-per-osd); create fewer PGs or add OSDs first"
+            )
+        })
+    }
+
+    /// The PG replicas each OSD in would hold with a new pool of `pg_count` PGs of `size`
+    /// replicas besides the pools there are, and the OSDs counted (those in, at least the
+    /// pool's size: a pool made before its OSDs boot counts as many as it needs).
+    pub fn pg_replicas_per_osd_with(&self, pg_count: u32, size: u32) -> (u64, u64) {
+        let osds = self.osds.values().filter(|osd| osd.is_in).count() as u64;
+        let osds = osds.max(u64::from(size)).max(1);
+        let replicas: u64 = self
+            .pools
+            .values()
+            .map(|pool| u64::from(pool.pg_count) * u64::from(pool.size))
+            .sum::<u64>()
+            + u64::from(pg_count) * u64::from(size);
+        (replicas.div_ceil(osds), osds)
+    }
+}
+
 fn invalid(parameter: &'static str, value: impl std::fmt::Display, rule: &'static str) -> MapError {
     MapError::Invalid {
         parameter,
@@ -1003,6 +1053,33 @@ mod tests {
     }
 
     #[test]
+    fn proposals_below_a_majority_or_past_the_pgs_per_osd_are_refused() {
+        let mut map = ClusterMap::new();
+        let pool = |pg_count, size, min_size| Command::PoolCreate {
+            name: "p".into(),
+            pg_count,
+            size,
+            min_size,
+        };
+        let refused = |map: &ClusterMap, command| map.refusal(&command, 1000);
+        let low = refused(&map, pool(64, 3, Some(1))).expect("min_size 1 of 3");
+        assert!(low.contains("min_size 1: at least 2"), "{low}");
+        assert_eq!(refused(&map, pool(64, 3, Some(2))), None);
+        assert_eq!(refused(&map, pool(64, 3, None)), None);
+        // No OSD in yet: counted as the pool's size.
+        assert_eq!(refused(&map, pool(1000, 3, None)), None);
+        let many = refused(&map, pool(2048, 3, None)).expect("2048 per OSD");
+        assert!(
+            many.contains("would put 2048 PG replicas on each of the 3 OSDs in"),
+            "{many}"
+        );
+        // Applied all the same when logged (a cluster made before the rule).
+        map.apply(&pool(64, 3, Some(1))).expect("applied as logged");
+        let more = refused(&map, pool(1000, 3, None)).expect("with the pool there");
+        assert!(more.contains("1064 PG replicas"), "{more}");
+    }
+
+    #[test]
     fn pools_get_pgs_on_distinct_hosts_and_majority_min_size() {
         let map = three_hosts();
         let pool = map.pool_by_name("rbd").expect("pool");
@@ -1057,15 +1134,6 @@ mod tests {
                     min_size: Some(4),
                 },
                 "min_size 4",
-            ),
-            (
-                Command::PoolCreate {
-                    name: "p".into(),
-                    pg_count: 64,
-                    size: 3,
-                    min_size: Some(1),
-                },
-                "min_size 1",
             ),
             (
                 Command::PoolCreate {

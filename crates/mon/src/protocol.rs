@@ -342,11 +342,21 @@ impl MonRequest {
 }
 
 impl MonReply {
-    /// The message carrying it.
+    /// The message carrying it; an error in its place when it would not fit a frame (a
+    /// map or status of more PGs than a frame holds), rather than a reply that cannot be
+    /// sent.
     pub fn to_message(&self) -> Message {
-        Message::Control {
-            body: serde_json::to_vec(self).expect("replies always encode"),
+        let body = serde_json::to_vec(self).expect("replies always encode");
+        if body.len() > basalt_wire::frame::BODY_SIZE_MAX {
+            let error = MonReply::Error(format!(
+                "the reply takes {} bytes, more than a message holds ({}): the cluster map \
+                 holds too many PGs",
+                body.len(),
+                basalt_wire::frame::BODY_SIZE_MAX
+            ));
+            return error.to_message();
         }
+        Message::Control { body }
     }
 }
 
@@ -404,6 +414,19 @@ mod tests {
         };
         assert_eq!(own(60).nearly_full_percent(), None);
         assert_eq!(own(90).nearly_full_percent(), Some(90));
+    }
+
+    #[test]
+    fn a_reply_too_large_for_a_message_becomes_an_error() {
+        let small = MonReply::Watchers(vec!["w".into()]);
+        assert_eq!(decode::<MonReply>(&small.to_message()), Ok(small));
+        let large = MonReply::Watchers(vec!["w".repeat(basalt_wire::frame::BODY_SIZE_MAX)]);
+        match decode::<MonReply>(&large.to_message()) {
+            Ok(MonReply::Error(error)) => assert!(error.contains("too many PGs"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        // It encodes into a frame: no panic.
+        let _ = large.to_message().encode(1);
     }
 
     #[test]

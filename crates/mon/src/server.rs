@@ -66,6 +66,9 @@ pub struct MonConfig {
     pub down_out_interval: Duration,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
+    /// A new pool is refused when it would put more PG replicas than this on each OSD in
+    /// (see [`crate::map::PGS_PER_OSD_MAX_DEFAULT`]).
+    pub max_pgs_per_osd: u32,
 }
 
 /// Why the monitor could not start.
@@ -675,6 +678,8 @@ struct Core {
     journal: Journal,
     /// The data directory, this process's while the core runs.
     _claim: basalt_io::device::Claim,
+    /// [`MonConfig::max_pgs_per_osd`].
+    max_pgs_per_osd: u32,
     proposals: HashMap<u64, (u64, oneshot::Sender<MonReply>)>,
     peers: HashMap<OsdId, mpsc::UnboundedSender<RaftMessage>>,
     leader: watch::Sender<Option<usize>>,
@@ -698,6 +703,16 @@ impl Core {
                 }
             }
             Event::Propose { command, reply } => {
+                // Checked here, before the command goes in the log, not when it applies.
+                let refusal = self
+                    .monitor
+                    .lock()
+                    .map
+                    .refusal(&command, self.max_pgs_per_osd);
+                if let Some(refusal) = refusal {
+                    let _ = reply.send(MonReply::Error(refusal));
+                    return;
+                }
                 let data = serde_json::to_vec(&command).expect("commands encode");
                 match self.raft.propose(MON_GROUP, data) {
                     Ok(()) => {
@@ -904,6 +919,7 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
         raft,
         journal,
         _claim: claim,
+        max_pgs_per_osd: config.max_pgs_per_osd,
         proposals: HashMap::new(),
         peers: peers
             .iter()

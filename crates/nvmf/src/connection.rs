@@ -407,8 +407,9 @@ impl Connection {
             let bytes = &input[self.input_start..];
             match decode(bytes, &self.negotiated) {
                 Ok(None) => break,
-                // A command waits for room; data for a command under way does not (it is
-                // what lets commands waiting for it complete).
+                // A command waits for room. (So does data queued behind it; a host within
+                // its queue's size never meets this, as the room counts what it may have
+                // under way and the asynchronous event requests besides.)
                 Ok(Some((Pdu::CapsuleCmd(_), _))) if !self.has_room() => break,
                 Ok(Some((pdu, used))) => {
                     self.input_start += used;

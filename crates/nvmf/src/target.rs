@@ -467,12 +467,15 @@ impl NvmfTarget {
             tracing::info!(subnqn = %data.subsystem_nqn, via = %via.address, "connect on an address the subsystem does not listen on");
             return Err(invalid(subnqn_offset, true));
         }
-        if !subsystem.allows_host(&data.host_nqn) {
+        let host_refused = || {
             tracing::info!(subnqn = %data.subsystem_nqn, hostnqn = %data.host_nqn, "host not allowed");
-            return Err(Response {
+            Response {
                 dw0: connect_invalid_parameter_dw0(CONNECT_DATA_HOST_NQN_OFFSET as u16, true),
                 ..Response::status(command_id, Status::CONNECT_INVALID_HOST.with_dnr())
-            });
+            }
+        };
+        if !subsystem.allows_host(&data.host_nqn) {
+            return Err(host_refused());
         }
         let sq_entries = u32::from(connect.sq_size) + 1;
         let sq_flow_control_disabled =
@@ -486,6 +489,11 @@ impl NvmfTarget {
                 return Err(invalid(CONNECT_DATA_CONTROLLER_ID_OFFSET as u16, true));
             }
             let mut state = subsystem.lock();
+            // Again under the lock the controller goes in with: a host removed since the
+            // check above (whose controllers were torn down then) gets none.
+            if !(state.allow_any_host || state.hosts.contains(&data.host_nqn)) {
+                return Err(host_refused());
+            }
             let Some(id) = Subsystem::allocate_controller_id(
                 &mut state,
                 subsystem.min_cntlid,

@@ -2091,8 +2091,8 @@ impl Core {
     /// fewer of its voters are live than its pool's `min_size`, as Ceph holds I/O to a PG
     /// below it: this OSD, and the peers it had a raft frame from within
     /// [`PEER_FULL_FOR`] (a replica answers its leaders' heartbeats every other tick).
-    /// Only a `min_size` above a majority of the voters can hold a write back: raft
-    /// commits nothing without a majority anyway (the monitors refuse a lower one).
+    /// At the default `min_size`, a majority of the pool's size, it holds back what raft
+    /// could not commit anyway, but for a PG left with fewer voters than that.
     fn enough_replicas(&self, pg: PgId) -> Result<(), Status> {
         if !self.raft.is_leader(pg) {
             return Ok(());
@@ -4197,6 +4197,17 @@ async fn prepare_device(
     config: &OsdConfig,
 ) -> Result<(Superblock, basalt_io::device::Claim), OsdError> {
     if !path.exists() {
+        // Only the default file is made: a device named (`--device`) that is not there is
+        // a typo or a node not made yet, not a file to create in its place.
+        if config.device.is_some() {
+            return Err(OsdError::Io {
+                path: path.display().to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "the device given with --device does not exist",
+                ),
+            });
+        }
         create_device_file(path, config.device_size_bytes, config.device_fill).await?;
     }
     let claim = basalt_io::device::claim_device(path).map_err(io_error(path))?;
@@ -4221,6 +4232,18 @@ async fn prepare_device(
             ));
         }
         Err(crate::superblock::SuperblockError::NoMagic { .. }) => {
+            // Only a blank device: one that holds a file system, a partition table, LVM or
+            // another program's data (a disk whose name moved to another after a reboot,
+            // with --format still in the command line) is not formatted over.
+            if let Some(offset) = first_data(path).map_err(io_error(path))? {
+                return Err(OsdError::Io {
+                    path: path.display().to_string(),
+                    source: std::io::Error::other(format!(
+                        "holds data (at byte {offset}), not formatted; to use it for an OSD, \
+                         erase it first (blkdiscard -z, or zeroes over its first and last MiB)"
+                    )),
+                });
+            }
             // Never a sparse fill on a block device: its discarded blocks need not read
             // back as zeroes.
             let block_device = basalt_io::device::is_block_device(path).map_err(io_error(path))?;
@@ -4243,6 +4266,25 @@ async fn prepare_device(
         }
     };
     Ok((superblock, claim))
+}
+
+/// Where the first byte that is not zero lies in the first or last MiB of the device at
+/// `path` (where file systems, partition tables, LVM and the like keep their labels), or
+/// `None` when both are zeroes.
+fn first_data(path: &Path) -> std::io::Result<Option<u64>> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SPAN: u64 = 1 << 20;
+    let mut file = std::fs::File::open(path)?;
+    let size = basalt_io::device::size_bytes(&file)?;
+    let mut buffer = vec![0u8; SPAN.min(size) as usize];
+    for start in [0, size.saturating_sub(SPAN)] {
+        file.seek(SeekFrom::Start(start))?;
+        file.read_exact(&mut buffer)?;
+        if let Some(at) = buffer.iter().position(|byte| *byte != 0) {
+            return Ok(Some(start + at as u64));
+        }
+    }
+    Ok(None)
 }
 
 /// Creates the device file at `path`, of `size_bytes`, formatted. It is made under
