@@ -428,6 +428,7 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         "is not POOL/NAME",
     );
     refused(&["image", "info", "nopool/img"], "does not exist");
+    refused(&["pool", "rm", "nopool"], "pool \"nopool\" does not exist");
     refused(&["pg", "query", "zz"], "is not a PG id");
     // An OSD whose device would hold next to nothing once the cleaner's room is kept.
     let tiny = dir.path.join("tiny-osd");

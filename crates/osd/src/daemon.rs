@@ -820,6 +820,44 @@ struct ReadRequest {
 struct Peer {
     queue: mpsc::UnboundedSender<Outgoing>,
     address: Arc<Mutex<Option<SocketAddr>>>,
+    link: Arc<Mutex<PeerLink>>,
+}
+
+/// The connection to a peer, shared by the core, which sends on it at once when it is up
+/// and nothing waits in the peer's queue, and the peer's task, which makes it and sends
+/// what waits. Sent at once, a leader's appends are on the wire before its own log write
+/// is submitted (the task would run only after the core's turn, the submission included).
+#[derive(Default)]
+struct PeerLink {
+    connection: Option<(SocketAddr, Client)>,
+    /// Batches in the queue, not sent yet: while any waits, the core queues too (in order).
+    queued: usize,
+}
+
+impl Peer {
+    /// Sends `batch` now if the connection is up and nothing waits before it; else gives
+    /// it back, counted as queued (the caller queues it).
+    fn send_now(
+        &self,
+        (me, id): (OsdId, OsdId),
+        batch: Outgoing,
+        counters: &Counters,
+    ) -> Result<(), Outgoing> {
+        let want = *self.address.lock().unwrap_or_else(|p| p.into_inner());
+        let mut link = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        match &link.connection {
+            Some((at, client)) if link.queued == 0 && Some(*at) == want => {
+                if send_batch((me, id), client, batch, counters).is_err() {
+                    link.connection = None;
+                }
+                Ok(())
+            }
+            _ => {
+                link.queued += 1;
+                Err(batch)
+            }
+        }
+    }
 }
 
 /// What one turn of the loop sends a peer: its raft messages, and whether this OSD is full.
@@ -1813,7 +1851,10 @@ impl Core {
         for (to, messages) in std::mem::take(&mut self.outbox) {
             match self.peers.get(&to) {
                 Some(peer) => {
-                    let _ = peer.queue.send(Outgoing { messages, full });
+                    let batch = Outgoing { messages, full };
+                    if let Err(batch) = peer.send_now((self.id, to), batch, &self.counters) {
+                        let _ = peer.queue.send(batch);
+                    }
                 }
                 None => tracing::debug!(%to, "no address for peer; raft messages dropped"),
             }
@@ -4038,93 +4079,109 @@ pub async fn ask_osd<T: serde::de::DeserializeOwned>(
 fn spawn_peer(me: OsdId, id: OsdId, counters: Arc<Counters>) -> Peer {
     let (queue, mut messages) = mpsc::unbounded_channel::<Outgoing>();
     let address: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
-    let target = address.clone();
+    let link: Arc<Mutex<PeerLink>> = Arc::default();
+    let (target, shared) = (address.clone(), link.clone());
     tokio::spawn(async move {
-        let mut connection: Option<(SocketAddr, Client)> = None;
+        let lock = || shared.lock().unwrap_or_else(|p| p.into_inner());
         let mut failed_at: Option<tokio::time::Instant> = None;
-        while let Some(Outgoing {
-            messages: batch,
-            full,
-        }) = messages.recv().await
-        {
-            let Some(want) = *target.lock().unwrap_or_else(|p| p.into_inner()) else {
-                continue;
-            };
-            if connection.as_ref().is_some_and(|(at, _)| *at != want) {
-                connection = None;
-            }
-            if connection.is_none() {
-                if failed_at.is_some_and(|at| at.elapsed() < Duration::from_millis(200)) {
-                    continue;
-                }
+        while let Some(batch) = messages.recv().await {
+            let want = *target.lock().unwrap_or_else(|p| p.into_inner());
+            let connected =
+                |link: &PeerLink| matches!(&link.connection, Some((at, _)) if Some(*at) == want);
+            let up = connected(&lock());
+            if let Some(want) = want
+                && !up
+                && failed_at.is_none_or(|at| at.elapsed() >= Duration::from_millis(200))
+            {
                 match tokio::time::timeout(Duration::from_secs(1), Client::connect(want)).await {
                     Ok(Ok(client)) => {
-                        connection = Some((want, client));
+                        lock().connection = Some((want, client));
                         failed_at = None;
                     }
                     _ => {
                         tracing::debug!(peer = %id, %want, "cannot reach peer");
                         failed_at = Some(tokio::time::Instant::now());
-                        continue;
                     }
                 }
             }
-            // One frame per peer and loop turn, unless the messages (appends of up to
-            // 1 MiB each while a replica catches up) would not fit one frame. Heartbeats
-            // and their answers ride in the first frame as beats, a few bytes per PG.
-            let mut beats = Vec::new();
-            let mut whole = Vec::new();
-            for (pg, message) in &batch {
-                match beat_of(*pg, me, id, message) {
-                    Some(beat) => beats.push(beat),
-                    None => whole.push((*pg, message)),
-                }
+            let mut link = lock();
+            link.queued -= 1;
+            if !connected(&link) {
+                // No address, or none reachable: dropped (raft sends again).
+                continue;
             }
-            let mut frames: Vec<Vec<(PgId, Vec<u8>)>> = vec![Vec::new()];
-            let mut frame_bytes = beats.len() * BEAT_BYTES_MAX;
-            for (pg, message) in whole {
-                let bytes = encode_message(message);
-                if frame_bytes + bytes.len() + 16 > BATCH_FRAME_BYTES_MAX
-                    && frames.last().is_some_and(|frame| !frame.is_empty())
-                {
-                    frames.push(Vec::new());
-                    frame_bytes = 0;
-                }
-                frame_bytes += bytes.len() + 16;
-                frames
-                    .last_mut()
-                    .expect("one frame at least")
-                    .push((pg, bytes));
-            }
-            for messages in frames {
-                let Some((_, client)) = &connection else {
-                    break;
-                };
-                let (coalesced, whole) = (beats.len() as u64, messages.len() as u64);
-                let wire = Message::RaftBatch {
-                    from: me,
-                    to: id,
-                    full,
-                    beats: std::mem::take(&mut beats),
-                    messages,
-                };
-                match client.send(&wire) {
-                    Ok(bytes) => {
-                        counters.peer_frames.fetch_add(1, Ordering::Relaxed);
-                        counters
-                            .peer_bytes
-                            .fetch_add(bytes as u64, Ordering::Relaxed);
-                        counters.beats_sent.fetch_add(coalesced, Ordering::Relaxed);
-                        counters
-                            .raft_messages_sent
-                            .fetch_add(whole, Ordering::Relaxed);
-                    }
-                    Err(_) => connection = None,
-                }
+            let sent = match &link.connection {
+                Some((_, client)) => send_batch((me, id), client, batch, &counters),
+                None => Err(()),
+            };
+            if sent.is_err() {
+                link.connection = None;
             }
         }
     });
-    Peer { queue, address }
+    Peer {
+        queue,
+        address,
+        link,
+    }
+}
+
+/// Sends one loop turn's raft messages to peer `id` on `client`: one frame, unless the
+/// messages (appends of up to 1 MiB each while a replica catches up) would not fit one.
+/// Heartbeats and their answers ride in the first frame as beats, a few bytes per PG.
+fn send_batch(
+    (me, id): (OsdId, OsdId),
+    client: &Client,
+    Outgoing {
+        messages: batch,
+        full,
+    }: Outgoing,
+    counters: &Counters,
+) -> Result<(), ()> {
+    let mut beats = Vec::new();
+    let mut whole = Vec::new();
+    for (pg, message) in &batch {
+        match beat_of(*pg, me, id, message) {
+            Some(beat) => beats.push(beat),
+            None => whole.push((*pg, message)),
+        }
+    }
+    let mut frames: Vec<Vec<(PgId, Vec<u8>)>> = vec![Vec::new()];
+    let mut frame_bytes = beats.len() * BEAT_BYTES_MAX;
+    for (pg, message) in whole {
+        let bytes = encode_message(message);
+        if frame_bytes + bytes.len() + 16 > BATCH_FRAME_BYTES_MAX
+            && frames.last().is_some_and(|frame| !frame.is_empty())
+        {
+            frames.push(Vec::new());
+            frame_bytes = 0;
+        }
+        frame_bytes += bytes.len() + 16;
+        frames
+            .last_mut()
+            .expect("one frame at least")
+            .push((pg, bytes));
+    }
+    for messages in frames {
+        let (coalesced, whole) = (beats.len() as u64, messages.len() as u64);
+        let wire = Message::RaftBatch {
+            from: me,
+            to: id,
+            full,
+            beats: std::mem::take(&mut beats),
+            messages,
+        };
+        let bytes = client.send(&wire).map_err(|_| ())?;
+        counters.peer_frames.fetch_add(1, Ordering::Relaxed);
+        counters
+            .peer_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        counters.beats_sent.fetch_add(coalesced, Ordering::Relaxed);
+        counters
+            .raft_messages_sent
+            .fetch_add(whole, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Where a PG's move to new members stands, as its leader sees it.
