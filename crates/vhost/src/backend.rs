@@ -37,6 +37,11 @@ pub const QUEUE_SIZE_MAX: usize = 1024;
 pub const SEGMENTS_MAX: u32 = 128;
 /// Segments per discard or write zeroes request.
 pub const DISCARD_SEGMENTS_MAX: u32 = 32;
+/// Write data copied out of guest memory (for bdevs without a file to lend: images,
+/// malloc) per vring for requests under way, past which the vring's thread takes no more
+/// requests until some complete. A guest's chains may all point at the same memory, up to
+/// 128 MiB each, so without it one guest could make the target copy gigabytes at once.
+pub const COPY_BYTES_MAX: u64 = 16 << 20;
 /// How long a vring thread's io_uring, dropped, waits for its requests before it leaks
 /// their buffers and mappings (stopping a vring or a session has waited for them before).
 pub(crate) const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
@@ -94,6 +99,64 @@ pub(crate) struct Completer {
     region: Option<Arc<InflightRegion>>,
     /// Set when the request's session is closed ([`Session::close`]).
     closed: Arc<AtomicBool>,
+    /// The vring's write data copied for requests under way.
+    copying: Arc<CopyBudget>,
+}
+
+/// Bytes of write data copied out of guest memory for a vring's requests under way, and
+/// whether its thread stopped taking requests for them ([`COPY_BYTES_MAX`]).
+#[derive(Default)]
+pub(crate) struct CopyBudget {
+    bytes: AtomicU64,
+    held: AtomicBool,
+}
+
+impl CopyBudget {
+    fn spent(&self) -> bool {
+        self.bytes.load(Ordering::SeqCst) >= COPY_BYTES_MAX
+    }
+
+    /// Whether the vring's thread must stop taking requests: the budget is spent. It is
+    /// then marked held, so that the completion that frees room kicks the vring.
+    fn hold(&self) -> bool {
+        if !self.spent() {
+            return false;
+        }
+        self.held.store(true, Ordering::SeqCst);
+        // A completion between the check and the mark saw no mark: look again.
+        if self.spent() {
+            return true;
+        }
+        self.held.store(false, Ordering::SeqCst);
+        false
+    }
+
+    /// Gives back `bytes` of a request that completed; kicks `vring` if its thread held
+    /// requests back and there is room now.
+    fn release(&self, bytes: u64, vring: &VringRwLock<Memory>) {
+        let before = self.bytes.fetch_sub(bytes, Ordering::SeqCst);
+        if before - bytes < COPY_BYTES_MAX && self.held.swap(false, Ordering::SeqCst) {
+            kick(vring);
+        }
+    }
+}
+
+/// Wakes `vring`'s thread as the guest's kick does, so that it takes the requests the
+/// guest made available while it held them back.
+#[allow(unsafe_code)]
+fn kick(vring: &VringRwLock<Memory>) {
+    use std::os::fd::AsRawFd;
+    let state = vring.get_ref();
+    let Some(kick) = state.get_kick() else {
+        return;
+    };
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live local buffer to a descriptor that the vring's
+    // state owns and keeps open while the guard `state` is held.
+    let written = unsafe { libc::write(kick.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    if written != 8 {
+        tracing::warn!(error = %io::Error::last_os_error(), "vring not kicked");
+    }
 }
 
 impl Completer {
@@ -164,6 +227,8 @@ pub struct BlkBackend {
     event_idx: AtomicBool,
     reactors: Arc<Reactors>,
     in_flight: Vec<Arc<AtomicUsize>>,
+    /// Per vring: write data copied for requests under way.
+    copying: Vec<Arc<CopyBudget>>,
     next_reactor: AtomicUsize,
     /// The CPUs of the chosen reactors, where the vring threads run (empty: anywhere).
     vring_cpus: Vec<usize>,
@@ -191,6 +256,7 @@ impl BlkBackend {
         let in_flight = (0..options.queues)
             .map(|_| Arc::new(AtomicUsize::new(0)))
             .collect();
+        let copying = (0..options.queues).map(|_| Arc::default()).collect();
         let block_count = options.bdev.info().block_count;
         let mut vring_cpus: Vec<usize> = options
             .reactors
@@ -206,6 +272,7 @@ impl BlkBackend {
             event_idx: AtomicBool::new(false),
             reactors,
             in_flight,
+            copying,
             next_reactor: AtomicUsize::new(0),
             rings: RwLock::new(Vec::new()),
             in_place_requests: AtomicU64::new(0),
@@ -347,6 +414,7 @@ impl BlkBackend {
             queue,
             region: region.clone(),
             closed,
+            copying: self.copying[usize::from(queue)].clone(),
         };
         if let Some(region) = &region
             && region.recovery_pending(queue)
@@ -365,17 +433,38 @@ impl BlkBackend {
             // that follows the rules. One that offers heads still in flight gets no more
             // taken until it kicks again with fewer out (else it could make the target
             // hold any number of requests and their buffers).
+            // The same for the write data copied: past COPY_BYTES_MAX, no request is
+            // taken until completions give room back (the last of them kicks the vring).
+            if completer.copying.hold() {
+                tracing::debug!(
+                    queue,
+                    "requests held back: their copied data's budget is spent"
+                );
+                if event_idx {
+                    vring.enable_notification().map_err(io::Error::other)?;
+                }
+                break;
+            }
             let in_flight = completer.in_flight.load(Ordering::Acquire);
-            let (room, chains): (usize, Vec<_>) = {
+            let copied = completer.copying.bytes.load(Ordering::SeqCst);
+            let (room, chains, budget_spent) = {
                 let mut state = vring.get_mut();
                 let queue = state.get_queue_mut();
                 let room = (2 * usize::from(queue.size())).saturating_sub(in_flight);
-                let chains = queue
-                    .iter(memory.memory())
-                    .map_err(io::Error::other)?
-                    .take(room)
-                    .collect();
-                (room, chains)
+                let mut available = queue.iter(memory.memory()).map_err(io::Error::other)?;
+                // Taken while the data they may carry fits the budget, the one crossing it
+                // included.
+                let (mut chains, mut bytes) = (Vec::new(), copied);
+                while chains.len() < room && bytes < COPY_BYTES_MAX {
+                    let Some(chain) = available.next() else { break };
+                    bytes += chain
+                        .clone()
+                        .filter(|descriptor| !descriptor.is_write_only())
+                        .map(|descriptor| u64::from(descriptor.len()))
+                        .sum::<u64>();
+                    chains.push(chain);
+                }
+                (room, chains, bytes >= COPY_BYTES_MAX)
             };
             if room == 0 {
                 tracing::debug!(queue, "a guest offered more requests than its queue holds");
@@ -399,6 +488,11 @@ impl BlkBackend {
             }
             if let Some(ring) = ring {
                 ring.submit();
+            }
+            // Stopped at the budget: the top of the loop holds the rest back (and has them
+            // kicked for), or takes more if requests completed meanwhile.
+            if budget_spent {
+                continue;
             }
             if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
                 break;
@@ -512,8 +606,13 @@ impl BlkBackend {
                 completer.complete(head, used_len);
                 return;
             };
+            completer
+                .copying
+                .bytes
+                .fetch_add(buffer.len() as u64, Ordering::SeqCst);
             data = Some(buffer);
         }
+        let copied = data.as_ref().map_or(0, |buffer| buffer.len() as u64);
         drop(guest);
         let bdev = self.options.bdev.clone();
         let readonly = self.options.readonly;
@@ -529,6 +628,9 @@ impl BlkBackend {
             };
             drop(guest);
             completer.complete(head, used_len);
+            if copied > 0 {
+                completer.copying.release(copied, &completer.vring);
+            }
         };
         if self.options.reactors.is_empty() {
             self.reactors.spawn(task);
@@ -836,6 +938,7 @@ mod tests {
                 queue: 0,
                 region: region.clone(),
                 closed: session.closed_flag(),
+                copying: Arc::default(),
             };
             let used = || {
                 let memory = memory.memory();

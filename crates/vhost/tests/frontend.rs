@@ -18,7 +18,7 @@ use basalt_bdev::malloc::MallocBdev;
 use basalt_io::OpenError;
 use basalt_io::Reactors;
 use basalt_vhost::VhostServer;
-use basalt_vhost::backend::BlkOptions;
+use basalt_vhost::backend::{BlkOptions, COPY_BYTES_MAX};
 use basalt_vhost::inflight::queue_bytes;
 use basalt_vhost::request::*;
 use vhost::vhost_user::message::{
@@ -122,6 +122,30 @@ impl Guest {
         self.memory
             .write_slice(&bytes, GuestAddress(at))
             .expect("header");
+    }
+
+    /// The device's used index.
+    fn used_index(&self) -> u16 {
+        self.memory
+            .read_obj(GuestAddress(USED + 2))
+            .expect("used idx")
+    }
+
+    /// Offers the chain at head 0 `offered` times, a queue's worth per kick (the device's
+    /// view of the available ring never runs more than a queue ahead), then waits 200 ms.
+    fn offer_head_zero(&self, offered: u16) {
+        for index in 0..offered {
+            let ring_at = GuestAddress(AVAIL + 4 + u64::from(index % QUEUE_SIZE) * 2);
+            self.memory.write_obj(0u16, ring_at).expect("avail ring");
+            self.memory
+                .write_obj(index + 1, GuestAddress(AVAIL + 2))
+                .expect("avail idx");
+            if index % QUEUE_SIZE == QUEUE_SIZE - 1 || index + 1 == offered {
+                self.kick.write(1).expect("kick");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
 
     fn status(&self, at: u64) -> u8 {
@@ -678,48 +702,15 @@ fn replay(dir: &Path, bdev: Arc<dyn Bdev>) {
 #[test]
 fn a_guest_offering_heads_still_in_flight_gets_no_more_taken() {
     let _alone = alone();
-    let dir = scratch_dir("vhost-repeated-heads");
-    let reactors = Arc::new(Reactors::start(1, "vhost-heads").expect("reactors"));
-    let server = VhostServer::new(reactors, dir.clone());
-    let held = Held {
-        writes: true,
-        ..Held::default()
-    };
-    let gated = Arc::new(Gated::new(
-        Box::new(MallocBdev::new_named("g", 512, 2048)),
-        held,
-    ));
-    let options = BlkOptions {
-        bdev: gated.clone(),
-        readonly: false,
-        queues: 1,
-        serial: "heads".into(),
-        reactors: vec![0],
-    };
-    let socket = server.create("h", "g", None, options).expect("controller");
-    let (memory, info) = guest_memory(&dir);
-    let mut frontend = connect(&socket, VhostUserProtocolFeatures::empty());
-    let (_call, kick) = start_vring(&mut frontend, &info, 0);
-    let guest = Guest::new(memory, kick);
+    let device = GatedDevice::new("vhost-repeated-heads", 2048);
+    let (gated, guest) = (&device.gated, &device.guest);
     // One write chain at head 0, offered 100 times, a queue's worth (16) per kick.
     guest.header(0x8000, TYPE_OUT, 0);
     guest.put_descriptor(0, 0x8000, 16, DESC_F_NEXT, 1);
     guest.put_descriptor(1, 0x10000, 512, DESC_F_NEXT, 2);
     guest.put_descriptor(2, 0x9000, 1, DESC_F_WRITE, 0);
     let offered: u16 = 100;
-    for index in 0..offered {
-        let ring_at = GuestAddress(AVAIL + 4 + u64::from(index % QUEUE_SIZE) * 2);
-        guest.memory.write_obj(0u16, ring_at).expect("avail ring");
-        guest
-            .memory
-            .write_obj(index + 1, GuestAddress(AVAIL + 2))
-            .expect("avail idx");
-        if index % QUEUE_SIZE == QUEUE_SIZE - 1 || index + 1 == offered {
-            guest.kick.write(1).expect("kick");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    std::thread::sleep(Duration::from_millis(200));
+    guest.offer_head_zero(offered);
     let taken = gated.started();
     assert_eq!(
         taken,
@@ -730,14 +721,92 @@ fn a_guest_offering_heads_still_in_flight_gets_no_more_taken() {
     gated.open();
     wait_until(
         || "the requests taken did not complete".into(),
-        || {
-            let used: u16 = guest
-                .memory
-                .read_obj(GuestAddress(USED + 2))
-                .expect("used idx");
-            u64::from(used) == taken
-        },
+        || u64::from(guest.used_index()) == taken,
     );
-    drop(frontend);
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A guest whose writes carry more data than the vring may have copied at once
+/// (`COPY_BYTES_MAX`): the device takes requests until their data fills it (one more
+/// crosses it), holds the rest back while they do not complete, and takes them once
+/// completions give room back, without the guest kicking again.
+#[test]
+fn large_writes_are_taken_as_their_copied_data_fits() {
+    let _alone = alone();
+    let device = GatedDevice::new("vhost-copy-budget", 4096);
+    let (gated, guest) = (&device.gated, &device.guest);
+    // One write chain at head 0 whose data is 960 KiB of guest memory, offered 32 times
+    // (a queue's worth per kick), as the heads test does.
+    const DATA: u64 = 0x10000;
+    let len = MEMORY_SIZE as u64 - DATA;
+    guest.header(0x8000, TYPE_OUT, 0);
+    guest.put_descriptor(0, 0x8000, 16, DESC_F_NEXT, 1);
+    guest.put_descriptor(1, DATA, len as u32, DESC_F_NEXT, 2);
+    guest.put_descriptor(2, 0x9000, 1, DESC_F_WRITE, 0);
+    let offered = 2 * QUEUE_SIZE;
+    guest.offer_head_zero(offered);
+    let taken = gated.started();
+    let fit = COPY_BYTES_MAX.div_ceil(len);
+    assert_eq!(
+        taken, fit,
+        "writes of {len} bytes taken with {COPY_BYTES_MAX} bytes to copy them into"
+    );
+    // Let them through: all complete, those held back taken as room comes back.
+    gated.open();
+    wait_until(
+        || "the writes held back were not taken".into(),
+        || guest.used_index() == offered,
+    );
+    assert_eq!(gated.started(), u64::from(offered));
+}
+
+/// A controller over a malloc bdev of `blocks` whose writes wait behind a gate, with one
+/// queue driven by a [`Guest`]; its directory goes when it is dropped.
+struct GatedDevice {
+    gated: Arc<Gated>,
+    guest: Guest,
+    dir: std::path::PathBuf,
+    _call: EventFd,
+    _frontend: Frontend,
+    _server: VhostServer,
+}
+
+impl GatedDevice {
+    fn new(name: &str, blocks: u64) -> Self {
+        let dir = scratch_dir(name);
+        let reactors = Arc::new(Reactors::start(1, name).expect("reactors"));
+        let server = VhostServer::new(reactors, dir.clone());
+        let held = Held {
+            writes: true,
+            ..Held::default()
+        };
+        let gated = Arc::new(Gated::new(
+            Box::new(MallocBdev::new_named("g", 512, blocks)),
+            held,
+        ));
+        let options = BlkOptions {
+            bdev: gated.clone(),
+            readonly: false,
+            queues: 1,
+            serial: name.into(),
+            reactors: vec![0],
+        };
+        let socket = server.create("c", "g", None, options).expect("controller");
+        let (memory, info) = guest_memory(&dir);
+        let mut frontend = connect(&socket, VhostUserProtocolFeatures::empty());
+        let (call, kick) = start_vring(&mut frontend, &info, 0);
+        Self {
+            gated,
+            guest: Guest::new(memory, kick),
+            dir,
+            _call: call,
+            _frontend: frontend,
+            _server: server,
+        }
+    }
+}
+
+impl Drop for GatedDevice {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
