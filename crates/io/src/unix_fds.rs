@@ -1,11 +1,25 @@
 //! File descriptors passed over a Unix stream socket (`SCM_RIGHTS`), as vhost-user does;
-//! waking a thread blocked in a Unix listener's `accept`; and the anonymous shared memory
-//! files such descriptors carry (`memfd_create`).
+//! waking a thread blocked in a Unix listener's `accept`, or one waiting on an eventfd it
+//! was passed; and the anonymous shared memory files such descriptors carry
+//! (`memfd_create`).
 #![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+
+/// Adds 1 to the eventfd `fd` (as a vhost-user frontend's kick does), waking whoever
+/// waits on it. `fd` must stay open for the call (the caller borrows it).
+pub fn signal_eventfd(fd: &impl AsRawFd) -> io::Result<()> {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live local buffer to a descriptor the caller keeps
+    // open for the call.
+    let written = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    if written != one.len() as isize {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
 
 /// Descriptors one message may carry at most (vhost-user's limit).
 pub const FDS_MAX: usize = 32;

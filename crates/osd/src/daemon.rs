@@ -1852,8 +1852,10 @@ impl Core {
             match self.peers.get(&to) {
                 Some(peer) => {
                     let batch = Outgoing { messages, full };
-                    if let Err(batch) = peer.send_now((self.id, to), batch, &self.counters) {
-                        let _ = peer.queue.send(batch);
+                    if let Err(batch) = peer.send_now((self.id, to), batch, &self.counters)
+                        && peer.queue.send(batch).is_err()
+                    {
+                        tracing::warn!(%to, "the task sending to this peer is gone; raft messages dropped");
                     }
                 }
                 None => tracing::debug!(%to, "no address for peer; raft messages dropped"),

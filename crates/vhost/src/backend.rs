@@ -143,19 +143,13 @@ impl CopyBudget {
 
 /// Wakes `vring`'s thread as the guest's kick does, so that it takes the requests the
 /// guest made available while it held them back.
-#[allow(unsafe_code)]
 fn kick(vring: &VringRwLock<Memory>) {
-    use std::os::fd::AsRawFd;
+    // The vring's state keeps its kick eventfd open while the guard is held.
     let state = vring.get_ref();
-    let Some(kick) = state.get_kick() else {
-        return;
-    };
-    let one = 1u64.to_ne_bytes();
-    // SAFETY: writes 8 bytes from a live local buffer to a descriptor that the vring's
-    // state owns and keeps open while the guard `state` is held.
-    let written = unsafe { libc::write(kick.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-    if written != 8 {
-        tracing::warn!(error = %io::Error::last_os_error(), "vring not kicked");
+    if let Some(kick) = state.get_kick()
+        && let Err(error) = basalt_io::unix_fds::signal_eventfd(kick)
+    {
+        tracing::warn!(%error, "vring not kicked");
     }
 }
 
@@ -627,10 +621,13 @@ impl BlkBackend {
                 0
             };
             drop(guest);
-            completer.complete(head, used_len);
+            // Before the request counts out of the vring: a session that ends waits for
+            // that, and must find the budget given back (its vring is not the next
+            // session's, which the kick would miss).
             if copied > 0 {
                 completer.copying.release(copied, &completer.vring);
             }
+            completer.complete(head, used_len);
         };
         if self.options.reactors.is_empty() {
             self.reactors.spawn(task);
