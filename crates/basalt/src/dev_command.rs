@@ -172,7 +172,7 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
     // Ctrl-C or SIGTERM while the cluster starts (minutes, when OSD devices are zeroed)
     // stops the daemons started so far too, rather than leave them running. Listened for
     // from here to the end, so that none is missed between the steps.
-    let mut stop = StopSignals::new()?;
+    let mut stop = crate::StopSignals::new()?;
     let (children, mon) = tokio::select! {
         started = start_cluster(&args, mon_address) => started?,
         () = stop.wait() => {
@@ -181,30 +181,6 @@ async fn serve(args: DevArgs) -> anyhow::Result<()> {
         }
     };
     serve_started(args, mon_address, conf, (children, mon), &mut stop).await
-}
-
-/// Ctrl-C and SIGTERM, listened for from the moment this is made: one that comes before
-/// [`StopSignals::wait`] is kept for it.
-struct StopSignals {
-    interrupt: tokio::signal::unix::Signal,
-    terminate: tokio::signal::unix::Signal,
-}
-
-impl StopSignals {
-    fn new() -> anyhow::Result<Self> {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok(Self {
-            interrupt: signal(SignalKind::interrupt())?,
-            terminate: signal(SignalKind::terminate())?,
-        })
-    }
-
-    async fn wait(&mut self) {
-        tokio::select! {
-            _ = self.interrupt.recv() => {}
-            _ = self.terminate.recv() => {}
-        }
-    }
 }
 
 /// Starts the monitor and the OSDs, creates the pool and the image if missing, and waits
@@ -300,7 +276,7 @@ async fn serve_started(
     mon_address: SocketAddr,
     conf: std::path::PathBuf,
     (mut children, mon): (Children, MonClient),
-    stop: &mut StopSignals,
+    stop: &mut crate::StopSignals,
 ) -> anyhow::Result<()> {
     let dir = &args.data_dir;
     let socket = dir.join("target.sock");

@@ -298,10 +298,30 @@ fn core_count() -> usize {
 
 /// Waits for Ctrl-C or SIGTERM.
 async fn shutdown_signal() -> anyhow::Result<()> {
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        result = tokio::signal::ctrl_c() => result?,
-        _ = terminate.recv() => {}
-    }
+    StopSignals::new()?.wait().await;
     Ok(())
+}
+
+/// Ctrl-C and SIGTERM, listened for from the moment this is made: one that comes before
+/// [`StopSignals::wait`] is kept for it (`basalt dev` listens through its start-up).
+struct StopSignals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    async fn wait(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
 }

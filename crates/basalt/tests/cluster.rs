@@ -215,18 +215,14 @@ fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
     let device = |n: usize| devices[n].path.to_str().expect("utf8 path").to_string();
     // Refused without --format. (Each process that should be refused gets 30 s: one
     // that started would run on.)
-    let refused = run(within_30s()
+    let refused = run(within(30)
         .args(["osd", "--mon", "127.0.0.1:1", "--device", &device(0)])
         .arg("--data-dir")
         .arg(dir.join("refused")));
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success(), "formatted without --format");
-    assert!(
-        stderr.contains("not a basalt osd device") && stderr.contains("--format"),
-        "{stderr}"
-    );
+    let stderr = refused_with(&refused, "not a basalt osd device");
+    assert!(stderr.contains("--format"), "{stderr}");
     let osd_on = |device: &str, data_dir: &str| {
-        run(within_30s()
+        run(within(30)
             .args([
                 "osd",
                 "--mon",
@@ -241,11 +237,7 @@ fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
     // A device named that is not there is not made as a file.
     let missing = dir.join("no-such-device");
     let output = osd_on(missing.to_str().expect("utf8"), "missing");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success() && stderr.contains("does not exist"),
-        "{stderr}"
-    );
+    refused_with(&output, "does not exist");
     assert!(!missing.exists(), "a file made in place of the device");
     // A device that holds something else is not formatted over, even with --format.
     let write_at = |offset: u64, bytes: &[u8]| {
@@ -258,10 +250,10 @@ fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
         file.sync_all().expect("sync");
     };
     write_at(4096, b"a file system's label");
-    let output = osd_on(&device(0), "holds-data");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "formatted over data");
-    assert!(stderr.contains("holds data (at byte 4096)"), "{stderr}");
+    refused_with(
+        &osd_on(&device(0), "holds-data"),
+        "holds data (at byte 4096)",
+    );
     write_at(4096, &[0; 64]);
     let on_device = |n: usize| vec!["--device".to_string(), device(n), "--format".to_string()];
     let mut cluster = ClusterProcesses::start_custom(
@@ -277,33 +269,21 @@ fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
 
     // The device, and the data directory, are the running OSD's alone.
     let second = |device: &str, data_dir: &std::path::Path| {
-        let output = run(within_30s()
+        run(within(30)
             .args(["osd", "--mon", &cluster.mon_address, "--device", device])
             .arg("--data-dir")
-            .arg(data_dir));
-        assert!(!output.status.success(), "a second osd started");
-        String::from_utf8_lossy(&output.stderr).to_string()
+            .arg(data_dir))
     };
-    let stderr = second(&device(0), &dir.join("second"));
-    assert!(
-        stderr.contains(&format!("{} is in use", device(0))),
-        "{stderr}"
-    );
-    let stderr = second(
-        &dir.join("other.log").display().to_string(),
-        &dir.join("osd.1"),
-    );
-    assert!(
-        stderr.contains("is in use by another process (pid "),
-        "{stderr}"
-    );
-    let mon = run(within_30s()
+    let in_use = format!("{} is in use", device(0));
+    refused_with(&second(&device(0), &dir.join("second")), &in_use);
+    let other = dir.join("other.log").display().to_string();
+    let output = second(&other, &dir.join("osd.1"));
+    refused_with(&output, "is in use by another process (pid ");
+    let mon = run(within(30)
         .args(["mon", "--listen", &format!("127.0.0.1:{}", free_port())])
         .arg("--data-dir")
         .arg(dir.join("mon.0")));
-    let stderr = String::from_utf8_lossy(&mon.stderr);
-    assert!(!mon.status.success(), "a second monitor started");
-    assert!(stderr.contains("is in use by another process"), "{stderr}");
+    refused_with(&mon, "is in use by another process");
 
     // Every OSD crashes and starts again with the same flags: the devices are not
     // formatted again, the data reads back.
@@ -321,11 +301,22 @@ fn osds_run_on_raw_block_devices_that_no_other_process_may_use() {
     }
 }
 
-/// `basalt`, killed if it still runs after 30 s.
-fn within_30s() -> Command {
+/// `basalt`, killed if it still runs after `seconds` (one that should be refused and
+/// started would run on).
+fn within(seconds: u32) -> Command {
     let mut command = Command::new("timeout");
-    command.arg("30").arg(env!("CARGO_BIN_EXE_basalt"));
     command
+        .arg(seconds.to_string())
+        .arg(env!("CARGO_BIN_EXE_basalt"));
+    command
+}
+
+/// Checks that the process of `output` failed, saying `expect`; its stderr.
+fn refused_with(output: &std::process::Output, expect: &str) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    assert!(!output.status.success(), "not refused: {stderr}");
+    assert!(stderr.contains(expect), "{stderr}");
+    stderr
 }
 
 /// A pool whose `min_size` is its size holds writes back while one of its replicas is
@@ -451,12 +442,7 @@ fn the_cli_refuses_bad_input_with_a_clear_message() {
         "give the address of one interface",
     );
     let mon = run(basalt().args(["mon", "--grace", "1", "--data-dir", tiny]));
-    let stderr = String::from_utf8_lossy(&mon.stderr);
-    assert!(
-        !mon.status.success(),
-        "a monitor started with a grace of 1 s"
-    );
-    assert!(stderr.contains("--grace 1: at least 3 seconds"), "{stderr}");
+    refused_with(&mon, "--grace 1: at least 3 seconds");
     cluster.cli_ok(&["pool", "create", "p", "--pg-count", "4", "--size", "1"]);
     refused(
         &["pool", "create", "p", "--pg-count", "4", "--size", "1"],
@@ -869,17 +855,11 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     flip_a_byte_in_the_header_of_a_batch_of(&dir.join("osd.1").join("osd.log"), 0x66);
     cluster.kill_osd(1);
     // (Under `timeout`: an OSD that started would never end.)
-    let refused = run(Command::new("timeout")
-        .arg("60")
-        .arg(env!("CARGO_BIN_EXE_basalt"))
+    let refused = run(within(60)
         .args(["osd", "--mon", &cluster.mon_addresses()[0], "--data-dir"])
         .arg(dir.join("osd.1")));
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("the log is damaged") && stderr.contains("basalt osd out"),
-        "{stderr}"
-    );
+    let stderr = refused_with(&refused, "the log is damaged");
+    assert!(stderr.contains("basalt osd out"), "{stderr}");
 }
 
 /// Every PG's scrub verdict (`basalt pg scrub --json`), which must succeed or fail as

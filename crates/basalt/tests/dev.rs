@@ -58,12 +58,7 @@ fn start_dev(
     let mut lines = BufReader::new(stdout).lines();
     let mut printed = String::new();
     let uri = loop {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("basalt dev printed no export: {printed}"))
-            .expect("utf8 line");
-        printed.push_str(&line);
-        printed.push('\n');
+        let line = next_line(&mut lines, &mut printed);
         if let Some(start) = line.find("nbd://") {
             break line[start..]
                 .split_whitespace()
@@ -79,12 +74,7 @@ fn start_dev(
     );
     // The rest of how to connect, up to the last line of it.
     while !printed.contains("Ctrl-C stops it.") {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("basalt dev stopped printing: {printed}"))
-            .expect("utf8 line");
-        printed.push_str(&line);
-        printed.push('\n');
+        next_line(&mut lines, &mut printed);
     }
     let connect =
         format!("nvme connect -t tcp -a 127.0.0.1 -s {nvmf_port} -n nqn.2016-06.io.basalt:disk0");
@@ -92,6 +82,20 @@ fn start_dev(
     let conf = format!("export BASALT_CONF={}", dir.join("basalt.toml").display());
     assert!(printed.contains(&conf), "{printed}");
     (child, uri, lines)
+}
+
+/// The next line `basalt dev` prints, added to `printed`.
+fn next_line(
+    lines: &mut std::io::Lines<BufReader<std::process::ChildStdout>>,
+    printed: &mut String,
+) -> String {
+    let line = lines
+        .next()
+        .unwrap_or_else(|| panic!("basalt dev stopped printing: {printed}"))
+        .expect("utf8 line");
+    printed.push_str(&line);
+    printed.push('\n');
+    line
 }
 
 fn stop_dev(

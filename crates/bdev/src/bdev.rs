@@ -310,33 +310,33 @@ pub trait Bdev: Send + Sync {
 }
 
 /// How many times a bdev can change size.
-const GROWTHS_MAX: usize = 63;
+const RESIZES_MAX: usize = 63;
 
-/// The info of a bdev whose size can change: the info at creation and after each change,
-/// each set once, so that a reference [`Bdev::info`] handed out stays valid while the bdev
-/// lives; an index points at the latest. No lock on the I/O path, nothing leaked.
-/// Whether a bdev may take on a smaller size ([`GrowingInfo::resize`]).
+/// Whether a bdev may take on a smaller size ([`ResizableInfo::resize`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Shrink {
     Refused,
     Allowed,
 }
 
-pub(crate) struct GrowingInfo {
+/// The info of a bdev whose size can change: the info at creation and after each change,
+/// each set once, so that a reference [`Bdev::info`] handed out stays valid while the bdev
+/// lives; an index points at the latest. No lock on the I/O path, nothing leaked.
+pub(crate) struct ResizableInfo {
     infos: Box<[OnceLock<BdevInfo>]>,
     current: AtomicUsize,
-    /// Growths, one at a time.
-    growing: Mutex<()>,
+    /// Size changes, one at a time.
+    resizing: Mutex<()>,
 }
 
-impl GrowingInfo {
+impl ResizableInfo {
     pub(crate) fn new(info: BdevInfo) -> Self {
-        let infos: Box<[OnceLock<BdevInfo>]> = (0..=GROWTHS_MAX).map(|_| OnceLock::new()).collect();
+        let infos: Box<[OnceLock<BdevInfo>]> = (0..=RESIZES_MAX).map(|_| OnceLock::new()).collect();
         infos[0].set(info).expect("a fresh cell");
         Self {
             infos,
             current: AtomicUsize::new(0),
-            growing: Mutex::new(()),
+            resizing: Mutex::new(()),
         }
     }
 
@@ -347,7 +347,7 @@ impl GrowingInfo {
             .expect("the current info is set")
     }
 
-    /// Takes on the block count that `measure` finds (it runs under the growth lock) and
+    /// Takes on the block count that `measure` finds (it runs under the resize lock) and
     /// returns it. A smaller one is refused unless `shrink` allows it: blocks a guest may
     /// hold data in would vanish under it (an image's shrink was asked for in so many words
     /// and its data cut off is discarded; a file that shrank is an accident). `what` names
@@ -358,7 +358,7 @@ impl GrowingInfo {
         shrink: Shrink,
         measure: impl FnOnce(&BdevInfo) -> Result<u64, BdevError>,
     ) -> Result<u64, BdevError> {
-        let _one_at_a_time = self.growing.lock().unwrap_or_else(|p| p.into_inner());
+        let _one_at_a_time = self.resizing.lock().unwrap_or_else(|p| p.into_inner());
         let current = self.get();
         let block_count = measure(current)?;
         if block_count < current.block_count && shrink == Shrink::Refused {
@@ -376,9 +376,9 @@ impl GrowingInfo {
                 block_count,
                 ..current.clone()
             };
-            if next > GROWTHS_MAX || self.infos[next].set(resized).is_err() {
+            if next > RESIZES_MAX || self.infos[next].set(resized).is_err() {
                 return Err(current.io_error(io::Error::other(format!(
-                    "it has changed size {GROWTHS_MAX} times, the most a bdev can; delete it \
+                    "it has changed size {RESIZES_MAX} times, the most a bdev can; delete it \
                      and create it again"
                 ))));
             }
@@ -406,7 +406,7 @@ mod tests {
 
     #[test]
     fn a_size_shrinks_only_where_allowed_and_earlier_infos_stay_valid() {
-        let sized = GrowingInfo::new(info(512, 100));
+        let sized = ResizableInfo::new(info(512, 100));
         let first = sized.get();
         let shrunk = sized.resize("f", Shrink::Refused, |_| Ok(50));
         assert!(
@@ -449,7 +449,7 @@ mod tests {
         {
             changes += 1;
         }
-        assert_eq!(changes, GROWTHS_MAX);
+        assert_eq!(changes, RESIZES_MAX);
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use basalt_io::{AllocateMode, DmaBuf, FileEngine, OpenError, OpenOptions};
 
-use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, GrowingInfo, InPlace, Shrink};
+use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, InPlace, ResizableInfo, Shrink};
 
 /// How to open a file bdev.
 #[derive(Debug, Clone)]
@@ -39,7 +39,7 @@ pub enum FileBdevError {
 
 /// A bdev backed by a file or block device.
 pub struct FileBdev {
-    info: GrowingInfo,
+    info: ResizableInfo,
     engine: FileEngine,
 }
 
@@ -74,7 +74,7 @@ impl FileBdev {
             optimal_io_boundary_blocks: 0,
         };
         Ok(Self {
-            info: GrowingInfo::new(info),
+            info: ResizableInfo::new(info),
             engine,
         })
     }

@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use basalt_client::{ClientError, Image};
 use basalt_io::DmaBuf;
 
-use crate::bdev::{Bdev, BdevError, BdevFuture, BdevInfo, Extent, GrowingInfo, Shrink, libc_errno};
+use crate::bdev::{
+    Bdev, BdevError, BdevFuture, BdevInfo, Extent, ResizableInfo, Shrink, libc_errno,
+};
 
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
@@ -25,7 +27,7 @@ pub struct ImageBdev {
 }
 
 struct Shared {
-    info: GrowingInfo,
+    info: ResizableInfo,
     /// Holds the cluster connection alive as well.
     image: Image,
     /// Who this bdev is to the monitors, as a watcher of the image.
@@ -72,7 +74,7 @@ impl ImageBdev {
             MADE.fetch_add(1, Ordering::Relaxed)
         );
         let shared = Arc::new(Shared {
-            info: GrowingInfo::new(info),
+            info: ResizableInfo::new(info),
             image,
             watcher,
         });

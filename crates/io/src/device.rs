@@ -51,10 +51,9 @@ pub fn claim_dir(dir: &Path) -> io::Result<Claim> {
 /// Claims the device or file at `path`. A block device is also opened with `O_EXCL`,
 /// which the kernel refuses while it is mounted or claimed so by any other process.
 pub fn claim_device(path: &Path) -> io::Result<Claim> {
-    let is_block = std::fs::metadata(path)?.file_type().is_block_device();
     let mut options = std::fs::OpenOptions::new();
     options.read(true);
-    if is_block {
+    if is_block_device(path)? {
         options.custom_flags(libc::O_EXCL);
     }
     let in_use = |error: io::Error| {

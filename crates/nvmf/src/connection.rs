@@ -195,13 +195,14 @@ pub async fn serve(
     }
     // Commands still under way were given up (just above, before the queue is seen gone),
     // as the host has given them up: it sends them again on its next connection, and may
-    // send later commands for the same blocks there. One kept going here (an image bdev's write retrying while its PG has no
-    // leader) could land after those. What a command already handed on does not land
-    // after them as a rule: a file bdev's engine keeps its buffers until the kernel is
-    // done with them (a write already submitted completes within the device's time), and
-    // an image's client sends nothing more for a request dropped (what it sent before
-    // comes before later requests in its PG's raft log, the leader's term in each request
-    // keeping an old one held in a socket from going in after a newer leader's).
+    // send later commands for the same blocks there. One kept going here (an image bdev's
+    // write retrying while its PG has no leader) could land after those. What a command
+    // already handed on does not land after them as a rule: a file bdev's engine keeps its
+    // buffers until the kernel is done with them (a write already submitted completes
+    // within the device's time), and an image's client sends nothing more for a request
+    // dropped (what it sent before comes before later requests in its PG's raft log, the
+    // leader's term in each request keeping an old one held in a socket from going in
+    // after a newer leader's).
     let _ = writer.shutdown().await;
     result
 }

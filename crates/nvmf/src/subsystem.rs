@@ -329,6 +329,13 @@ pub struct SubsystemState {
     next_controller_id: u16,
 }
 
+impl SubsystemState {
+    /// Whether `host_nqn` may connect.
+    pub fn allows_host(&self, host_nqn: &str) -> bool {
+        self.allow_any_host || self.hosts.contains(host_nqn)
+    }
+}
+
 /// An NVM subsystem.
 pub struct Subsystem {
     /// Its NQN.
@@ -383,8 +390,7 @@ impl Subsystem {
 
     /// Whether `host_nqn` may connect.
     pub fn allows_host(&self, host_nqn: &str) -> bool {
-        let state = self.lock();
-        state.allow_any_host || state.hosts.contains(host_nqn)
+        self.lock().allows_host(host_nqn)
     }
 
     /// Tears down the controllers of hosts no longer allowed (a host removed, or any host
@@ -393,13 +399,10 @@ impl Subsystem {
     pub fn disconnect_hosts_not_allowed(&self) -> usize {
         let refused: Vec<Arc<Controller>> = {
             let state = self.lock();
-            if state.allow_any_host {
-                return 0;
-            }
             state
                 .controllers
                 .values()
-                .filter(|controller| !state.hosts.contains(&controller.host_nqn))
+                .filter(|controller| !state.allows_host(&controller.host_nqn))
                 .cloned()
                 .collect()
         };

@@ -491,7 +491,7 @@ impl NvmfTarget {
             let mut state = subsystem.lock();
             // Again under the lock the controller goes in with: a host removed since the
             // check above (whose controllers were torn down then) gets none.
-            if !(state.allow_any_host || state.hosts.contains(&data.host_nqn)) {
+            if !state.allows_host(&data.host_nqn) {
                 return Err(host_refused());
             }
             let Some(id) = Subsystem::allocate_controller_id(

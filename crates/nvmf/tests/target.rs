@@ -511,26 +511,19 @@ async fn hosts_not_allowed_are_refused() {
         (1, 0x84),
         "connect invalid host: {refused}"
     );
-    rpc(
-        &fixture,
-        "nvmf_subsystem_add_host",
-        json!({"nqn": NQN, "host": options.host_nqn}),
-    )
-    .await
-    .expect("allow");
+    let host_rpc = |method: &'static str| {
+        let params = json!({"nqn": NQN, "host": options.host_nqn});
+        let fixture = &fixture;
+        async move { rpc(fixture, method, params).await.expect(method) }
+    };
+    host_rpc("nvmf_subsystem_add_host").await;
     let allowed = Host::connect(fixture.address, NQN, options.clone())
         .await
         .expect("allowed now");
     read_write_cycle(&allowed, 0, 0, 4096, 3).await;
     // Removed, the host loses its controller at once: its queues close, and it is
     // refused when it connects again.
-    rpc(
-        &fixture,
-        "nvmf_subsystem_remove_host",
-        json!({"nqn": NQN, "host": options.host_nqn}),
-    )
-    .await
-    .expect("remove");
+    host_rpc("nvmf_subsystem_remove_host").await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while controllers(&fixture).await != json!([]) {
         assert!(

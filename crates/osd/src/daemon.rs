@@ -40,8 +40,8 @@ use basalt_mon::MonClient;
 use basalt_mon::map::{ClusterMap, Command};
 use basalt_mon::protocol::{LeaderlessPg, MonReply, MonRequest, OsdReport, PgScrub};
 use basalt_replication::{
-    Action, EntryType, MultiRaft, PayloadUnavailable, ProposeError, RaftMessage, ReadStart,
-    Reconfiguring, Restored, beat_of, decode_message, encode_message, heartbeat,
+    Action, EntryType, Members, MultiRaft, PayloadUnavailable, ProposeError, RaftMessage,
+    ReadStart, Reconfiguring, Restored, beat_of, decode_message, encode_message, heartbeat,
 };
 use basalt_store::batch::{self, BLOCK_SIZE, BatchError};
 use basalt_store::block_sums::{BlockSums, Mismatch};
@@ -2014,15 +2014,17 @@ impl Core {
         let write_bytes = op.payload().len() as u64;
         let log_bytes = write_bytes.div_ceil(BLOCK_SIZE as u64) * BLOCK_SIZE as u64
             + batch::DESCRIPTOR_SIZE as u64;
-        if let Err(status) = self.enough_replicas(pg) {
-            let _ = reply_to.send(reply(status));
-            return;
-        }
-        if write_bytes > 0
-            && let Err(status) = self
-                .replicas_not_full(pg)
+        // The PG's voters, looked up once for both checks (a follower answers as without
+        // them: NotLeader).
+        let members = self.led_members(pg);
+        let checked = self.enough_replicas(pg, members.as_ref()).and_then(|()| {
+            if write_bytes == 0 {
+                return Ok(());
+            }
+            self.replicas_not_full(pg, members.as_ref())
                 .and_then(|()| self.space_for(log_bytes))
-        {
+        });
+        if let Err(status) = checked {
             let _ = reply_to.send(reply(status));
             return;
         }
@@ -2130,18 +2132,23 @@ impl Core {
         }
     }
 
+    /// The voters of `pg` if this replica leads it; `None` for a follower, whose map may
+    /// be older (the checks below leave it to answer NotLeader).
+    fn led_members(&self, pg: PgId) -> Option<Members> {
+        self.raft
+            .is_leader(pg)
+            .then(|| self.raft.members(pg))
+            .flatten()
+    }
+
     /// Holds writes to `pg` back (`Busy`: the client tries again until its deadline) while
     /// fewer of its voters are live than its pool's `min_size`, as Ceph holds I/O to a PG
     /// below it: this OSD, and the peers it had a raft frame from within
     /// [`PEER_FULL_FOR`] (a replica answers its leaders' heartbeats every other tick).
     /// At the default `min_size`, a majority of the pool's size, it holds back what raft
     /// could not commit anyway, but for a PG left with fewer voters than that.
-    fn enough_replicas(&self, pg: PgId) -> Result<(), Status> {
-        if !self.raft.is_leader(pg) {
-            return Ok(());
-        }
-        let (Some(pool), Some(members)) = (self.map.pools.get(&pg.pool), self.raft.members(pg))
-        else {
+    fn enough_replicas(&self, pg: PgId, members: Option<&Members>) -> Result<(), Status> {
+        let (Some(pool), Some(members)) = (self.map.pools.get(&pg.pool), members) else {
             return Ok(());
         };
         let live = members
@@ -2176,12 +2183,8 @@ impl Core {
     /// the monitors, without them: with the monitors down, the leaders would go on into a
     /// full replica's margin and reserve, or a map flag they cannot clear would hold
     /// writes back after discards.
-    fn replicas_not_full(&self, pg: PgId) -> Result<(), Status> {
-        // A follower answers as without the flag (NotLeader), its map may be older.
-        if !self.raft.is_leader(pg) {
-            return Ok(());
-        }
-        let Some(members) = self.raft.members(pg) else {
+    fn replicas_not_full(&self, pg: PgId, members: Option<&Members>) -> Result<(), Status> {
+        let Some(members) = members else {
             return Ok(());
         };
         let full = |osd: &&OsdId| {
@@ -3251,7 +3254,7 @@ impl Core {
     /// Proposes a scrub marker in `pg`: not into the log of a full replica (it could not
     /// persist it).
     fn propose_marker(&mut self, pg: PgId) -> Result<(), String> {
-        self.replicas_not_full(pg)
+        self.replicas_not_full(pg, self.led_members(pg).as_ref())
             .map_err(|status| format!("{status:?}"))?;
         self.raft
             .propose(pg, crate::scrub::MARKER.to_vec())
@@ -4247,7 +4250,6 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Creates and formats the device file if it does not exist yet; returns the superblock.
 /// Claims the OSD's device at `path` and reads its superblock, formatting it first when
 /// it is a file not there yet (of `config.device_size_bytes`), or holds no Basalt
 /// superblock and `config.format` says so.
@@ -4259,13 +4261,10 @@ async fn prepare_device(
         // Only the default file is made: a device named (`--device`) that is not there is
         // a typo or a node not made yet, not a file to create in its place.
         if config.device.is_some() {
-            return Err(OsdError::Io {
-                path: path.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "the device given with --device does not exist",
-                ),
-            });
+            return Err(io_error(path)(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the device given with --device does not exist",
+            )));
         }
         create_device_file(path, config.device_size_bytes, config.device_fill).await?;
     }
@@ -4278,9 +4277,8 @@ async fn prepare_device(
             .map_err(io_error(path))?;
         Ok::<_, OsdError>(Superblock::decode(&block))
     };
-    let refused = |error: crate::superblock::SuperblockError, hint: &str| OsdError::Io {
-        path: path.display().to_string(),
-        source: std::io::Error::other(format!("{error}{hint}")),
+    let refused = |error: crate::superblock::SuperblockError, hint: &str| {
+        io_error(path)(std::io::Error::other(format!("{error}{hint}")))
     };
     let superblock = match read()? {
         Ok(superblock) => superblock,
@@ -4295,13 +4293,10 @@ async fn prepare_device(
             // another program's data (a disk whose name moved to another after a reboot,
             // with --format still in the command line) is not formatted over.
             if let Some(offset) = first_data(path).map_err(io_error(path))? {
-                return Err(OsdError::Io {
-                    path: path.display().to_string(),
-                    source: std::io::Error::other(format!(
-                        "holds data (at byte {offset}), not formatted; to use it for an OSD, \
-                         erase it first (blkdiscard -z, or zeroes over its first and last MiB)"
-                    )),
-                });
+                return Err(io_error(path)(std::io::Error::other(format!(
+                    "holds data (at byte {offset}), not formatted; to use it for an OSD, \
+                     erase it first (blkdiscard -z, or zeroes over its first and last MiB)"
+                ))));
             }
             // Never a sparse fill on a block device: its discarded blocks need not read
             // back as zeroes.

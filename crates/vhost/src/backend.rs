@@ -451,12 +451,16 @@ impl BlkBackend {
                 let (mut chains, mut bytes) = (Vec::new(), copied);
                 while chains.len() < room && bytes < COPY_BYTES_MAX {
                     let Some(chain) = available.next() else { break };
-                    bytes += chain
-                        .clone()
-                        .filter(|descriptor| !descriptor.is_write_only())
-                        .map(|descriptor| u64::from(descriptor.len()))
+                    let head = chain.head_index();
+                    let descriptors: Descriptors = chain
+                        .map(|d| (d.addr(), d.len(), d.is_write_only()))
+                        .collect();
+                    bytes += descriptors
+                        .iter()
+                        .filter(|(_, _, write_only)| !write_only)
+                        .map(|(_, len, _)| u64::from(*len))
                         .sum::<u64>();
-                    chains.push(chain);
+                    chains.push((head, descriptors));
                 }
                 (room, chains, bytes >= COPY_BYTES_MAX)
             };
@@ -467,12 +471,7 @@ impl BlkBackend {
                 }
                 break;
             }
-            for chain in chains {
-                let head = chain.head_index();
-                let descriptors: Descriptors = chain
-                    .clone()
-                    .map(|d| (d.addr(), d.len(), d.is_write_only()))
-                    .collect();
+            for (head, descriptors) in chains {
                 // Marked in the order taken: after a crash, the next backend takes again
                 // from the available ring only what no mark covers.
                 if let Some(region) = &region {
