@@ -316,7 +316,7 @@ async fn finish_cut(
         };
         // Only what holds data: a thin image's removal then costs a request per PG
         // rather than one per object.
-        let (ranges, unlisted) = written_ranges(&map, id, kept.clone(), since).await?;
+        let (ranges, unlisted) = written_ranges(mons, &map, id, kept.clone(), since).await?;
         if let Some((pg, why)) = unlisted.first() {
             let others = match unlisted.len() - 1 {
                 0 => String::new(),
@@ -409,8 +409,10 @@ async fn refuse_if_watched(mon: &MonClient, spec: &str, id: ImageId) -> anyhow::
 /// pool's PGs list ([`basalt_osd::daemon::OsdRequest::ListObjects`]), cut to `kept`,
 /// adjacent ones merged. A PG that gives no list within [`LISTING_WITHIN`] (an OSD of an
 /// older version, no leader) has every object of `kept` it holds in the ranges; those
-/// PGs come second, each with the reason.
+/// PGs come second, each with the reason. A PG that moves meanwhile is asked where the
+/// monitors (`mons`) say it is now.
 async fn written_ranges(
+    mons: &[std::net::SocketAddr],
     map: &ClusterMap,
     id: ImageId,
     kept: Range<u64>,
@@ -434,13 +436,14 @@ async fn written_ranges(
             index,
         })
         .collect();
+    let mon = std::sync::Arc::new(MonClient::new(mons.to_vec()));
     let mut numbers = Vec::new();
     let mut unlisted = Vec::new();
     for group in pgs.chunks(PGS_AT_ONCE) {
         let mut lists = tokio::task::JoinSet::new();
         for pg in group {
-            let (map, pg, from) = (map.clone(), *pg, objects.start);
-            lists.spawn(async move { (pg, list_objects(&map, pg, id, from, since).await) });
+            let (map, mon, pg, from) = (map.clone(), mon.clone(), *pg, objects.start);
+            lists.spawn(async move { (pg, list_objects(&mon, map, pg, id, from, since).await) });
         }
         while let Some(joined) = lists.join_next().await {
             let (pg, listed) = joined.context("a listing task failed")?;
@@ -485,46 +488,56 @@ const LISTING_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The numbers of image `id`'s objects from `from` on that `pg`'s leader holds data of,
 /// under a map of epoch `since` or newer; asked of the PG's members as `map` names them,
-/// again and again until one answers or [`LISTING_WITHIN`] has passed.
+/// again and again until one answers or [`LISTING_WITHIN`] has passed, with the newest
+/// map `mon` gives after each round that none answered (the PG may have moved).
 async fn list_objects(
-    map: &ClusterMap,
+    mon: &MonClient,
+    map: ClusterMap,
     pg: PgId,
     id: ImageId,
     from: u64,
     since: Epoch,
 ) -> Result<Vec<u64>, String> {
     use basalt_osd::daemon::{ObjectList, OsdRequest};
-    let members = map
-        .pg(pg)
-        .map(|entry| entry.members.clone())
-        .ok_or_else(|| format!("pg {pg} is not in the map"))?;
+    let members_in = |map: &ClusterMap| {
+        map.pg(pg)
+            .map(|entry| entry.members.clone())
+            .ok_or_else(|| format!("pg {pg} is not in the map"))
+    };
+    let members = members_in(&map)?;
     let deadline = std::time::Instant::now() + LISTING_WITHIN;
-    let ask = |from| {
-        let members = &members;
-        async move {
-            loop {
-                let mut refusals = Vec::new();
-                for osd in members {
-                    let request = OsdRequest::ListObjects {
-                        pg,
-                        image: id,
-                        from,
-                        since,
-                    };
-                    let within = std::time::Duration::from_secs(5);
-                    match ask_osd_for::<ObjectList>(map, *osd, &request, within).await {
-                        Ok(list) => return Ok(list),
-                        Err(error) => refusals.push(format!("{osd}: {error}")),
-                    }
+    let mut placed = (map, members);
+    let mut ask = async |from| {
+        let (map, members) = &mut placed;
+        loop {
+            let mut refusals = Vec::new();
+            for osd in members.iter() {
+                let request = OsdRequest::ListObjects {
+                    pg,
+                    image: id,
+                    from,
+                    since,
+                };
+                let within = std::time::Duration::from_secs(5);
+                match ask_osd_for::<ObjectList>(map, *osd, &request, within).await {
+                    Ok(list) => return Ok(list),
+                    Err(error) => refusals.push(format!("{osd}: {error}")),
                 }
-                if std::time::Instant::now() >= deadline {
-                    return Err(format!(
-                        "pg {pg} gave no list of image {}'s objects ({})",
-                        id.0,
-                        refusals.join("; ")
-                    ));
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "pg {pg} gave no list of image {}'s objects ({})",
+                    id.0,
+                    refusals.join("; ")
+                ));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            if let Ok(newer) = mon.map().await
+                && newer.epoch > map.epoch
+                && let Ok(now) = members_in(&newer)
+            {
+                *members = now;
+                *map = newer;
             }
         }
     };
