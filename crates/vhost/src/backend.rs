@@ -412,7 +412,7 @@ impl BlkBackend {
         };
         if let Some(region) = &region
             && region.recovery_pending(queue)
-            && let Err(error) = self.replay(&completer, region, &memory, ring)
+            && let Err(error) = self.recover(&completer, region, &memory)
         {
             // Tried again at the vring's next event.
             tracing::warn!(queue, %error, "vring not recovered from the in-flight region");
@@ -438,6 +438,12 @@ impl BlkBackend {
                     vring.enable_notification().map_err(io::Error::other)?;
                 }
                 break;
+            }
+            // Requests replayed from the region go first, within the same budget.
+            if let Some(region) = &region
+                && !self.start_replays(&completer, region, &memory, ring)
+            {
+                continue;
             }
             let in_flight = completer.in_flight.load(Ordering::Acquire);
             let copied = completer.copying.bytes.load(Ordering::SeqCst);
@@ -494,25 +500,25 @@ impl BlkBackend {
         Ok(())
     }
 
-    /// Starts again the requests of `completer`'s vring that a previous backend took and
-    /// did not complete (it crashed), oldest first, and moves the vring's next available
-    /// index past every request taken: the frontend, which could not ask the dead backend
-    /// where it was, resumes the vring at its used index.
-    fn replay(
+    /// Recovers the requests of `completer`'s vring that a previous backend took and did
+    /// not complete (it crashed), to be started again oldest first (`start_replays`), and
+    /// moves the vring's next available index past every request taken: the frontend,
+    /// which could not ask the dead backend where it was, resumes the vring at its used
+    /// index.
+    fn recover(
         &self,
         completer: &Completer,
         region: &InflightRegion,
         memory: &Memory,
-        ring: Option<&DirectRing>,
     ) -> io::Result<()> {
         let guest = memory.memory();
-        let (table, size, used) = {
+        let (size, used) = {
             let state = completer.vring.get_ref();
             let queue = state.get_queue();
             let used = queue
                 .used_idx(&*guest, Ordering::Acquire)
                 .map_err(io::Error::other)?;
-            (queue.desc_table(), queue.size(), used.0)
+            (queue.size(), used.0)
         };
         if !region.take_recovery(completer.queue) {
             return Ok(());
@@ -530,19 +536,48 @@ impl BlkBackend {
             requests = heads.len(),
             "vring resumed; replaying requests in flight at the previous backend's end"
         );
-        for head in heads {
+        region.set_replays(completer.queue, heads);
+        Ok(())
+    }
+
+    /// Starts `completer`'s vring's requests to replay from `region`, oldest first, while
+    /// the data they copy fits the vring's budget (the one crossing it included, as for
+    /// requests taken from the available ring); whether none is left.
+    fn start_replays(
+        &self,
+        completer: &Completer,
+        region: &InflightRegion,
+        memory: &Memory,
+        ring: Option<&DirectRing>,
+    ) -> bool {
+        let (table, size) = {
+            let state = completer.vring.get_ref();
+            let queue = state.get_queue();
+            (queue.desc_table(), queue.size())
+        };
+        let mut started = false;
+        let left = loop {
+            if completer.copying.spent() {
+                break true;
+            }
+            let Some(head) = region.next_replay(completer.queue) else {
+                break false;
+            };
             // A chain that cannot be read is no request: `start` completes it as malformed.
+            let guest = memory.memory();
             let descriptors = inflight::chain(&*guest, vm_memory::GuestAddress(table), size, head)
                 .unwrap_or_else(|error| {
                     tracing::warn!(head, %error, "a request in flight cannot be replayed");
                     Descriptors::new()
                 });
+            drop(guest);
             self.start(completer.clone(), head, &descriptors, memory, ring);
-        }
-        if let Some(ring) = ring {
+            started = true;
+        };
+        if started && let Some(ring) = ring {
             ring.submit();
         }
-        Ok(())
+        !left
     }
 
     /// Starts one request (or completes it at once when it is malformed).

@@ -90,6 +90,8 @@ struct QueueState {
     counter: AtomicU64,
     /// The queue has not been looked at since the region was handed over.
     recovery_pending: AtomicBool,
+    /// Recovered requests not started yet, oldest first ([`InflightRegion::set_replays`]).
+    replays: std::sync::Mutex<std::collections::VecDeque<u16>>,
 }
 
 /// A region handed over with `SET_INFLIGHT_FD`, mapped.
@@ -163,6 +165,7 @@ impl InflightRegion {
             .map(|_| QueueState {
                 counter: AtomicU64::new(0),
                 recovery_pending: AtomicBool::new(true),
+                replays: Default::default(),
             })
             .collect();
         Ok(Self {
@@ -258,6 +261,24 @@ impl InflightRegion {
         self.queues
             .get(usize::from(queue))
             .is_some_and(|state| state.recovery_pending.swap(false, Ordering::AcqRel))
+    }
+
+    /// Keeps `heads` (from [`InflightRegion::recover`]) as `queue`'s requests to replay,
+    /// handed out one by one by [`InflightRegion::next_replay`] as the backend has room.
+    pub fn set_replays(&self, queue: u16, heads: Vec<u16>) {
+        if let Some(state) = self.queues.get(usize::from(queue)) {
+            *state.replays.lock().unwrap_or_else(|p| p.into_inner()) = heads.into();
+        }
+    }
+
+    /// `queue`'s oldest request to replay not started yet.
+    pub fn next_replay(&self, queue: u16) -> Option<u16> {
+        let state = self.queues.get(usize::from(queue))?;
+        state
+            .replays
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
     }
 
     /// Brings `queue`'s part up to the vring, whose used index in guest memory is `used`

@@ -759,6 +759,73 @@ fn large_writes_are_taken_as_their_copied_data_fits() {
     assert_eq!(gated.started(), u64::from(offered));
 }
 
+/// Requests replayed from the in-flight region count in the same budget: of thirteen
+/// writes a dead backend left in flight, each carrying 1.875 MiB, those whose data fits
+/// start (one more crosses the mark), the rest once completions give room back.
+#[test]
+fn replayed_writes_are_started_as_their_copied_data_fits() {
+    let _alone = alone();
+    const REPLAYED: u16 = 13;
+    const DATA: u64 = 0x10000;
+    let len = MEMORY_SIZE as u64 - DATA;
+    let prepare = |frontend: &mut Frontend, memory: &GuestMemoryMmap<()>| {
+        let asked = VhostUserInflight {
+            num_queues: 1,
+            queue_size: QUEUE_SIZE,
+            ..Default::default()
+        };
+        let (inflight, region) = frontend.get_inflight_fd(&asked).expect("GET_INFLIGHT_FD");
+        // Heads 0-12: a header each, then descriptors 13 and 14 (both the same 960 KiB
+        // of data) and 15 (the status), which every chain shares.
+        let guest = Guest::new(memory.clone(), EventFd::new(EFD_NONBLOCK).expect("kick"));
+        guest.header(0x8000, TYPE_OUT, 0);
+        for head in 0..REPLAYED {
+            guest.put_descriptor(head, 0x8000, 16, DESC_F_NEXT, 13);
+            let ring_at = GuestAddress(AVAIL + 4 + u64::from(head) * 2);
+            memory.write_obj(head, ring_at).expect("avail ring");
+            let state = (u64::from(head) + 1) * 16;
+            region.write_all_at(&[1], state).expect("mark");
+            region
+                .write_all_at(&u64::from(head).to_le_bytes(), state + 8)
+                .expect("counter");
+        }
+        guest.put_descriptor(13, DATA, len as u32, DESC_F_NEXT, 14);
+        guest.put_descriptor(14, DATA, len as u32, DESC_F_NEXT, 15);
+        guest.put_descriptor(15, 0x9000, 1, DESC_F_WRITE, 0);
+        memory
+            .write_obj(REPLAYED, GuestAddress(AVAIL + 2))
+            .expect("avail idx");
+        frontend
+            .set_inflight_fd(&inflight, region.as_raw_fd())
+            .expect("SET_INFLIGHT_FD");
+    };
+    let device = GatedDevice::prepared(
+        "vhost-replay-budget",
+        4096,
+        VhostUserProtocolFeatures::INFLIGHT_SHMFD,
+        prepare,
+    );
+    let (gated, guest) = (&device.gated, &device.guest);
+    let fit = COPY_BYTES_MAX.div_ceil(2 * len);
+    wait_until(
+        || format!("{} replayed writes started, not {fit}", gated.started()),
+        || gated.started() >= fit,
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        gated.started(),
+        fit,
+        "replayed writes of {} bytes started with {COPY_BYTES_MAX} bytes to copy them into",
+        2 * len
+    );
+    gated.open();
+    wait_until(
+        || "the replayed writes held back were not started".into(),
+        || guest.used_index() == REPLAYED,
+    );
+    assert_eq!(gated.started(), u64::from(REPLAYED));
+}
+
 /// A controller over a malloc bdev of `blocks` whose writes wait behind a gate, with one
 /// queue driven by a [`Guest`]; its directory goes when it is dropped.
 struct GatedDevice {
@@ -772,6 +839,17 @@ struct GatedDevice {
 
 impl GatedDevice {
     fn new(name: &str, blocks: u64) -> Self {
+        Self::prepared(name, blocks, VhostUserProtocolFeatures::empty(), |_, _| {})
+    }
+
+    /// The same, with the protocol features `more` and `prepare` run on the frontend and
+    /// guest memory before the vring starts.
+    fn prepared(
+        name: &str,
+        blocks: u64,
+        more: VhostUserProtocolFeatures,
+        prepare: impl FnOnce(&mut Frontend, &GuestMemoryMmap<()>),
+    ) -> Self {
         let dir = scratch_dir(name);
         let reactors = Arc::new(Reactors::start(1, name).expect("reactors"));
         let server = VhostServer::new(reactors, dir.clone());
@@ -792,7 +870,8 @@ impl GatedDevice {
         };
         let socket = server.create("c", "g", None, options).expect("controller");
         let (memory, info) = guest_memory(&dir);
-        let mut frontend = connect(&socket, VhostUserProtocolFeatures::empty());
+        let mut frontend = connect(&socket, more);
+        prepare(&mut frontend, &memory);
         let (call, kick) = start_vring(&mut frontend, &info, 0);
         Self {
             gated,
