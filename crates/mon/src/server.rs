@@ -151,8 +151,9 @@ struct State {
     map: ClusterMap,
     liveness: Liveness,
     reports: BTreeMap<OsdId, Report>,
-    /// Whether this monitor led at the last check (liveness restarts on a new leader).
-    was_leader: bool,
+    /// The raft term of the lead for which liveness was last restarted (each lead of
+    /// this monitor's restarts it: heartbeats went to another monitor meanwhile).
+    liveness_term: Option<u64>,
     /// When each other monitor (by rank) last sent this one a raft message.
     heard: BTreeMap<usize, Instant>,
     /// Since when this monitor leads, and in which raft term; `None` while it does not.
@@ -566,8 +567,8 @@ impl Monitor {
     async fn check_liveness(&self) {
         let verdicts = {
             let mut state = self.lock();
-            let leads = self.is_leader();
-            if leads && !state.was_leader {
+            let lead = state.leading_since.map(|(_, term)| term);
+            if lead.is_some() && lead != state.liveness_term {
                 // A new leader gives every up OSD a grace from now to report in.
                 let now = Instant::now();
                 let up: Vec<OsdId> = state
@@ -581,8 +582,8 @@ impl Monitor {
                     state.liveness.heartbeat(osd, now);
                 }
             }
-            state.was_leader = leads;
-            if !leads {
+            state.liveness_term = lead;
+            if lead.is_none() {
                 return;
             }
             state.watchers.prune(Instant::now());
@@ -891,7 +892,7 @@ pub async fn start(config: MonConfig) -> Result<Running, MonError> {
             map: ClusterMap::new(),
             liveness: Liveness::new(config.grace, config.down_out_interval),
             reports: BTreeMap::new(),
-            was_leader: false,
+            liveness_term: None,
             heard: BTreeMap::new(),
             leading_since: None,
             watchers: ImageWatchers::default(),
