@@ -488,8 +488,8 @@ const LISTING_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The numbers of image `id`'s objects from `from` on that `pg`'s leader holds data of,
 /// under a map of epoch `since` or newer; asked of the PG's members as `map` names them,
-/// again and again until one answers or [`LISTING_WITHIN`] has passed, with the newest
-/// map `mon` gives after each round that none answered (the PG may have moved).
+/// again and again until one answers or [`LISTING_WITHIN`] has passed, and as the newer
+/// maps `mon` gives after a round that none answered name them too (the PG may move).
 async fn list_objects(
     mon: &MonClient,
     map: ClusterMap,
@@ -531,14 +531,23 @@ async fn list_objects(
                     refusals.join("; ")
                 ));
             }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            if let Ok(newer) = mon.map().await
-                && newer.epoch > map.epoch
+            // A round at most every `pause`, waiting that long for a newer map; a moved
+            // PG's new members are asked besides the old (which hold its replicas until
+            // the move ends, and may lead it meanwhile).
+            let pause = std::time::Duration::from_millis(200);
+            let started = std::time::Instant::now();
+            let newer = tokio::time::timeout(2 * pause, mon.map_after(map.epoch, pause)).await;
+            if let Ok(Ok(Some(newer))) = newer
                 && let Ok(now) = members_in(&newer)
             {
-                *members = now;
+                for osd in now {
+                    if !members.contains(&osd) {
+                        members.push(osd);
+                    }
+                }
                 *map = newer;
             }
+            tokio::time::sleep(pause.saturating_sub(started.elapsed())).await;
         }
     };
     let mut numbers = Vec::new();

@@ -8,7 +8,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use basalt_bdev::Bdev;
@@ -223,6 +223,9 @@ pub struct BlkBackend {
     in_flight: Vec<Arc<AtomicUsize>>,
     /// Per vring: write data copied for requests under way.
     copying: Vec<Arc<CopyBudget>>,
+    /// Per vring: requests replayed from the in-flight region were held back by the copy
+    /// budget (the vring's completer, to start them with).
+    replaying: Vec<Mutex<Option<Completer>>>,
     next_reactor: AtomicUsize,
     /// The CPUs of the chosen reactors, where the vring threads run (empty: anywhere).
     vring_cpus: Vec<usize>,
@@ -251,6 +254,7 @@ impl BlkBackend {
             .map(|_| Arc::new(AtomicUsize::new(0)))
             .collect();
         let copying = (0..options.queues).map(|_| Arc::default()).collect();
+        let replaying = (0..options.queues).map(|_| Mutex::new(None)).collect();
         let block_count = options.bdev.info().block_count;
         let mut vring_cpus: Vec<usize> = options
             .reactors
@@ -267,6 +271,7 @@ impl BlkBackend {
             reactors,
             in_flight,
             copying,
+            replaying,
             next_reactor: AtomicUsize::new(0),
             rings: RwLock::new(Vec::new()),
             in_place_requests: AtomicU64::new(0),
@@ -443,6 +448,10 @@ impl BlkBackend {
             if let Some(region) = &region
                 && !self.start_replays(&completer, region, &memory, ring)
             {
+                // Kept for `stop_vring`, should the vring stop before they all start.
+                *self.replaying[usize::from(queue)]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(completer.clone());
                 continue;
             }
             let in_flight = completer.in_flight.load(Ordering::Acquire);
@@ -857,6 +866,24 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // The frontend is told an available index past the requests to replay that the
+        // copy budget held back: they start now, as room comes back, and are waited for.
+        let held = self
+            .replaying
+            .get(queue_index as usize)
+            .and_then(|held| held.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let memory = self
+            .memory
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let (Some(completer), Some(memory)) = (held, memory)
+            && let Some(region) = completer.region.clone()
+        {
+            while !self.start_replays(&completer, &region, &memory, None) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         if let Some(count) = self.in_flight.get(queue_index as usize) {
             wait_for_requests("stopping a vring", || count.load(Ordering::Acquire));
         }

@@ -431,10 +431,14 @@ fn serve(
         backend.open_rings(&daemon.get_epoll_handlers());
         let watcher = watch_size(name, &backend, &session);
         let result = daemon.wait();
-        // The session's worker threads end with it.
+        // The session's worker threads end with it: dropping the daemon (its handler, whose
+        // drop joins them) waits until they have, so that none takes a request of this
+        // session after `end_session` saw none in flight (a kick from a completion that
+        // gave copy budget back could start one).
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();
         }
+        drop(daemon);
         backend.close_rings();
         backend.end_session();
         backend.attached.store(false, Ordering::Release);

@@ -92,6 +92,8 @@ struct QueueState {
     recovery_pending: AtomicBool,
     /// Recovered requests not started yet, oldest first ([`InflightRegion::set_replays`]).
     replays: std::sync::Mutex<std::collections::VecDeque<u16>>,
+    /// Whether `replays` may hold any (read without the lock on every pass of the vring).
+    replaying: AtomicBool,
 }
 
 /// A region handed over with `SET_INFLIGHT_FD`, mapped.
@@ -166,6 +168,7 @@ impl InflightRegion {
                 counter: AtomicU64::new(0),
                 recovery_pending: AtomicBool::new(true),
                 replays: Default::default(),
+                replaying: AtomicBool::new(false),
             })
             .collect();
         Ok(Self {
@@ -267,18 +270,24 @@ impl InflightRegion {
     /// handed out one by one by [`InflightRegion::next_replay`] as the backend has room.
     pub fn set_replays(&self, queue: u16, heads: Vec<u16>) {
         if let Some(state) = self.queues.get(usize::from(queue)) {
-            *state.replays.lock().unwrap_or_else(|p| p.into_inner()) = heads.into();
+            let mut replays = state.replays.lock().unwrap_or_else(|p| p.into_inner());
+            state.replaying.store(!heads.is_empty(), Ordering::Release);
+            *replays = heads.into();
         }
     }
 
     /// `queue`'s oldest request to replay not started yet.
     pub fn next_replay(&self, queue: u16) -> Option<u16> {
         let state = self.queues.get(usize::from(queue))?;
-        state
-            .replays
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop_front()
+        if !state.replaying.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut replays = state.replays.lock().unwrap_or_else(|p| p.into_inner());
+        let head = replays.pop_front();
+        if replays.is_empty() {
+            state.replaying.store(false, Ordering::Release);
+        }
+        head
     }
 
     /// Brings `queue`'s part up to the vring, whose used index in guest memory is `used`

@@ -759,13 +759,48 @@ fn large_writes_are_taken_as_their_copied_data_fits() {
     assert_eq!(gated.started(), u64::from(offered));
 }
 
-/// Requests replayed from the in-flight region count in the same budget: of thirteen
-/// writes a dead backend left in flight, each carrying 1.875 MiB, those whose data fits
-/// start (one more crosses the mark), the rest once completions give room back.
+/// Requests replayed from the in-flight region count in the same budget: of
+/// [`REPLAYED`] writes a dead backend left in flight, those whose data fits start (one
+/// more crosses the mark), the rest once completions give room back.
 #[test]
 fn replayed_writes_are_started_as_their_copied_data_fits() {
     let _alone = alone();
-    const REPLAYED: u16 = 13;
+    let device = replays_held_back("vhost-replay-budget");
+    let (gated, guest) = (&device.gated, &device.guest);
+    gated.open();
+    wait_until(
+        || "the replayed writes held back were not started".into(),
+        || guest.used_index() == REPLAYED,
+    );
+    assert_eq!(gated.started(), u64::from(REPLAYED));
+}
+
+/// A vring stopped (GET_VRING_BASE) while the copy budget holds replayed requests back
+/// answers an available index past them, so they must run before it answers: they
+/// start as room comes back, and the answer waits for them.
+#[test]
+fn a_vring_stopped_with_replays_held_back_runs_them_first() {
+    let _alone = alone();
+    let device = replays_held_back("vhost-replay-stop");
+    let (gated, guest) = (&device.gated, &device.guest);
+    std::thread::scope(|scope| {
+        let stopping = scope.spawn(|| device.frontend.get_vring_base(0));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!stopping.is_finished(), "stopped with requests in flight");
+        gated.open();
+        let base = stopping.join().expect("thread").expect("GET_VRING_BASE");
+        assert_eq!(base, u32::from(REPLAYED), "the available index given back");
+    });
+    assert_eq!(gated.started(), u64::from(REPLAYED), "replays started");
+    assert_eq!(guest.used_index(), REPLAYED, "replays completed");
+}
+
+/// Writes a dead backend left in flight, each of 1.875 MiB.
+const REPLAYED: u16 = 13;
+
+/// A gated device whose vring starts with [`REPLAYED`] writes to replay in its
+/// in-flight region, once the writes whose data fits the copy budget have started.
+fn replays_held_back(name: &str) -> GatedDevice {
     const DATA: u64 = 0x10000;
     let len = MEMORY_SIZE as u64 - DATA;
     let prepare = |frontend: &mut Frontend, memory: &GuestMemoryMmap<()>| {
@@ -800,12 +835,12 @@ fn replayed_writes_are_started_as_their_copied_data_fits() {
             .expect("SET_INFLIGHT_FD");
     };
     let device = GatedDevice::prepared(
-        "vhost-replay-budget",
+        name,
         4096,
         VhostUserProtocolFeatures::INFLIGHT_SHMFD,
         prepare,
     );
-    let (gated, guest) = (&device.gated, &device.guest);
+    let gated = &device.gated;
     let fit = COPY_BYTES_MAX.div_ceil(2 * len);
     wait_until(
         || format!("{} replayed writes started, not {fit}", gated.started()),
@@ -818,12 +853,7 @@ fn replayed_writes_are_started_as_their_copied_data_fits() {
         "replayed writes of {} bytes started with {COPY_BYTES_MAX} bytes to copy them into",
         2 * len
     );
-    gated.open();
-    wait_until(
-        || "the replayed writes held back were not started".into(),
-        || guest.used_index() == REPLAYED,
-    );
-    assert_eq!(gated.started(), u64::from(REPLAYED));
+    device
 }
 
 /// A controller over a malloc bdev of `blocks` whose writes wait behind a gate, with one
@@ -833,7 +863,7 @@ struct GatedDevice {
     guest: Guest,
     dir: std::path::PathBuf,
     _call: EventFd,
-    _frontend: Frontend,
+    frontend: Frontend,
     _server: VhostServer,
 }
 
@@ -878,7 +908,7 @@ impl GatedDevice {
             guest: Guest::new(memory, kick),
             dir,
             _call: call,
-            _frontend: frontend,
+            frontend,
             _server: server,
         }
     }
