@@ -38,6 +38,10 @@ pub struct TargetArgs {
     /// CPU to them at each round.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub poll_us: u64,
+    /// Serve Prometheus metrics on this address (each bdev's I/O counters, what is
+    /// connected to each frontend).
+    #[arg(long)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 pub fn run(args: TargetArgs) -> anyhow::Result<ExitCode> {
@@ -71,6 +75,15 @@ async fn serve(args: TargetArgs) -> anyhow::Result<()> {
         config::load(&target, path)
             .await
             .context("loading the configuration")?;
+    }
+    // Served until the process ends.
+    if let Some(address) = args.metrics_addr {
+        let rendered = target.clone();
+        let render = std::sync::Arc::new(move || basalt_target::metrics::render(&rendered));
+        let (bound, _served) = basalt_wire::metrics::serve(address, render)
+            .await
+            .with_context(|| format!("serving metrics on {address}"))?;
+        tracing::info!(address = %bound, "metrics served");
     }
     let server = RpcServer::bind(&args.rpc_socket)
         .with_context(|| format!("binding the JSON-RPC socket {}", args.rpc_socket.display()))?;

@@ -198,3 +198,114 @@ fn fio_randwrite_verify_through_several_connections() {
         "fio must detect the overwritten blocks"
     );
 }
+
+/// `basalt target --metrics-addr`: Prometheus metrics of each bdev's I/O, counted as
+/// qemu-io (over NBD) and our NVMe/TCP initiator use them, and of what is connected.
+#[test]
+fn target_metrics_count_what_clients_do() {
+    require("qemu-io");
+    let dir = ScratchDir::new("target-metrics");
+    let metrics_port = free_port();
+    let metrics_at = format!("127.0.0.1:{metrics_port}");
+    let target = TargetProcess::start(&dir.path, &["--metrics-addr", &metrics_at]);
+    target.rpc_ok(
+        "bdev_malloc_create",
+        json!({"name": "m0", "num_blocks": 4096, "block_size": 4096}),
+    );
+    let port = target.start_nbd();
+    target.rpc_ok(
+        "nbd_server_add_export",
+        json!({"bdev_name": "m0", "name": "disk"}),
+    );
+    let metrics = || http_get(&metrics_at, "/metrics");
+    let of_m0 = |metrics: &str, name: &str| metric(metrics, &format!("{name}{{bdev=\"m0\"}}"));
+    let before = metrics();
+    assert_eq!(
+        of_m0(&before, "basalt_target_bdev_size_bytes"),
+        16.0 * 1048576.0
+    );
+    assert_eq!(of_m0(&before, "basalt_target_bdev_write_ops_total"), 0.0);
+
+    let uri = format!("nbd://127.0.0.1:{port}/disk");
+    qemu_io_ok(
+        &uri,
+        false,
+        &[
+            "write -P 0xab 0 1M",
+            "write -P 0xcd 1M 64k",
+            "read -P 0xab 0 128k",
+            "discard 2M 256k",
+            "flush",
+        ],
+    );
+    let after = metrics();
+    assert_eq!(
+        of_m0(&after, "basalt_target_bdev_write_bytes_total"),
+        1114112.0
+    );
+    assert_eq!(of_m0(&after, "basalt_target_bdev_write_ops_total"), 2.0);
+    assert_eq!(
+        of_m0(&after, "basalt_target_bdev_read_bytes_total"),
+        131072.0
+    );
+    assert_eq!(
+        of_m0(&after, "basalt_target_bdev_unmap_bytes_total"),
+        262144.0
+    );
+    assert!(
+        of_m0(&after, "basalt_target_bdev_flush_ops_total") >= 1.0,
+        "{after}"
+    );
+    assert!(
+        of_m0(&after, "basalt_target_bdev_write_seconds_total") > 0.0,
+        "{after}"
+    );
+    assert_eq!(of_m0(&after, "basalt_target_bdev_errors_total"), 0.0);
+    // qemu-io has gone (the server sees its connection end a moment later).
+    let connections = || metric(&metrics(), "basalt_target_nbd_connections{export=\"disk\"}");
+    let started = std::time::Instant::now();
+    while connections() != 0.0 {
+        assert!(started.elapsed().as_secs() < 10, "{}", metrics());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    // The same bdev in an NVMe subsystem, written by our initiator on two I/O queues
+    // (500 writes in all).
+    let nqn = "nqn.2016-06.io.basalt:metrics";
+    let nvmf_port = target.start_nvmf(nqn, "m0");
+    let subsystem = |name: &str| {
+        metric(
+            &metrics(),
+            &format!("basalt_target_nvmf_subsystem_{name}{{subsystem=\"{nqn}\"}}"),
+        )
+    };
+    assert_eq!(subsystem("namespaces"), 1.0);
+    assert_eq!(subsystem("controllers"), 0.0);
+    run_ok(basalt().args([
+        "bench",
+        "--nvmf",
+        &format!("nvme+tcp://127.0.0.1:{nvmf_port}/{nqn}"),
+        "--rw",
+        "randwrite",
+        "--workers",
+        "2",
+        "--io-count",
+        "500",
+        "--size",
+        "4MiB",
+    ]));
+    let nvmf = metrics();
+    assert_eq!(
+        of_m0(&nvmf, "basalt_target_bdev_write_ops_total"),
+        2.0 + 500.0,
+        "{nvmf}"
+    );
+    assert!(
+        metric(&nvmf, "basalt_target_nvmf_io_qpairs_total") >= 2.0,
+        "{nvmf}"
+    );
+    assert!(
+        metric(&nvmf, "basalt_target_nvmf_admin_qpairs_total") >= 1.0,
+        "{nvmf}"
+    );
+}

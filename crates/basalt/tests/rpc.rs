@@ -546,21 +546,7 @@ fn queue_pairs_go_round_robin_over_the_reactors_by_default() {
         "bdev_malloc_create",
         json!({"num_blocks": 256, "block_size": 512, "name": "m0"}),
     );
-    target.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
-    target.rpc_ok(
-        "nvmf_create_subsystem",
-        json!({"nqn": nqn, "allow_any_host": true}),
-    );
-    target.rpc_ok(
-        "nvmf_subsystem_add_ns",
-        json!({"nqn": nqn, "namespace": {"bdev_name": "m0"}}),
-    );
-    let port = free_port();
-    target.rpc_ok(
-        "nvmf_subsystem_add_listener",
-        json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "adrfam": "IPv4",
-            "traddr": "127.0.0.1", "trsvcid": port.to_string()}}),
-    );
+    let port = target.start_nvmf(nqn, "m0");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

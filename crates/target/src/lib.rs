@@ -5,10 +5,12 @@
 //! - [`rpc_server`]: the Unix-socket server; requests are JSON objects sent back to back
 //!   without framing, as SPDK's `rpc.py` sends them.
 //! - [`config`]: the `save_config` document and start-up from it.
+//! - [`metrics`]: the Prometheus metrics (`--metrics-addr`).
 //!
 //! Frontends and bdev kinds sit below this crate and know nothing of it.
 
 pub mod config;
+pub mod metrics;
 pub mod rpc_server;
 pub mod target;
 

@@ -168,6 +168,30 @@ impl TargetProcess {
         answer["port"].as_u64().expect("port") as u16
     }
 
+    /// Creates the TCP transport and subsystem `nqn` (any host) with `bdev` as its
+    /// namespace, listening on a free loopback port; returns the port.
+    pub fn start_nvmf(&self, nqn: &str, bdev: &str) -> u16 {
+        self.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
+        self.rpc_ok(
+            "nvmf_create_subsystem",
+            json!({"nqn": nqn, "allow_any_host": true}),
+        );
+        self.rpc_ok(
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": nqn, "namespace": {"bdev_name": bdev}}),
+        );
+        self.rpc_ok(
+            "nvmf_subsystem_add_listener",
+            json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "adrfam": "IPv4",
+                "traddr": "127.0.0.1", "trsvcid": "0"}}),
+        );
+        let subsystems = self.rpc_ok("nvmf_get_subsystems", json!({"nqn": nqn}));
+        let port = subsystems[0]["listen_addresses"][0]["trsvcid"]
+            .as_str()
+            .and_then(|port| port.parse().ok());
+        port.unwrap_or_else(|| panic!("no listener port in {subsystems}"))
+    }
+
     /// SIGTERM, then waits (30 s at most) for a clean exit.
     pub fn stop(mut self) {
         let log = &self.log;
