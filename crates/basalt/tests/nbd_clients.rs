@@ -256,10 +256,17 @@ fn target_metrics_count_what_clients_do() {
         of_m0(&after, "basalt_target_bdev_flush_ops_total") >= 1.0,
         "{after}"
     );
-    assert!(
-        of_m0(&after, "basalt_target_bdev_write_seconds_total") > 0.0,
-        "{after}"
-    );
+    // Latency histograms: every write in the +Inf bucket and in that of 8.4 s, their
+    // time summed.
+    let writes = "basalt_target_bdev_write_latency_seconds";
+    for series in ["_count{bdev=\"m0\"}", "_bucket{bdev=\"m0\",le=\"+Inf\"}"] {
+        assert_eq!(metric(&after, &format!("{writes}{series}")), 2.0, "{after}");
+    }
+    let last = format!("{writes}_bucket{{bdev=\"m0\",le=\"8.388608\"}}");
+    assert_eq!(metric(&after, &last), 2.0, "{after}");
+    assert!(of_m0(&after, &format!("{writes}_sum")) > 0.0, "{after}");
+    let reads = "basalt_target_bdev_read_latency_seconds_count";
+    assert_eq!(of_m0(&after, reads), 1.0, "{after}");
     assert_eq!(of_m0(&after, "basalt_target_bdev_errors_total"), 0.0);
     // qemu-io has gone (the server sees its connection end a moment later).
     let connections = || metric(&metrics(), "basalt_target_nbd_connections{export=\"disk\"}");

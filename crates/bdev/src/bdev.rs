@@ -89,7 +89,8 @@ impl BdevError {
     }
 
     /// The errno a frontend should report: `EINVAL` for bad requests, `ENOSPC` when the
-    /// backing store is full, `EIO` for other failures.
+    /// backing store is full (or a file would grow past its limit), `EPERM` when it refuses
+    /// writes, `EIO` for other failures.
     pub fn errno(&self) -> i32 {
         match self {
             BdevError::OutOfRange { .. }
@@ -97,8 +98,12 @@ impl BdevError {
             | BdevError::Empty { .. }
             | BdevError::TooLarge { .. } => libc_errno::EINVAL,
             BdevError::Io { source, .. } => match source.raw_os_error() {
-                Some(libc_errno::ENOSPC) | Some(libc_errno::EDQUOT) => libc_errno::ENOSPC,
+                Some(libc_errno::ENOSPC | libc_errno::EDQUOT | libc_errno::EFBIG) => {
+                    libc_errno::ENOSPC
+                }
                 Some(libc_errno::EOPNOTSUPP) => libc_errno::EOPNOTSUPP,
+                Some(libc_errno::EINVAL) => libc_errno::EINVAL,
+                Some(libc_errno::EROFS | libc_errno::EPERM) => libc_errno::EPERM,
                 _ => libc_errno::EIO,
             },
         }
@@ -107,8 +112,14 @@ impl BdevError {
 
 /// The Linux errno values this crate reports (stable ABI numbers).
 pub mod libc_errno {
+    /// Operation not permitted.
+    pub const EPERM: i32 = 1;
     /// Input/output error.
     pub const EIO: i32 = 5;
+    /// File too large.
+    pub const EFBIG: i32 = 27;
+    /// Read-only file system.
+    pub const EROFS: i32 = 30;
     /// Invalid argument.
     pub const EINVAL: i32 = 22;
     /// No space left on device.
@@ -244,6 +255,30 @@ pub struct IoStatsSnapshot {
     pub write_latency_ns: u64,
     /// Total discard latency in nanoseconds.
     pub unmap_latency_ns: u64,
+    /// Reads by latency: bucket `i` counts those that took more than bucket `i - 1`'s
+    /// bound and at most [`latency_bucket_bound_us`]`(i)`; the slower are in no bucket.
+    pub read_latency_buckets: [u64; LATENCY_BUCKETS],
+    /// Writes by latency, as the reads.
+    pub write_latency_buckets: [u64; LATENCY_BUCKETS],
+}
+
+/// Latency buckets counted per bdev: bounds from 8 µs to about 8.4 s, each twice the last.
+pub const LATENCY_BUCKETS: usize = 21;
+
+/// The upper bound of latency bucket `index`, in microseconds.
+pub const fn latency_bucket_bound_us(index: usize) -> u64 {
+    8 << index
+}
+
+/// The latency bucket a request that took `elapsed_ns` counts in; `None` past the last.
+pub fn latency_bucket(elapsed_ns: u64) -> Option<usize> {
+    let us = elapsed_ns.div_ceil(1000);
+    // The smallest k with us <= 8 << k.
+    let index = match us {
+        0..=8 => 0,
+        _ => (u64::BITS - ((us - 1) >> 3).leading_zeros()) as usize,
+    };
+    (index < LATENCY_BUCKETS).then_some(index)
 }
 
 /// The file under a bdev, to read and write in place ([`Bdev::in_place`]).
@@ -392,6 +427,47 @@ impl ResizableInfo {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn errors_of_the_os_map_to_what_frontends_report() {
+        let io = |errno| BdevError::Io {
+            bdev: "b".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        for (errno, reported) in [
+            (libc_errno::ENOSPC, libc_errno::ENOSPC),
+            (libc_errno::EDQUOT, libc_errno::ENOSPC),
+            (libc_errno::EFBIG, libc_errno::ENOSPC),
+            (libc_errno::EINVAL, libc_errno::EINVAL),
+            (libc_errno::EROFS, libc_errno::EPERM),
+            (libc_errno::EPERM, libc_errno::EPERM),
+            (libc_errno::EOPNOTSUPP, libc_errno::EOPNOTSUPP),
+            (libc_errno::EIO, libc_errno::EIO),
+            (61, libc_errno::EIO), // ENODATA
+        ] {
+            assert_eq!(io(errno).errno(), reported, "errno {errno}");
+        }
+    }
+
+    #[test]
+    fn latencies_fall_in_the_bucket_of_the_first_bound_they_do_not_pass() {
+        for (ns, bucket) in [
+            (0, Some(0)),
+            (8_000, Some(0)),
+            (8_001, Some(1)),
+            (16_000, Some(1)),
+            (16_001, Some(2)),
+            (1_000_000, Some(7)), // 1 ms: at most 1,024 µs
+            (8_388_608_000, Some(20)),
+            (8_388_608_001, None),
+            (u64::MAX, None),
+        ] {
+            assert_eq!(latency_bucket(ns), bucket, "{ns} ns");
+            if let Some(index) = bucket {
+                assert!(ns <= latency_bucket_bound_us(index) * 1000, "{ns} ns");
+            }
+        }
+    }
 
     fn info(block_size: u32, block_count: u64) -> BdevInfo {
         BdevInfo {

@@ -144,8 +144,14 @@ fn io_error(info: &BdevInfo, error: ClientError) -> BdevError {
         tracing::warn!(bdev = %info.name, %message, "write refused: no space");
         return info.io_error(std::io::Error::from_raw_os_error(libc_errno::ENOSPC));
     }
+    if let ClientError::Invalid(message) = &error {
+        // A range past the image's end: the image shrank under a request the frontend
+        // checked against the size before. EINVAL (out of range), not an I/O error a host
+        // would retry.
+        tracing::warn!(bdev = %info.name, %message, "request refused");
+        return info.io_error(std::io::Error::from_raw_os_error(libc_errno::EINVAL));
+    }
     let kind = match error {
-        ClientError::Invalid(_) => std::io::ErrorKind::InvalidInput,
         ClientError::Timeout { .. } => std::io::ErrorKind::TimedOut,
         _ => std::io::ErrorKind::Other,
     };

@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use basalt_io::DmaBuf;
 
-use crate::bdev::{Bdev, BdevFuture, BdevInfo, Extent, InPlace, IoStatsSnapshot};
+use crate::bdev::{
+    Bdev, BdevFuture, BdevInfo, Extent, InPlace, IoStatsSnapshot, LATENCY_BUCKETS, latency_bucket,
+};
 
 /// A bdev that counts operations, bytes and latency of the bdev it wraps.
 pub struct Counted {
@@ -26,6 +28,8 @@ struct Counters {
     read_latency_ns: AtomicU64,
     write_latency_ns: AtomicU64,
     unmap_latency_ns: AtomicU64,
+    read_buckets: [AtomicU64; LATENCY_BUCKETS],
+    write_buckets: [AtomicU64; LATENCY_BUCKETS],
 }
 
 /// Which counters an operation moves.
@@ -84,6 +88,14 @@ impl Counted {
         if let Some((bytes, latency)) = bytes_and_latency {
             bytes.fetch_add(len_bytes, Ordering::Relaxed);
             latency.fetch_add(elapsed_ns, Ordering::Relaxed);
+        }
+        let buckets = match kind {
+            Kind::Read => Some(&c.read_buckets),
+            Kind::Write => Some(&c.write_buckets),
+            Kind::Unmap | Kind::Flush => None,
+        };
+        if let Some(bucket) = buckets.zip(latency_bucket(elapsed_ns)) {
+            bucket.0[bucket.1].fetch_add(1, Ordering::Relaxed);
         }
         ops.fetch_add(1, Ordering::Relaxed);
     }
@@ -154,6 +166,8 @@ impl Bdev for Counted {
             read_latency_ns: get(&c.read_latency_ns),
             write_latency_ns: get(&c.write_latency_ns),
             unmap_latency_ns: get(&c.unmap_latency_ns),
+            read_latency_buckets: c.read_buckets.each_ref().map(get),
+            write_latency_buckets: c.write_buckets.each_ref().map(get),
         })
     }
 }

@@ -613,16 +613,20 @@ impl Image {
     }
 
     /// The discard `op` of `ranges`, one request per object each, without a check against
-    /// the image's size.
+    /// the image's size. The requests are made [`PIECES_IN_FLIGHT_MAX`] objects at a time:
+    /// a discard of terabytes (a host's `blkdiscard`) is millions of them.
     async fn discard_ranges(&self, ranges: &[Range<u64>], op: RangeOp) -> Result<(), ClientError> {
-        let requests = ranges
-            .iter()
-            .flat_map(|range| {
-                let (offset, len) = (range.start, range.end - range.start);
-                self.unchecked_requests(offset, len, u64::MAX, range_request(op))
-            })
-            .collect();
-        self.run_pieces("discard", requests).await?;
+        let object = self.object_size_bytes.max(1);
+        let step = object.saturating_mul(PIECES_IN_FLIGHT_MAX as u64);
+        for range in ranges {
+            let mut at = range.start;
+            while at < range.end {
+                let to = (at - at % object).saturating_add(step).min(range.end);
+                let requests = self.unchecked_requests(at, to - at, u64::MAX, range_request(op));
+                self.run_pieces("discard", requests).await?;
+                at = to;
+            }
+        }
         Ok(())
     }
 }

@@ -73,7 +73,7 @@ where
                 };
                 let mut answer = Vec::with_capacity(10 + 124);
                 answer.extend_from_slice(&export.size_bytes().to_be_bytes());
-                answer.extend_from_slice(&export.transmission_flags().to_be_bytes());
+                answer.extend_from_slice(&export.transmission_flags(structured).to_be_bytes());
                 if !no_zeroes {
                     answer.extend_from_slice(&[0u8; 124]);
                 }
@@ -115,7 +115,7 @@ where
                     reply(writer, option, REP_ERR_UNKNOWN, message.as_bytes()).await?;
                     continue;
                 };
-                send_info(writer, option, &export, &request.requests).await?;
+                send_info(writer, option, &export, &request.requests, structured).await?;
                 reply(writer, option, REP_ACK, &[]).await?;
                 if option == OPT_GO {
                     return Ok(Outcome::Transmission { export, structured });
@@ -148,11 +148,12 @@ async fn send_info<W: AsyncWrite + Unpin>(
     option: u32,
     export: &Export,
     requested: &[u16],
+    structured: bool,
 ) -> io::Result<()> {
     let mut item = Vec::with_capacity(12);
     item.extend_from_slice(&INFO_EXPORT.to_be_bytes());
     item.extend_from_slice(&export.size_bytes().to_be_bytes());
-    item.extend_from_slice(&export.transmission_flags().to_be_bytes());
+    item.extend_from_slice(&export.transmission_flags(structured).to_be_bytes());
     reply(writer, option, REP_INFO, &item).await?;
     // Block sizes go to every client, asked or not (the protocol allows it), so a client
     // that did not ask still learns our alignment rather than meeting EINVAL.

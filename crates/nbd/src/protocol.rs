@@ -39,6 +39,8 @@ pub const TRANSMISSION_SEND_WRITE_ZEROES: u16 = 1 << 6;
 /// Several connections to the export see one consistent device, and a flush on one
 /// covers writes completed on all.
 pub const TRANSMISSION_CAN_MULTI_CONN: u16 = 1 << 8;
+/// The server honours NBD_CMD_FLAG_DF (sent only with structured replies).
+pub const TRANSMISSION_SEND_DF: u16 = 1 << 7;
 
 /// Options.
 pub const OPT_EXPORT_NAME: u32 = 1;

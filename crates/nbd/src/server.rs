@@ -93,9 +93,14 @@ impl Export {
         self.bdev.info().size_bytes()
     }
 
-    /// Transmission flags sent to clients.
-    pub fn transmission_flags(&self) -> u16 {
-        let common = TRANSMISSION_HAS_FLAGS | TRANSMISSION_SEND_FLUSH | TRANSMISSION_CAN_MULTI_CONN;
+    /// Transmission flags sent to clients; `structured`: the client negotiated structured
+    /// replies (whose reads are never fragmented: one data chunk each, so DF holds).
+    pub fn transmission_flags(&self, structured: bool) -> u16 {
+        let mut common =
+            TRANSMISSION_HAS_FLAGS | TRANSMISSION_SEND_FLUSH | TRANSMISSION_CAN_MULTI_CONN;
+        if structured {
+            common |= TRANSMISSION_SEND_DF;
+        }
         if self.readonly {
             common | TRANSMISSION_READ_ONLY
         } else {
@@ -375,7 +380,7 @@ mod tests {
         assert_eq!(
             exports
                 .find("b")
-                .map(|e| e.transmission_flags() & TRANSMISSION_READ_ONLY),
+                .map(|e| e.transmission_flags(false) & TRANSMISSION_READ_ONLY),
             Some(TRANSMISSION_READ_ONLY)
         );
     }

@@ -20,6 +20,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use basalt_bdev::BdevError;
+use basalt_bdev::bdev::libc_errno;
 use basalt_io::DmaBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
@@ -222,6 +223,10 @@ impl<'a> Connection<'a> {
         if self.input_start > 0 && self.input_start == self.input.len() {
             self.input.clear();
             self.input_start = 0;
+            // A large write's room (up to 32 MiB) is not kept once it is taken.
+            if self.input.capacity() > 4 * READ_CHUNK_BYTES {
+                self.input.shrink_to(READ_CHUNK_BYTES);
+            }
         }
         if self.input.capacity() - self.input.len() < READ_CHUNK_BYTES {
             self.input.drain(..self.input_start);
@@ -448,8 +453,9 @@ fn errno_for(command: u16, error: &BdevError) -> u32 {
         // NBD reserves ENOTSUP for fast zeroing, which we do not offer; a device that cannot
         // do something is an I/O error to the client.
         _ => match error.errno() {
-            22 => EINVAL,
-            28 => ENOSPC,
+            libc_errno::EINVAL => EINVAL,
+            libc_errno::ENOSPC => ENOSPC,
+            libc_errno::EPERM => EPERM,
             _ => EIO,
         },
     }

@@ -26,6 +26,14 @@ fn malloc(name: &str) -> Arc<dyn Bdev> {
     Arc::new(MallocBdev::new_named(name, 512, SIZE_BYTES / 512))
 }
 
+/// A server, not listening, with `bdev` exported as "disk".
+fn server_of(bdev: Arc<dyn Bdev>) -> Arc<NbdServer> {
+    let server = NbdServer::new(reactors());
+    let export = Export::new("disk".into(), "m".into(), bdev, false, None);
+    server.exports().insert(Arc::new(export));
+    server
+}
+
 async fn server() -> (Arc<NbdServer>, u16) {
     let server = NbdServer::new(reactors());
     let bdev = malloc("m");
@@ -338,14 +346,7 @@ fn read_mib(handle: u64) -> [u8; 28] {
 async fn unread_replies_stop_the_server_at_its_budget() {
     let malloc = MallocBdev::new_named("m", 512, SIZE_BYTES / 512);
     let counted: Arc<dyn Bdev> = Arc::new(basalt_bdev::io_stats::Counted::new(Box::new(malloc)));
-    let server = NbdServer::new(reactors());
-    server.exports().insert(Arc::new(Export::new(
-        "disk".into(),
-        "m".into(),
-        counted.clone(),
-        false,
-        None,
-    )));
+    let server = server_of(counted.clone());
     let (_serve, mut client_reader, mut client_writer, session) = piped_session(&server);
     let mut greeting = [0u8; 18 + 10];
     let sender = tokio::spawn(async move {
@@ -376,14 +377,7 @@ async fn unread_replies_stop_the_server_at_its_budget() {
 /// connection's task ends with `TimedOut` (without the limit it would wait for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_reading_no_reply_is_dropped_after_the_stall_timeout() {
-    let server = NbdServer::new(reactors());
-    server.exports().insert(Arc::new(Export::new(
-        "disk".into(),
-        "m".into(),
-        malloc("m"),
-        false,
-        None,
-    )));
+    let server = server_of(malloc("m"));
     let limits = basalt_nbd::server::Limits {
         max_connections: 8,
         stall_timeout: Some(Duration::from_millis(300)),
@@ -467,6 +461,55 @@ async fn connections_past_the_limit_are_closed() {
     assert!(served.is_some(), "a freed slot serves a new connection");
 }
 
+/// The transmission flags NBD_OPT_GO answers with (its NBD_INFO_EXPORT), after
+/// NBD_OPT_STRUCTURED_REPLY when `structured`.
+async fn flags_given(structured: bool) -> u16 {
+    let server = server_of(malloc("m"));
+    let mut sent = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    if structured {
+        sent.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    }
+    let go = InfoRequest {
+        name: "disk".into(),
+        requests: Vec::new(),
+    };
+    sent.extend(option(OPT_GO, &go.encode()));
+    let (client_side, server_side) = tokio::io::duplex(1 << 16);
+    let (reader, writer) = tokio::io::split(server_side);
+    let serve = tokio::spawn(server.clone().serve(reader, writer));
+    let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
+    client_writer.write_all(&sent).await.expect("send");
+    client_writer.shutdown().await.expect("shutdown");
+    let mut received = Vec::new();
+    client_reader
+        .read_to_end(&mut received)
+        .await
+        .expect("read");
+    let _ = serve.await;
+    // The greeting (magic, IHAVEOPT, handshake flags), then the option replies.
+    let mut at = 18;
+    while let Some(head) = received.get(at..at + 20) {
+        let kind = u32::from_be_bytes(head[12..16].try_into().expect("4 bytes"));
+        let len = u32::from_be_bytes(head[16..20].try_into().expect("4 bytes")) as usize;
+        let data = &received[at + 20..at + 20 + len];
+        if kind == REP_INFO && data[..2] == INFO_EXPORT.to_be_bytes() {
+            return u16::from_be_bytes([data[10], data[11]]);
+        }
+        at += 20 + len;
+    }
+    panic!("no NBD_INFO_EXPORT in {received:?}");
+}
+
+/// NBD_FLAG_SEND_DF goes to clients that negotiated structured replies, and only to
+/// them (the protocol forbids it otherwise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_df_flag_is_offered_with_structured_replies_only() {
+    assert_ne!(flags_given(true).await & TRANSMISSION_SEND_DF, 0);
+    assert_eq!(flags_given(false).await & TRANSMISSION_SEND_DF, 0);
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -482,8 +525,7 @@ proptest! {
     #[test]
     fn random_sessions_never_break_the_server(tail in proptest::collection::vec(any::<u8>(), 0..512), go in any::<bool>()) {
         runtime().block_on(async {
-            let server = NbdServer::new(reactors());
-            server.exports().insert(Arc::new(Export::new("disk".into(), "m".into(), malloc("m"), false, None)));
+            let server = server_of(malloc("m"));
             let mut prefix = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES).to_be_bytes().to_vec();
             if go {
                 prefix.extend(option(OPT_STRUCTURED_REPLY, &[]));

@@ -4,21 +4,17 @@
 use std::sync::atomic::Ordering;
 
 use basalt_bdev::bdev::IoStatsSnapshot;
-use basalt_wire::metrics::Exposition;
+use basalt_bdev::bdev::latency_bucket_bound_us;
+use basalt_wire::metrics::{Exposition, Histogram};
 
 use crate::target::Target;
 
 /// A bdev's counters: each family's name (after `basalt_target_bdev_`), help, and value.
-fn bdev_counters(s: &IoStatsSnapshot) -> [(&'static str, &'static str, f64); 11] {
+fn bdev_counters(s: &IoStatsSnapshot) -> [(&'static str, &'static str, f64); 9] {
     let seconds = |ns: u64| ns as f64 / 1e9;
     [
         ("read_ops_total", "Reads completed.", s.num_read_ops as f64),
         ("read_bytes_total", "Bytes read.", s.bytes_read as f64),
-        (
-            "read_seconds_total",
-            "Time reads took, summed.",
-            seconds(s.read_latency_ns),
-        ),
         (
             "write_ops_total",
             "Writes completed (write zeroes included).",
@@ -28,11 +24,6 @@ fn bdev_counters(s: &IoStatsSnapshot) -> [(&'static str, &'static str, f64); 11]
             "write_bytes_total",
             "Bytes written (write zeroes included).",
             s.bytes_written as f64,
-        ),
-        (
-            "write_seconds_total",
-            "Time writes took, summed.",
-            seconds(s.write_latency_ns),
         ),
         (
             "unmap_ops_total",
@@ -108,6 +99,56 @@ pub fn render(target: &Target) -> String {
             "counter",
             help,
             samples,
+        );
+    }
+
+    for (name, help, buckets, ops, ns) in [
+        (
+            "read",
+            "Time reads took.",
+            (|s: &IoStatsSnapshot| s.read_latency_buckets) as fn(&IoStatsSnapshot) -> _,
+            (|s: &IoStatsSnapshot| s.num_read_ops) as fn(&IoStatsSnapshot) -> u64,
+            (|s: &IoStatsSnapshot| s.read_latency_ns) as fn(&IoStatsSnapshot) -> u64,
+        ),
+        (
+            "write",
+            "Time writes took.",
+            |s| s.write_latency_buckets,
+            |s| s.num_write_ops,
+            |s| s.write_latency_ns,
+        ),
+    ] {
+        let labels: Vec<[(&str, &str); 1]> = bdevs
+            .iter()
+            .map(|bdev| [("bdev", bdev.0.as_str())])
+            .collect();
+        let series: Vec<Histogram<'_>> = bdevs
+            .iter()
+            .zip(&labels)
+            .map(|(bdev, labels)| {
+                let mut seen = 0;
+                let buckets = buckets(&bdev.2)
+                    .iter()
+                    .enumerate()
+                    .map(|(index, count)| {
+                        seen += count;
+                        (latency_bucket_bound_us(index) as f64 / 1e6, seen)
+                    })
+                    .collect();
+                Histogram {
+                    labels,
+                    buckets,
+                    sum: ns(&bdev.2) as f64 / 1e9,
+                    // The counters are read one by one: a request counted in a bucket
+                    // since its operations were read counts in the total too.
+                    count: ops(&bdev.2).max(seen),
+                }
+            })
+            .collect();
+        e.histogram(
+            &format!("basalt_target_bdev_{name}_latency_seconds"),
+            help,
+            &series,
         );
     }
 

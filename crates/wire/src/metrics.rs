@@ -59,6 +59,19 @@ pub async fn serve(
     Ok((local, task))
 }
 
+/// One series of a histogram ([`Exposition::histogram`]).
+#[derive(Debug)]
+pub struct Histogram<'a> {
+    /// Its labels.
+    pub labels: &'a [(&'a str, &'a str)],
+    /// Upper bounds and the observations at most each (cumulative), ascending.
+    pub buckets: Vec<(f64, u64)>,
+    /// The observations' sum.
+    pub sum: f64,
+    /// How many observations.
+    pub count: u64,
+}
+
 /// Builds a text exposition: one family at a time.
 #[derive(Debug, Default)]
 pub struct Exposition {
@@ -80,24 +93,58 @@ impl Exposition {
         help: &str,
         samples: &[(&[(&str, &str)], f64)],
     ) {
+        self.head(name, kind, help);
+        for (labels, value) in samples {
+            self.sample(name, labels, None, *value);
+        }
+    }
+
+    /// A histogram family: per series, its labels, its buckets (upper bound, count of the
+    /// observations at most that, cumulative), the sum and the count of its observations.
+    pub fn histogram(&mut self, name: &str, help: &str, series: &[Histogram<'_>]) {
+        self.head(name, "histogram", help);
+        for histogram in series {
+            let bucket = format!("{name}_bucket");
+            for (bound, count) in &histogram.buckets {
+                let bound = bound.to_string();
+                self.sample(&bucket, histogram.labels, Some(&bound), *count as f64);
+            }
+            let count = histogram.count as f64;
+            self.sample(&bucket, histogram.labels, Some("+Inf"), count);
+            self.sample(
+                &format!("{name}_sum"),
+                histogram.labels,
+                None,
+                histogram.sum,
+            );
+            self.sample(&format!("{name}_count"), histogram.labels, None, count);
+        }
+    }
+
+    fn head(&mut self, name: &str, kind: &str, help: &str) {
         let _ = writeln!(self.text, "# HELP {name} {help}");
         let _ = writeln!(self.text, "# TYPE {name} {kind}");
-        for (labels, value) in samples {
-            let _ = write!(self.text, "{name}");
-            if !labels.is_empty() {
-                let pairs: Vec<String> = labels
-                    .iter()
-                    .map(|(key, value)| {
-                        format!(
-                            "{key}=\"{}\"",
-                            value.replace('\\', "\\\\").replace('"', "\\\"")
-                        )
-                    })
-                    .collect();
-                let _ = write!(self.text, "{{{}}}", pairs.join(","));
-            }
-            let _ = writeln!(self.text, " {value}");
+    }
+
+    /// One sample line; `le` is a histogram bucket's bound, the last label.
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], le: Option<&str>, value: f64) {
+        let _ = write!(self.text, "{name}");
+        let mut pairs: Vec<String> = labels
+            .iter()
+            .map(|(key, value)| {
+                format!(
+                    "{key}=\"{}\"",
+                    value.replace('\\', "\\\\").replace('"', "\\\"")
+                )
+            })
+            .collect();
+        if let Some(le) = le {
+            pairs.push(format!("le=\"{le}\""));
         }
+        if !pairs.is_empty() {
+            let _ = write!(self.text, "{{{}}}", pairs.join(","));
+        }
+        let _ = writeln!(self.text, " {value}");
     }
 
     /// A family of one unlabelled sample.
@@ -123,6 +170,26 @@ mod tests {
         assert_eq!(
             e.finish(),
             "# HELP x_total Things.\n# TYPE x_total counter\nx_total{a=\"q\\\"b\"} 3\n# HELP y Y.\n# TYPE y gauge\ny 1.5\n"
+        );
+    }
+
+    #[test]
+    fn histograms_have_cumulative_buckets_sum_and_count() {
+        let mut e = Exposition::new();
+        let series = [Histogram {
+            labels: &[("bdev", "m")],
+            buckets: vec![(0.5, 1), (1.0, 3)],
+            sum: 2.5,
+            count: 4,
+        }];
+        e.histogram("t_seconds", "T.", &series);
+        assert_eq!(
+            e.finish(),
+            "# HELP t_seconds T.\n# TYPE t_seconds histogram\n\
+             t_seconds_bucket{bdev=\"m\",le=\"0.5\"} 1\n\
+             t_seconds_bucket{bdev=\"m\",le=\"1\"} 3\n\
+             t_seconds_bucket{bdev=\"m\",le=\"+Inf\"} 4\n\
+             t_seconds_sum{bdev=\"m\"} 2.5\nt_seconds_count{bdev=\"m\"} 4\n"
         );
     }
 
