@@ -102,7 +102,6 @@ impl BdevError {
                     libc_errno::ENOSPC
                 }
                 Some(libc_errno::EOPNOTSUPP) => libc_errno::EOPNOTSUPP,
-                Some(libc_errno::EINVAL) => libc_errno::EINVAL,
                 Some(libc_errno::EROFS | libc_errno::EPERM) => libc_errno::EPERM,
                 _ => libc_errno::EIO,
             },
@@ -438,7 +437,7 @@ mod tests {
             (libc_errno::ENOSPC, libc_errno::ENOSPC),
             (libc_errno::EDQUOT, libc_errno::ENOSPC),
             (libc_errno::EFBIG, libc_errno::ENOSPC),
-            (libc_errno::EINVAL, libc_errno::EINVAL),
+            (libc_errno::EINVAL, libc_errno::EIO),
             (libc_errno::EROFS, libc_errno::EPERM),
             (libc_errno::EPERM, libc_errno::EPERM),
             (libc_errno::EOPNOTSUPP, libc_errno::EOPNOTSUPP),

@@ -144,18 +144,30 @@ fn io_error(info: &BdevInfo, error: ClientError) -> BdevError {
         tracing::warn!(bdev = %info.name, %message, "write refused: no space");
         return info.io_error(std::io::Error::from_raw_os_error(libc_errno::ENOSPC));
     }
-    if let ClientError::Invalid(message) = &error {
-        // A range past the image's end: the image shrank under a request the frontend
-        // checked against the size before. EINVAL (out of range), not an I/O error a host
-        // would retry.
-        tracing::warn!(bdev = %info.name, %message, "request refused");
-        return info.io_error(std::io::Error::from_raw_os_error(libc_errno::EINVAL));
-    }
     let kind = match error {
         ClientError::Timeout { .. } => std::io::ErrorKind::TimedOut,
         _ => std::io::ErrorKind::Other,
     };
     info.io_error(std::io::Error::new(kind, error.to_string()))
+}
+
+impl ImageBdev {
+    /// The error for `extent`'s request that the client refused with `error`. A range past
+    /// the image's end (it shrank under a request the frontend checked against the size
+    /// before) is out of range, which hosts do not retry, not an I/O error.
+    fn refused(&self, extent: &Extent, error: ClientError) -> BdevError {
+        match (&error, self.shared.image.size_bytes()) {
+            (ClientError::Invalid(_), Ok(size_bytes)) if extent.end_bytes() > size_bytes => {
+                BdevError::OutOfRange {
+                    bdev: self.info().name.clone(),
+                    offset_bytes: extent.offset_bytes(),
+                    len_bytes: extent.len_bytes(),
+                    size_bytes,
+                }
+            }
+            _ => io_error(self.info(), error),
+        }
+    }
 }
 
 impl Bdev for ImageBdev {
@@ -180,7 +192,7 @@ impl Bdev for ImageBdev {
                 .image
                 .read(extent.offset_bytes(), extent.len_bytes())
                 .await
-                .map_err(|error| io_error(self.info(), error))?;
+                .map_err(|error| self.refused(&extent, error))?;
             Ok(DmaBuf::from_slice(&data))
         })
     }
@@ -191,7 +203,7 @@ impl Bdev for ImageBdev {
                 .image
                 .write(extent.offset_bytes(), &data[..extent.len_bytes() as usize])
                 .await
-                .map_err(|error| io_error(self.info(), error))
+                .map_err(|error| self.refused(&extent, error))
         })
     }
 
@@ -209,7 +221,7 @@ impl Bdev for ImageBdev {
                 .image
                 .discard(extent.offset_bytes(), extent.len_bytes())
                 .await
-                .map_err(|error| io_error(self.info(), error))
+                .map_err(|error| self.refused(&extent, error))
         })
     }
 }

@@ -117,8 +117,6 @@ fn bdev_status(error: &BdevError) -> Status {
             Status::INVALID_FIELD.with_dnr()
         }
         _ if error.errno() == libc_errno::ENOSPC => Status::CAPACITY_EXCEEDED.with_dnr(),
-        // A range past the end of an image that shrank under the command.
-        _ if error.errno() == libc_errno::EINVAL => Status::LBA_OUT_OF_RANGE.with_dnr(),
         // A bdev that refuses writes.
         _ if error.errno() == libc_errno::EPERM => Status::WRITE_TO_READ_ONLY_RANGE.with_dnr(),
         // What the bdev cannot do at all (a discard on a file system without holes).
