@@ -343,8 +343,13 @@ pub trait Bdev: Send + Sync {
     }
 }
 
-/// How many times a bdev can change size.
-const RESIZES_MAX: usize = 63;
+/// Infos per chunk of [`ResizableInfo`], and chunks at most.
+const INFOS_PER_CHUNK: usize = 64;
+/// How many times a bdev can change size (a chunk of infos is allocated as needed).
+const RESIZES_MAX: usize = INFOS_PER_CHUNK * INFOS_PER_CHUNK - 1;
+
+/// A chunk of [`ResizableInfo`]'s infos.
+type InfoChunk = Box<[OnceLock<BdevInfo>]>;
 
 /// Whether a bdev may take on a smaller size ([`ResizableInfo::resize`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -355,9 +360,10 @@ pub(crate) enum Shrink {
 
 /// The info of a bdev whose size can change: the info at creation and after each change,
 /// each set once, so that a reference [`Bdev::info`] handed out stays valid while the bdev
-/// lives; an index points at the latest. No lock on the I/O path, nothing leaked.
+/// lives; an index points at the latest. No lock on the I/O path, nothing leaked; chunks
+/// of infos are made as the changes need them.
 pub(crate) struct ResizableInfo {
-    infos: Box<[OnceLock<BdevInfo>]>,
+    chunks: Box<[OnceLock<InfoChunk>]>,
     current: AtomicUsize,
     /// Size changes, one at a time.
     resizing: Mutex<()>,
@@ -365,18 +371,26 @@ pub(crate) struct ResizableInfo {
 
 impl ResizableInfo {
     pub(crate) fn new(info: BdevInfo) -> Self {
-        let infos: Box<[OnceLock<BdevInfo>]> = (0..=RESIZES_MAX).map(|_| OnceLock::new()).collect();
-        infos[0].set(info).expect("a fresh cell");
-        Self {
-            infos,
+        let chunks = (0..INFOS_PER_CHUNK).map(|_| OnceLock::new()).collect();
+        let resizable = Self {
+            chunks,
             current: AtomicUsize::new(0),
             resizing: Mutex::new(()),
-        }
+        };
+        resizable.cell(0).set(info).expect("a fresh cell");
+        resizable
+    }
+
+    /// Info `index`'s cell (its chunk made if it was not).
+    fn cell(&self, index: usize) -> &OnceLock<BdevInfo> {
+        let chunk = self.chunks[index / INFOS_PER_CHUNK]
+            .get_or_init(|| (0..INFOS_PER_CHUNK).map(|_| OnceLock::new()).collect());
+        &chunk[index % INFOS_PER_CHUNK]
     }
 
     /// The latest info.
     pub(crate) fn get(&self) -> &BdevInfo {
-        self.infos[self.current.load(Ordering::Acquire)]
+        self.cell(self.current.load(Ordering::Acquire))
             .get()
             .expect("the current info is set")
     }
@@ -410,7 +424,7 @@ impl ResizableInfo {
                 block_count,
                 ..current.clone()
             };
-            if next > RESIZES_MAX || self.infos[next].set(resized).is_err() {
+            if next > RESIZES_MAX || self.cell(next).set(resized).is_err() {
                 return Err(current.io_error(io::Error::other(format!(
                     "it has changed size {RESIZES_MAX} times, the most a bdev can; delete it \
                      and create it again"

@@ -272,9 +272,11 @@ impl Cluster {
         let mut pause = false;
         let mut redirected: Option<OsdId> = None;
         let mut told_term: Option<u64> = None;
+        // Every wait is cut to the time left, so that the request ends at its deadline.
+        let left = || deadline.saturating_duration_since(Instant::now());
         loop {
             if pause {
-                tokio::time::sleep(backoff).await;
+                tokio::time::sleep(backoff.min(left())).await;
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }
             pause = true;
@@ -321,7 +323,8 @@ impl Cluster {
                 }
             };
             request.route(pg, map.epoch, term);
-            let answer = tokio::time::timeout(ATTEMPT_TIMEOUT, client.call(&request)).await;
+            let answer =
+                tokio::time::timeout(ATTEMPT_TIMEOUT.min(left()), client.call(&request)).await;
             match answer {
                 Ok(Ok(Message::Reply { status, data })) => match status {
                     Status::Ok => {
@@ -340,7 +343,7 @@ impl Cluster {
                                 if !members.contains(&leader) {
                                     next_member += 1;
                                 }
-                                lock(&self.leaders).insert(pg, (leader, 0));
+                                self.remember_leader(pg, leader, 0);
                             }
                             None => {
                                 lock(&self.leaders).remove(&pg);
@@ -358,7 +361,8 @@ impl Cluster {
                     }
                     Status::StaleEpoch { current } => {
                         last = format!("map epoch {} is older than {}", map.epoch.0, current.0);
-                        self.await_epoch(current, Duration::from_secs(2)).await;
+                        self.await_epoch(current, Duration::from_secs(2).min(left()))
+                            .await;
                         pause = false;
                     }
                     Status::Invalid { message } => return Err(ClientError::Invalid(message)),
