@@ -620,19 +620,37 @@ impl Image {
     /// the image's size. The requests are made [`PIECES_IN_FLIGHT_MAX`] objects at a time:
     /// a discard of terabytes (a host's `blkdiscard`) is millions of them.
     async fn discard_ranges(&self, ranges: &[Range<u64>], op: RangeOp) -> Result<(), ClientError> {
-        let object = self.object_size_bytes.max(1);
-        let step = object.saturating_mul(PIECES_IN_FLIGHT_MAX as u64);
         for range in ranges {
-            let mut at = range.start;
-            while at < range.end {
-                let to = (at - at % object).saturating_add(step).min(range.end);
-                let requests = self.unchecked_requests(at, to - at, u64::MAX, range_request(op));
+            for part in parts_of(range, self.object_size_bytes, PIECES_IN_FLIGHT_MAX as u64) {
+                let (offset, len) = (part.start, part.end - part.start);
+                let requests = self.unchecked_requests(offset, len, u64::MAX, range_request(op));
                 self.run_pieces("discard", requests).await?;
-                at = to;
             }
         }
         Ok(())
     }
+}
+
+/// `range` cut into consecutive parts that each touch at most `objects` objects of
+/// `object_size` bytes.
+fn parts_of(
+    range: &Range<u64>,
+    object_size: u64,
+    objects: u64,
+) -> impl Iterator<Item = Range<u64>> {
+    let object_size = object_size.max(1);
+    let step = object_size.saturating_mul(objects.max(1));
+    let end = range.end;
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let to = (at - at % object_size).saturating_add(step).min(end);
+        let part = at..to;
+        at = to;
+        Some(part)
+    })
 }
 
 /// The request `op` for a piece, as [`Image::requests`] takes it.
@@ -701,6 +719,32 @@ impl<T> Drop for AbortOnDrop<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A discard's parts cover its range end to end, each within `objects` objects.
+    #[test]
+    fn parts_cover_the_range_a_few_objects_each() {
+        for (range, object, objects) in [
+            (0..100u64, 10u64, 3u64),
+            (5..96, 10, 3),
+            (5..6, 10, 3),
+            (0..(1 << 41), 4 << 20, 32),
+            (u64::MAX - 100..u64::MAX, 64, 1),
+        ] {
+            let parts: Vec<_> = parts_of(&range, object, objects).take(1 << 20).collect();
+            assert_eq!(parts.first().map(|p| p.start), Some(range.start));
+            assert_eq!(parts.last().map(|p| p.end), Some(range.end), "{range:?}");
+            for pair in parts.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start);
+            }
+            for part in &parts {
+                let touched = (part.end - 1) / object - part.start / object + 1;
+                assert!(
+                    !part.is_empty() && touched <= objects,
+                    "{part:?} of {range:?}"
+                );
+            }
+        }
+    }
 
     /// A request given up by its caller stops its pieces: none goes on to retry (here, to
     /// finish after a pause) once the caller dropped it.
