@@ -118,6 +118,8 @@ pub const EINVAL: u32 = 22;
 pub const ENOSPC: u32 = 28;
 /// Operation not supported.
 pub const ENOTSUP: u32 = 95;
+/// The server is shutting down (or the export is going away).
+pub const ESHUTDOWN: u32 = 108;
 
 /// Bytes of a transmission request header.
 pub const REQUEST_SIZE: usize = 28;

@@ -90,6 +90,9 @@ struct Connection<'a> {
     in_flight_cost: u64,
     discard: Option<Discard>,
     reading: bool,
+    /// The export was removed: the requests already received are answered with
+    /// ESHUTDOWN, none is read after them.
+    shutting_down: bool,
 }
 
 /// Serves requests on an export until the client disconnects or the export is removed;
@@ -118,14 +121,16 @@ where
         in_flight_cost: 0,
         discard: None,
         reading: true,
+        shutting_down: false,
     };
     // Since when replies wait unread: the last write, or when replies came to an empty
     // output (stamped there, not on every turn of the loop).
     let mut written_at = Instant::now();
     loop {
-        // A removed export starts no new request, even one already in the input buffer.
+        // A removed export starts no new request: those already in the input buffer are
+        // answered with ESHUTDOWN, as the protocol asks.
         if *closed.borrow() {
-            connection.reading = false;
+            connection.shutting_down = true;
         }
         connection.parse_requests()?;
         if connection.is_finished() {
@@ -137,7 +142,7 @@ where
         if can_read {
             connection.make_room_to_read();
         }
-        let reading = connection.reading;
+        let watching = connection.reading && !connection.shutting_down;
         tokio::select! {
             biased;
             replies = poll_fn(|cx| poll_ready(&mut connection.in_flight, cx)), if has_in_flight => {
@@ -163,8 +168,8 @@ where
                     connection.reading = false;
                 }
             }
-            _ = closed.wait_for(|closed| *closed), if reading => {
-                connection.reading = false;
+            _ = closed.wait_for(|closed| *closed), if watching => {
+                connection.shutting_down = true;
             }
             () = tokio::time::sleep_until(written_at + stall_timeout.unwrap_or_default()),
                 if has_output && stall_timeout.is_some() =>
@@ -212,7 +217,7 @@ impl<'a> Connection<'a> {
     /// Reading goes on while the client sends and the budget allows; a payload being
     /// discarded is always read, since it costs nothing.
     fn can_read(&self) -> bool {
-        self.reading && (self.has_budget() || self.discard.is_some())
+        self.reading && !self.shutting_down && (self.has_budget() || self.discard.is_some())
     }
 
     fn is_finished(&self) -> bool {
@@ -274,6 +279,8 @@ impl<'a> Connection<'a> {
             }
             let available = &self.input[self.input_start..];
             let Some(header) = available.first_chunk::<REQUEST_SIZE>() else {
+                // Shutting down, nothing more is read: what is left is no whole request.
+                self.reading &= !self.shutting_down;
                 return Ok(());
             };
             let request = Request::decode(header)
@@ -293,6 +300,7 @@ impl<'a> Connection<'a> {
                 }
                 let frame_end = REQUEST_SIZE + request.len_bytes as usize;
                 let Some(frame) = available.get(..frame_end) else {
+                    self.reading &= !self.shutting_down;
                     // Wait for the rest of the payload; make room for it, dropping what
                     // was consumed first.
                     self.input.drain(..self.input_start);
@@ -308,6 +316,15 @@ impl<'a> Connection<'a> {
                 self.input_start += REQUEST_SIZE;
                 None
             };
+            if self.shutting_down {
+                self.encode(Reply {
+                    handle: request.handle,
+                    offset_bytes: request.offset_bytes,
+                    cost_bytes: 0,
+                    result: Err(Failure::new(ESHUTDOWN, "the export was removed")),
+                });
+                continue;
+            }
             self.start(request, payload);
         }
         Ok(())

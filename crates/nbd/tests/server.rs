@@ -598,6 +598,24 @@ async fn disconnect_ends_the_connection_on_the_server() {
     );
 }
 
+/// A connection to the server on `port` in transmission with export "disk" (no
+/// structured replies).
+async fn in_transmission(port: u16) -> TcpStream {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).await.expect("greeting");
+    let mut session = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    session.extend(option(OPT_EXPORT_NAME, b"disk"));
+    stream.write_all(&session).await.expect("negotiate");
+    let mut export_info = [0u8; 10];
+    stream.read_exact(&mut export_info).await.expect("export");
+    stream
+}
+
 /// Requests that move no data still count: a trim counts a share of its range (an image
 /// turns a trim into a request per MiB), and a connection has 1,024 requests in flight at
 /// most, so a client cannot pile up work on the bdev at 28 bytes a request.
@@ -616,18 +634,7 @@ async fn trims_and_flushes_in_flight_are_bounded() {
         let export = Export::new("disk".into(), "g".into(), bdev, false, None);
         server.exports().insert(Arc::new(export));
         let port = server.start("127.0.0.1", 0).await.expect("listen").port();
-        let mut stream = TcpStream::connect(("127.0.0.1", port))
-            .await
-            .expect("connect");
-        let mut greeting = [0u8; 18];
-        stream.read_exact(&mut greeting).await.expect("greeting");
-        let mut session = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
-            .to_be_bytes()
-            .to_vec();
-        session.extend(option(OPT_EXPORT_NAME, b"disk"));
-        stream.write_all(&session).await.expect("negotiate");
-        let mut export_info = [0u8; 10];
-        stream.read_exact(&mut export_info).await.expect("export");
+        let mut stream = in_transmission(port).await;
         let requests: Vec<u8> = (0..2000u64)
             .flat_map(|handle| {
                 Request {
@@ -657,4 +664,55 @@ async fn trims_and_flushes_in_flight_are_bounded() {
             .expect("replies");
         server.stop();
     }
+}
+
+/// An export removed while requests wait in a connection's input buffer (the bdev holds
+/// those under way) answers the waiting ones with ESHUTDOWN, as the protocol asks, after
+/// those under way complete, then ends the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_when_the_export_goes_get_eshutdown() {
+    let held = Held {
+        flushes: true,
+        ..Held::default()
+    };
+    let malloc = MallocBdev::new_named("g", 512, SIZE_BYTES / 512);
+    let gated = Arc::new(Gated::new(Box::new(malloc), held));
+    let server = server_of(gated.clone());
+    let port = server.start("127.0.0.1", 0).await.expect("listen").port();
+    let mut stream = in_transmission(port).await;
+    // 1,100 flushes: 1,024 start (the most in flight), the rest wait in the buffer.
+    let requests: Vec<u8> = (0..1100u64)
+        .flat_map(|handle| {
+            Request {
+                flags: 0,
+                command: CMD_FLUSH,
+                handle,
+                offset_bytes: 0,
+                len_bytes: 0,
+            }
+            .encode()
+        })
+        .collect();
+    stream.write_all(&requests).await.expect("requests");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = gated.started();
+    assert_eq!(started, 1024, "flushes started");
+    assert!(server.exports().remove("disk").is_some());
+    gated.open();
+    let mut replies = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut replies))
+        .await
+        .expect("the connection ends")
+        .expect("replies");
+    let errors: Vec<u32> = replies
+        .chunks(SIMPLE_REPLY_SIZE)
+        .map(|reply| u32::from_be_bytes(reply[4..8].try_into().expect("4 bytes")))
+        .collect();
+    let ok = errors.iter().filter(|&&errno| errno == 0).count() as u64;
+    let shut = errors.iter().filter(|&&errno| errno == ESHUTDOWN).count() as u64;
+    assert_eq!(ok, started, "the flushes under way complete");
+    // Those read into the buffer (all of them, unless the socket gave the last bytes
+    // after the budget was full) get ESHUTDOWN, and no other error.
+    assert!(shut >= 1, "no ESHUTDOWN: {errors:?}");
+    assert_eq!(ok + shut, errors.len() as u64, "other errors: {errors:?}");
 }
