@@ -212,12 +212,18 @@ impl Cluster {
         image.discard_ranges(ranges, RangeOp::DiscardCut).await
     }
 
-    async fn connection(&self, address: SocketAddr) -> Result<Arc<Client>, String> {
+    /// The connection to `address`, made within a second (or `within`, if shorter).
+    async fn connection(
+        &self,
+        address: SocketAddr,
+        within: Duration,
+    ) -> Result<Arc<Client>, String> {
         if let Some(client) = lock(&self.connections).get(&address) {
             return Ok(client.clone());
         }
         let connect = Client::connect(address);
-        let client = match tokio::time::timeout(Duration::from_secs(1), connect).await {
+        let within = Duration::from_secs(1).min(within);
+        let client = match tokio::time::timeout(within, connect).await {
             Ok(Ok(client)) => Arc::new(client),
             Ok(Err(error)) => return Err(error.to_string()),
             Err(_) => return Err(format!("connecting to {address} timed out")),
@@ -313,7 +319,7 @@ impl Cluster {
                 next_member += 1;
                 continue;
             };
-            let client = match self.connection(address).await {
+            let client = match self.connection(address, left()).await {
                 Ok(client) => client,
                 Err(error) => {
                     last = format!("{target}: {error}");
@@ -323,8 +329,8 @@ impl Cluster {
                 }
             };
             request.route(pg, map.epoch, term);
-            let answer =
-                tokio::time::timeout(ATTEMPT_TIMEOUT.min(left()), client.call(&request)).await;
+            let within = ATTEMPT_TIMEOUT.min(left());
+            let answer = tokio::time::timeout(within, client.call(&request)).await;
             match answer {
                 Ok(Ok(Message::Reply { status, data })) => match status {
                     Status::Ok => {
@@ -387,7 +393,7 @@ impl Cluster {
                     next_member += 1;
                 }
                 Err(_) => {
-                    last = format!("{target} did not answer within {ATTEMPT_TIMEOUT:?}");
+                    last = format!("{target} did not answer within {within:?}");
                     lock(&self.leaders).remove(&pg);
                     next_member += 1;
                 }

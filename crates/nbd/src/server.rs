@@ -332,11 +332,19 @@ impl NbdServer {
             return Ok(());
         };
         export.connections.fetch_add(1, Ordering::Relaxed);
+        // Counted out however the connection ends (its task may be dropped or panic).
+        let _counted = Counted(&export.connections);
         let stall_timeout = self.limits().stall_timeout;
-        let result =
-            transmission::transmit(reader, writer, &export, structured, stall_timeout).await;
-        export.connections.fetch_sub(1, Ordering::Relaxed);
-        result
+        transmission::transmit(reader, writer, &export, structured, stall_timeout).await
+    }
+}
+
+/// Takes one off a connection count when dropped.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -179,6 +179,12 @@ where
                     format!("the client read no reply for {stall_timeout:?}"),
                 ));
             }
+            // Nothing under way, nothing to write, nothing to read or wait for: done (a
+            // state `is_finished` should have caught; never a panic of the reactor).
+            else => {
+                tracing::warn!("nbd connection with nothing left to do ended");
+                break;
+            }
         }
     }
     writer.shutdown().await
@@ -228,8 +234,9 @@ impl<'a> Connection<'a> {
         if self.input_start > 0 && self.input_start == self.input.len() {
             self.input.clear();
             self.input_start = 0;
-            // A large write's room (up to 32 MiB) is not kept once it is taken.
-            if self.input.capacity() > 4 * READ_CHUNK_BYTES {
+            // A very large write's room (up to 32 MiB) is not kept once it is taken; that
+            // of writes of a few MiB is, as they tend to come in streams.
+            if self.input.capacity() > 16 * READ_CHUNK_BYTES {
                 self.input.shrink_to(READ_CHUNK_BYTES);
             }
         }
@@ -259,6 +266,18 @@ impl<'a> Connection<'a> {
                 self.input_start += dropped as usize;
                 discard.remaining_bytes -= dropped;
                 if discard.remaining_bytes > 0 {
+                    // Shutting down, the rest of its payload is not read: its answer now.
+                    if self.shutting_down {
+                        let request = discard.request;
+                        self.discard = None;
+                        self.reading = false;
+                        self.encode(Reply {
+                            handle: request.handle,
+                            offset_bytes: request.offset_bytes,
+                            cost_bytes: 0,
+                            result: Err(Failure::new(ESHUTDOWN, "the export was removed")),
+                        });
+                    }
                     return Ok(());
                 }
                 let request = discard.request;

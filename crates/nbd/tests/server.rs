@@ -694,7 +694,12 @@ async fn requests_waiting_when_the_export_goes_get_eshutdown() {
         })
         .collect();
     stream.write_all(&requests).await.expect("requests");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gated.started() < 1024 {
+        assert!(std::time::Instant::now() < deadline, "flushes not started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let started = gated.started();
     assert_eq!(started, 1024, "flushes started");
     assert!(server.exports().remove("disk").is_some());
@@ -708,6 +713,13 @@ async fn requests_waiting_when_the_export_goes_get_eshutdown() {
         .chunks(SIMPLE_REPLY_SIZE)
         .map(|reply| u32::from_be_bytes(reply[4..8].try_into().expect("4 bytes")))
         .collect();
+    let mut handles: Vec<u64> = replies
+        .chunks(SIMPLE_REPLY_SIZE)
+        .map(|reply| u64::from_be_bytes(reply[8..16].try_into().expect("8 bytes")))
+        .collect();
+    handles.sort_unstable();
+    handles.dedup();
+    assert_eq!(handles.len(), errors.len(), "a request answered twice");
     let ok = errors.iter().filter(|&&errno| errno == 0).count() as u64;
     let shut = errors.iter().filter(|&&errno| errno == ESHUTDOWN).count() as u64;
     assert_eq!(ok, started, "the flushes under way complete");
@@ -715,4 +727,33 @@ async fn requests_waiting_when_the_export_goes_get_eshutdown() {
     // after the budget was full) get ESHUTDOWN, and no other error.
     assert!(shut >= 1, "no ESHUTDOWN: {errors:?}");
     assert_eq!(ok + shut, errors.len() as u64, "other errors: {errors:?}");
+}
+
+/// An export removed while a connection drops the payload of a write over the maximum
+/// answers that write with ESHUTDOWN and ends the connection (it stopped reading, so the
+/// rest of the payload will not come in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_being_dropped_when_the_export_goes_ends_the_connection() {
+    let server = server_of(malloc("m"));
+    let port = server.start("127.0.0.1", 0).await.expect("listen").port();
+    let mut stream = in_transmission(port).await;
+    let write = Request {
+        flags: 0,
+        command: CMD_WRITE,
+        handle: 7,
+        offset_bytes: 0,
+        len_bytes: 64 << 20,
+    };
+    stream.write_all(&write.encode()).await.expect("header");
+    stream.write_all(&[0u8; 4096]).await.expect("some payload");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(server.exports().remove("disk").is_some());
+    let mut replies = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut replies))
+        .await
+        .expect("the connection ends")
+        .expect("reply");
+    assert_eq!(replies.len(), SIMPLE_REPLY_SIZE, "{replies:?}");
+    assert_eq!(replies[4..8], ESHUTDOWN.to_be_bytes());
+    assert_eq!(replies[8..16], 7u64.to_be_bytes());
 }

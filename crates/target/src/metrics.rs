@@ -185,13 +185,13 @@ pub fn render(target: &Target) -> String {
             count(&counters.io_qpairs),
         ),
         (
-            "admin_qpairs",
+            "admin_qpairs_connected",
             "gauge",
             "NVMe/TCP admin queues connected now.",
             count(&counters.current_admin_qpairs),
         ),
         (
-            "io_qpairs",
+            "io_qpairs_connected",
             "gauge",
             "NVMe/TCP I/O queues connected now.",
             count(&counters.current_io_qpairs),

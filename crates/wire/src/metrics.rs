@@ -134,7 +134,10 @@ impl Exposition {
             .map(|(key, value)| {
                 format!(
                     "{key}=\"{}\"",
-                    value.replace('\\', "\\\\").replace('"', "\\\"")
+                    value
+                        .replace('\\', "\\\\")
+                        .replace('"', "\\\"")
+                        .replace('\n', "\\n")
                 )
             })
             .collect();
