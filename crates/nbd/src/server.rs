@@ -19,8 +19,9 @@ use crate::handshake::{self, Outcome};
 use crate::protocol::*;
 use crate::transmission;
 
-/// How long a client may take to negotiate.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client may take to negotiate (qemu-nbd's default limit): a connection in
+/// negotiation holds one of the server's connection slots.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the server allows its clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

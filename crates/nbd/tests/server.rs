@@ -757,3 +757,32 @@ async fn a_payload_being_dropped_when_the_export_goes_ends_the_connection() {
     assert_eq!(replies[4..8], ESHUTDOWN.to_be_bytes());
     assert_eq!(replies[8..16], 7u64.to_be_bytes());
 }
+
+/// A client that connects and says nothing is dropped once the negotiation's time is up
+/// (`HANDSHAKE_TIMEOUT`), freeing its connection slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_is_dropped_after_the_handshake_timeout() {
+    let server = server_of(malloc("m"));
+    let port = server.start("127.0.0.1", 0).await.expect("listen").port();
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let started = std::time::Instant::now();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).await.expect("greeting");
+    let limit = basalt_nbd::server::HANDSHAKE_TIMEOUT;
+    let mut rest = Vec::new();
+    tokio::time::timeout(
+        limit + Duration::from_secs(5),
+        stream.read_to_end(&mut rest),
+    )
+    .await
+    .expect("dropped within the limit")
+    .expect("closed");
+    let waited = started.elapsed();
+    assert!(rest.is_empty(), "{rest:?}");
+    assert!(
+        waited >= limit,
+        "dropped after {waited:?}, before {limit:?}"
+    );
+}
