@@ -446,6 +446,7 @@ impl BlkBackend {
             }
             // Requests replayed from the region go first, within the same budget.
             if let Some(region) = &region
+                && region.replaying(queue)
                 && !self.start_replays(&completer, region, &memory, ring)
             {
                 // Kept for `stop_vring`, should the vring stop before they all start.

@@ -276,6 +276,13 @@ impl InflightRegion {
         }
     }
 
+    /// Whether `queue` may have requests to replay not started yet (no lock taken).
+    pub fn replaying(&self, queue: u16) -> bool {
+        self.queues
+            .get(usize::from(queue))
+            .is_some_and(|state| state.replaying.load(Ordering::Acquire))
+    }
+
     /// `queue`'s oldest request to replay not started yet.
     pub fn next_replay(&self, queue: u16) -> Option<u16> {
         let state = self.queues.get(usize::from(queue))?;
