@@ -8,9 +8,10 @@ use std::process::Command;
 use serde_json::{Value, json};
 use support::*;
 
-/// A target with a 64 MiB malloc export "disk" and a 4 MiB read-only export "ro".
-fn target_with_exports(dir: &ScratchDir) -> (TargetProcess, u16) {
-    let target = TargetProcess::start(&dir.path, &[]);
+/// A target (started with `args`) with a 64 MiB malloc export "disk" of bdev "m0" and a
+/// 4 MiB read-only export "ro".
+fn target_with_exports(dir: &ScratchDir, args: &[&str]) -> (TargetProcess, u16) {
+    let target = TargetProcess::start(&dir.path, args);
     target.rpc_ok(
         "bdev_malloc_create",
         json!({"name": "m0", "num_blocks": 16384, "block_size": 4096}),
@@ -36,7 +37,7 @@ fn qemu_img_and_qemu_io_use_the_export() {
     require("qemu-img");
     require("qemu-io");
     let dir = ScratchDir::new("nbd-qemu");
-    let (_target, port) = target_with_exports(&dir);
+    let (_target, port) = target_with_exports(&dir, &[]);
     let uri = format!("nbd://127.0.0.1:{port}/disk");
     let info = run_ok(Command::new("qemu-img").args(["info", "--output=json", &uri]));
     let info: Value = serde_json::from_str(&info).expect("qemu-img json");
@@ -91,7 +92,7 @@ fn qemu_img_and_qemu_io_use_the_export() {
 fn nbdinfo_lists_exports_with_sizes_and_limits() {
     require("nbdinfo");
     let dir = ScratchDir::new("nbd-nbdinfo");
-    let (_target, port) = target_with_exports(&dir);
+    let (_target, port) = target_with_exports(&dir, &[]);
     let out = run_ok(Command::new("nbdinfo").args([
         "--list",
         "--json",
@@ -124,7 +125,7 @@ fn nbdinfo_lists_exports_with_sizes_and_limits() {
 fn nbdcopy_in_and_out_preserves_the_data() {
     require("nbdcopy");
     let dir = ScratchDir::new("nbd-nbdcopy");
-    let (_target, port) = target_with_exports(&dir);
+    let (_target, port) = target_with_exports(&dir, &[]);
     let source = dir.join("source.bin");
     run_ok(Command::new("dd").args([
         "if=/dev/urandom",
@@ -146,7 +147,7 @@ fn nbdcopy_in_and_out_preserves_the_data() {
 fn fio_randwrite_verify_through_several_connections() {
     require("fio");
     let dir = ScratchDir::new("nbd-fio");
-    let (target, port) = target_with_exports(&dir);
+    let (target, port) = target_with_exports(&dir, &[]);
     let uri = format!("nbd://127.0.0.1:{port}/disk");
     let fio = |extra: &[&str]| {
         let mut command = Command::new("fio");
@@ -207,22 +208,13 @@ fn target_metrics_count_what_clients_do() {
     let dir = ScratchDir::new("target-metrics");
     let metrics_port = free_port();
     let metrics_at = format!("127.0.0.1:{metrics_port}");
-    let target = TargetProcess::start(&dir.path, &["--metrics-addr", &metrics_at]);
-    target.rpc_ok(
-        "bdev_malloc_create",
-        json!({"name": "m0", "num_blocks": 4096, "block_size": 4096}),
-    );
-    let port = target.start_nbd();
-    target.rpc_ok(
-        "nbd_server_add_export",
-        json!({"bdev_name": "m0", "name": "disk"}),
-    );
+    let (target, port) = target_with_exports(&dir, &["--metrics-addr", &metrics_at]);
     let metrics = || http_get(&metrics_at, "/metrics");
     let of_m0 = |metrics: &str, name: &str| metric(metrics, &format!("{name}{{bdev=\"m0\"}}"));
     let before = metrics();
     assert_eq!(
         of_m0(&before, "basalt_target_bdev_size_bytes"),
-        16.0 * 1048576.0
+        64.0 * 1048576.0
     );
     assert_eq!(of_m0(&before, "basalt_target_bdev_write_ops_total"), 0.0);
 

@@ -94,8 +94,10 @@ impl Counted {
             Kind::Write => Some(&c.write_buckets),
             Kind::Unmap | Kind::Flush => None,
         };
-        if let Some(bucket) = buckets.zip(latency_bucket(elapsed_ns)) {
-            bucket.0[bucket.1].fetch_add(1, Ordering::Relaxed);
+        if let Some(buckets) = buckets
+            && let Some(index) = latency_bucket(elapsed_ns)
+        {
+            buckets[index].fetch_add(1, Ordering::Relaxed);
         }
         ops.fetch_add(1, Ordering::Relaxed);
     }

@@ -271,12 +271,7 @@ impl<'a> Connection<'a> {
                         let request = discard.request;
                         self.discard = None;
                         self.reading = false;
-                        self.encode(Reply {
-                            handle: request.handle,
-                            offset_bytes: request.offset_bytes,
-                            cost_bytes: 0,
-                            result: Err(Failure::new(ESHUTDOWN, "the export was removed")),
-                        });
+                        self.shut_out(&request);
                     }
                     return Ok(());
                 }
@@ -336,17 +331,22 @@ impl<'a> Connection<'a> {
                 None
             };
             if self.shutting_down {
-                self.encode(Reply {
-                    handle: request.handle,
-                    offset_bytes: request.offset_bytes,
-                    cost_bytes: 0,
-                    result: Err(Failure::new(ESHUTDOWN, "the export was removed")),
-                });
+                self.shut_out(&request);
                 continue;
             }
             self.start(request, payload);
         }
         Ok(())
+    }
+
+    /// Answers `request`, received but not started, with ESHUTDOWN: its export was removed.
+    fn shut_out(&mut self, request: &Request) {
+        self.encode(Reply {
+            handle: request.handle,
+            offset_bytes: request.offset_bytes,
+            cost_bytes: 0,
+            result: Err(Failure::new(ESHUTDOWN, "the export was removed")),
+        });
     }
 
     fn start(&mut self, request: Request, payload: Option<DmaBuf>) {

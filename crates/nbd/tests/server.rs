@@ -461,6 +461,27 @@ async fn connections_past_the_limit_are_closed() {
     assert!(served.is_some(), "a freed slot serves a new connection");
 }
 
+/// A session of `server` over an in-memory pipe to which a client sends `sent` and then
+/// nothing: what the server answered (5 s at most), and how its task ended (5 s at most).
+async fn exchange(
+    server: &Arc<NbdServer>,
+    sent: &[u8],
+) -> (
+    Vec<u8>,
+    Result<Result<io::Result<()>, tokio::task::JoinError>, tokio::time::error::Elapsed>,
+) {
+    let (client_side, server_side) = tokio::io::duplex(1 << 16);
+    let (reader, writer) = tokio::io::split(server_side);
+    let serve = tokio::spawn(server.clone().serve(reader, writer));
+    let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
+    client_writer.write_all(sent).await.expect("send");
+    client_writer.shutdown().await.expect("shutdown");
+    let mut received = Vec::new();
+    let within = Duration::from_secs(5);
+    let _ = tokio::time::timeout(within, client_reader.read_to_end(&mut received)).await;
+    (received, tokio::time::timeout(within, serve).await)
+}
+
 /// The transmission flags NBD_OPT_GO answers with (its NBD_INFO_EXPORT), after
 /// NBD_OPT_STRUCTURED_REPLY when `structured`.
 async fn flags_given(structured: bool) -> u16 {
@@ -476,18 +497,7 @@ async fn flags_given(structured: bool) -> u16 {
         requests: Vec::new(),
     };
     sent.extend(option(OPT_GO, &go.encode()));
-    let (client_side, server_side) = tokio::io::duplex(1 << 16);
-    let (reader, writer) = tokio::io::split(server_side);
-    let serve = tokio::spawn(server.clone().serve(reader, writer));
-    let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
-    client_writer.write_all(&sent).await.expect("send");
-    client_writer.shutdown().await.expect("shutdown");
-    let mut received = Vec::new();
-    client_reader
-        .read_to_end(&mut received)
-        .await
-        .expect("read");
-    let _ = serve.await;
+    let (received, _) = exchange(&server, &sent).await;
     // The greeting (magic, IHAVEOPT, handshake flags), then the option replies.
     let mut at = 18;
     while let Some(head) = received.get(at..at + 20) {
@@ -532,15 +542,7 @@ proptest! {
                 prefix.extend(option(OPT_GO, &InfoRequest { name: "disk".into(), requests: vec![INFO_BLOCK_SIZE] }.encode()));
             }
             prefix.extend_from_slice(&tail);
-            let (client_side, server_side) = tokio::io::duplex(1 << 16);
-            let (reader, writer) = tokio::io::split(server_side);
-            let serve = tokio::spawn(server.clone().serve(reader, writer));
-            let (mut client_reader, mut client_writer) = tokio::io::split(client_side);
-            client_writer.write_all(&prefix).await.expect("send");
-            client_writer.shutdown().await.expect("shutdown");
-            let mut sink = Vec::new();
-            let _ = tokio::time::timeout(Duration::from_secs(5), client_reader.read_to_end(&mut sink)).await;
-            let outcome = tokio::time::timeout(Duration::from_secs(5), serve).await;
+            let (_, outcome) = exchange(&server, &prefix).await;
             prop_assert!(matches!(outcome, Ok(Ok(_))), "server task panicked or hung: {:?}", outcome);
             Ok(())
         })?;

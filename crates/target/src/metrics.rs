@@ -4,10 +4,13 @@
 use std::sync::atomic::Ordering;
 
 use basalt_bdev::bdev::IoStatsSnapshot;
-use basalt_bdev::bdev::latency_bucket_bound_us;
+use basalt_bdev::bdev::{LATENCY_BUCKETS, latency_bucket_bound_us};
 use basalt_wire::metrics::{Exposition, Histogram};
 
 use crate::target::Target;
+
+/// A bdev's latency buckets, as `IoStatsSnapshot` holds them.
+type Buckets = [u64; LATENCY_BUCKETS];
 
 /// A bdev's counters: each family's name (after `basalt_target_bdev_`), help, and value.
 fn bdev_counters(s: &IoStatsSnapshot) -> [(&'static str, &'static str, f64); 9] {
@@ -70,103 +73,56 @@ pub fn render(target: &Target) -> String {
         })
         .collect();
     bdevs.sort_by(|a, b| a.0.cmp(&b.0));
-    let by_bdev = |value: &dyn Fn(&(String, u64, IoStatsSnapshot)) -> f64| {
-        bdevs
-            .iter()
-            .map(|bdev| (vec![("bdev", bdev.0.as_str())], value(bdev)))
-            .collect::<Vec<_>>()
-    };
-    family(
+    let size = bdevs.iter().map(|b| (b.0.as_str(), b.1 as f64));
+    let gauge = "gauge";
+    by_label(
         &mut e,
-        "basalt_target_bdev_size_bytes",
-        "gauge",
+        ("basalt_target_bdev_size_bytes", gauge),
         "The bdev's size.",
-        by_bdev(&|bdev| bdev.1 as f64),
+        "bdev",
+        size,
     );
     let counters: Vec<_> = bdevs.iter().map(|bdev| bdev_counters(&bdev.2)).collect();
     for (index, (name, help, _)) in bdev_counters(&IoStatsSnapshot::default())
         .into_iter()
         .enumerate()
     {
+        let name = format!("basalt_target_bdev_{name}");
         let samples = bdevs
             .iter()
             .zip(&counters)
-            .map(|(bdev, counters)| (vec![("bdev", bdev.0.as_str())], counters[index].2))
-            .collect();
-        family(
-            &mut e,
-            &format!("basalt_target_bdev_{name}"),
-            "counter",
-            help,
-            samples,
-        );
+            .map(|(b, c)| (b.0.as_str(), c[index].2));
+        by_label(&mut e, (&name, "counter"), help, "bdev", samples);
     }
-
-    for (name, help, buckets, ops, ns) in [
-        (
-            "read",
-            "Time reads took.",
-            (|s: &IoStatsSnapshot| s.read_latency_buckets) as fn(&IoStatsSnapshot) -> _,
-            (|s: &IoStatsSnapshot| s.num_read_ops) as fn(&IoStatsSnapshot) -> u64,
-            (|s: &IoStatsSnapshot| s.read_latency_ns) as fn(&IoStatsSnapshot) -> u64,
-        ),
-        (
-            "write",
-            "Time writes took.",
-            |s| s.write_latency_buckets,
-            |s| s.num_write_ops,
-            |s| s.write_latency_ns,
-        ),
-    ] {
-        let labels: Vec<[(&str, &str); 1]> = bdevs
-            .iter()
-            .map(|bdev| [("bdev", bdev.0.as_str())])
-            .collect();
-        let series: Vec<Histogram<'_>> = bdevs
+    let labels: Vec<[(&str, &str); 1]> = bdevs.iter().map(|b| [("bdev", b.0.as_str())]).collect();
+    let series = |pick: fn(&IoStatsSnapshot) -> (Buckets, u64, u64)| -> Vec<Histogram<'_>> {
+        bdevs
             .iter()
             .zip(&labels)
             .map(|(bdev, labels)| {
-                let mut seen = 0;
-                let buckets = buckets(&bdev.2)
-                    .iter()
-                    .enumerate()
-                    .map(|(index, count)| {
-                        seen += count;
-                        (latency_bucket_bound_us(index) as f64 / 1e6, seen)
-                    })
-                    .collect();
-                Histogram {
-                    labels,
-                    buckets,
-                    sum: ns(&bdev.2) as f64 / 1e9,
-                    // The counters are read one by one: a request counted in a bucket
-                    // since its operations were read counts in the total too.
-                    count: ops(&bdev.2).max(seen),
-                }
+                let (buckets, ops, ns) = pick(&bdev.2);
+                latency(labels, &buckets, ops, ns)
             })
-            .collect();
-        e.histogram(
-            &format!("basalt_target_bdev_{name}_latency_seconds"),
-            help,
-            &series,
-        );
-    }
+            .collect()
+    };
+    let reads = series(|s| (s.read_latency_buckets, s.num_read_ops, s.read_latency_ns));
+    let help = "Time reads took.";
+    e.histogram("basalt_target_bdev_read_latency_seconds", help, &reads);
+    let writes = series(|s| (s.write_latency_buckets, s.num_write_ops, s.write_latency_ns));
+    let help = "Time writes took.";
+    e.histogram("basalt_target_bdev_write_latency_seconds", help, &writes);
 
     let exports = target.nbd.exports().list();
-    family(
+    let connections = exports
+        .iter()
+        .map(|x| (x.name.as_str(), x.connection_count() as f64));
+    let help = "NBD clients in transmission, by export.";
+    by_label(
         &mut e,
-        "basalt_target_nbd_connections",
-        "gauge",
-        "NBD clients in transmission, by export.",
-        exports
-            .iter()
-            .map(|export| {
-                (
-                    vec![("export", export.name.as_str())],
-                    export.connection_count() as f64,
-                )
-            })
-            .collect(),
+        ("basalt_target_nbd_connections", gauge),
+        help,
+        "export",
+        connections,
     );
 
     let counters = &target.nvmf.counters;
@@ -176,28 +132,33 @@ pub fn render(target: &Target) -> String {
             "admin_qpairs_total",
             "counter",
             "NVMe/TCP admin queues connected since start.",
-            count(&counters.admin_qpairs),
+            &counters.admin_qpairs,
         ),
         (
             "io_qpairs_total",
             "counter",
             "NVMe/TCP I/O queues connected since start.",
-            count(&counters.io_qpairs),
+            &counters.io_qpairs,
         ),
         (
             "admin_qpairs_connected",
-            "gauge",
+            gauge,
             "NVMe/TCP admin queues connected now.",
-            count(&counters.current_admin_qpairs),
+            &counters.current_admin_qpairs,
         ),
         (
             "io_qpairs_connected",
-            "gauge",
+            gauge,
             "NVMe/TCP I/O queues connected now.",
-            count(&counters.current_io_qpairs),
+            &counters.current_io_qpairs,
         ),
     ] {
-        e.single(&format!("basalt_target_nvmf_{name}"), kind, help, value);
+        e.single(
+            &format!("basalt_target_nvmf_{name}"),
+            kind,
+            help,
+            count(value),
+        );
     }
     let subsystems: Vec<(String, usize, usize)> = target
         .nvmf
@@ -212,61 +173,83 @@ pub fn render(target: &Target) -> String {
             )
         })
         .collect();
-    for (name, help, value) in [
-        (
-            "controllers",
-            "NVMe controllers (connected hosts), by subsystem.",
-            (|s: &(String, usize, usize)| s.1) as fn(&(String, usize, usize)) -> usize,
-        ),
-        ("namespaces", "Namespaces, by subsystem.", |s| s.2),
-    ] {
-        family(
-            &mut e,
-            &format!("basalt_target_nvmf_subsystem_{name}"),
-            "gauge",
-            help,
-            subsystems
-                .iter()
-                .map(|s| (vec![("subsystem", s.0.as_str())], value(s) as f64))
-                .collect(),
-        );
-    }
+    let controllers = subsystems.iter().map(|s| (s.0.as_str(), s.1 as f64));
+    let name = "basalt_target_nvmf_subsystem_controllers";
+    let help = "NVMe controllers (connected hosts), by subsystem.";
+    by_label(&mut e, (name, gauge), help, "subsystem", controllers);
+    let namespaces = subsystems.iter().map(|s| (s.0.as_str(), s.2 as f64));
+    let name = "basalt_target_nvmf_subsystem_namespaces";
+    by_label(
+        &mut e,
+        (name, gauge),
+        "Namespaces, by subsystem.",
+        "subsystem",
+        namespaces,
+    );
 
-    let controllers = target.vhost.list();
-    let by_controller = |value: &dyn Fn(&basalt_vhost::controller::ControllerInfo) -> f64| {
-        controllers
-            .iter()
-            .map(|c| (vec![("controller", c.name.as_str())], value(c)))
-            .collect::<Vec<_>>()
-    };
-    family(
+    let vhost = target.vhost.list();
+    let attached = vhost
+        .iter()
+        .map(|c| (c.name.as_str(), f64::from(u8::from(c.attached))));
+    let help = "1 while a vhost-user frontend (QEMU) is connected to the controller.";
+    by_label(
         &mut e,
-        "basalt_target_vhost_attached",
-        "gauge",
-        "1 while a vhost-user frontend (QEMU) is connected to the controller.",
-        by_controller(&|c| f64::from(u8::from(c.attached))),
+        ("basalt_target_vhost_attached", gauge),
+        help,
+        "controller",
+        attached,
     );
-    family(
-        &mut e,
-        "basalt_target_vhost_in_place_requests_total",
-        "counter",
-        "Requests served between guest memory and the bdev's file with no copy.",
-        by_controller(&|c| c.in_place_requests as f64),
-    );
+    let in_place = vhost
+        .iter()
+        .map(|c| (c.name.as_str(), c.in_place_requests as f64));
+    let name = "basalt_target_vhost_in_place_requests_total";
+    let help = "Requests served between guest memory and the bdev's file with no copy.";
+    by_label(&mut e, (name, "counter"), help, "controller", in_place);
     e.finish()
 }
 
-/// A family whose samples have owned label lists.
-fn family(
+/// A family (`name`, `kind`) of samples labelled by `key` alone: its value and the
+/// sample's value.
+fn by_label<'a>(
     e: &mut Exposition,
-    name: &str,
-    kind: &str,
+    (name, kind): (&str, &str),
     help: &str,
-    samples: Vec<(Vec<(&str, &str)>, f64)>,
+    key: &'a str,
+    samples: impl Iterator<Item = (&'a str, f64)>,
 ) {
+    let samples: Vec<([(&str, &str); 1], f64)> = samples
+        .map(|(value, sample)| ([(key, value)], sample))
+        .collect();
     let samples: Vec<(&[(&str, &str)], f64)> = samples
         .iter()
         .map(|(labels, value)| (labels.as_slice(), *value))
         .collect();
     e.family(name, kind, help, &samples);
+}
+
+/// A latency histogram series from a bdev's `buckets` (not cumulative), its operations
+/// `ops` and their summed time `ns`.
+fn latency<'a>(
+    labels: &'a [(&'a str, &'a str)],
+    buckets: &[u64],
+    ops: u64,
+    ns: u64,
+) -> Histogram<'a> {
+    let mut seen = 0;
+    let buckets = buckets
+        .iter()
+        .enumerate()
+        .map(|(index, count)| {
+            seen += count;
+            (latency_bucket_bound_us(index) as f64 / 1e6, seen)
+        })
+        .collect();
+    Histogram {
+        labels,
+        buckets,
+        sum: ns as f64 / 1e9,
+        // The counters are read one by one: a request counted in a bucket since its
+        // operations were read counts in the total too.
+        count: ops.max(seen),
+    }
 }
