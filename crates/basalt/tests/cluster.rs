@@ -7,6 +7,8 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use basalt_nvmf::command::CNS_CONTROLLER_COMMAND_SET;
+use basalt_nvmf::host::{Host, HostOptions};
 use basalt_wire::message::{Message, Status};
 use serde_json::json;
 use support::*;
@@ -1520,7 +1522,7 @@ fn a_full_replica_stops_the_writes_of_its_pgs_with_the_monitor_down() {
 }
 
 #[test]
-fn an_exported_image_follows_a_resize() {
+fn an_exported_image_follows_a_resize_and_bounds_discards() {
     require("qemu-io");
     require("qemu-img");
     let dir = ScratchDir::new("cluster-resize");
@@ -1538,6 +1540,41 @@ fn an_exported_image_follows_a_resize() {
     assert_eq!(nbd_size(&uri), 32 << 20);
     qemu_io_ok(&uri, false, &["write -P 0x3c 31M 1M"]);
     qemu_io_ok(&uri, true, &["read -P 0x3c 31M 1M", "read -P 0xa1 0 1M"]);
+
+    // Over NVMe/TCP, the NVM command set's Identify Controller tells hosts how much one
+    // Dataset Management command should cover at most (a discard is a replicated write
+    // per object): 16,384 objects of 4 MiB, in 512-byte blocks, per range and per
+    // command. A deallocate of the whole image then reads back as zeroes.
+    let nqn = "nqn.2016-06.io.basalt:resized";
+    let port = target.start_nvmf(nqn, "img");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    runtime.block_on(async {
+        let host = Host::connect(address, nqn, HostOptions::default())
+            .await
+            .expect("connect");
+        let page = host
+            .identify(CNS_CONTROLLER_COMMAND_SET, 0)
+            .await
+            .expect("identify");
+        let limit = (16_384u64 << 22) / 512;
+        let dmrsl = u32::from_le_bytes(page[4..8].try_into().expect("4"));
+        let dmsl = u64::from_le_bytes(page[8..16].try_into().expect("8"));
+        assert_eq!((u64::from(dmrsl), dmsl), (limit, limit), "DMRSL, DMSL");
+        host.deallocate(0, 1, &[(0, 65536)])
+            .await
+            .expect("deallocate");
+        for lba in [0, 62 * 1024] {
+            let data = host.read(0, 1, lba, 2048, 512).await.expect("read");
+            assert!(
+                data.iter().all(|b| *b == 0),
+                "MiB at block {lba} not zeroes"
+            );
+        }
+    });
 }
 
 /// `basalt image resize` to a smaller size and `basalt image rm` discard what they cut off

@@ -333,6 +333,14 @@ pub trait Bdev: Send + Sync {
     /// counters: the registry's decorator does).
     fn count_in_place(&self, _write: bool, _len_bytes: u64, _elapsed: Duration, _ok: bool) {}
 
+    /// The blocks one discard or write zeroes should cover at most, for frontends to tell
+    /// their hosts, where a large one would take long: a host gives up on a request after
+    /// its I/O timeout (30 s for Linux NVMe) and resets the controller. `None`: any size
+    /// (a file's or memory's are quick).
+    fn unmap_blocks_max(&self) -> Option<u64> {
+        None
+    }
+
     /// Takes on the size of what backs the bdev now (a file or block device that grew, an
     /// image resized) and returns the block count. Bdevs whose size cannot change refuse
     /// (`EOPNOTSUPP`).

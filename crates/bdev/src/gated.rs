@@ -119,6 +119,10 @@ impl Bdev for Gated {
         self.inner.volatile_cache()
     }
 
+    fn unmap_blocks_max(&self) -> Option<u64> {
+        self.inner.unmap_blocks_max()
+    }
+
     fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()> {
         self.inner.write_zeroes(extent, deallocate)
     }

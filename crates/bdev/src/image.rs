@@ -17,6 +17,11 @@ use crate::bdev::{
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
 
+/// Objects one discard or write zeroes should cover at most ([`Bdev::unmap_blocks_max`]):
+/// the client discards 30-40 thousand objects a second on this project's test machine
+/// (`docs/internals/store.md`), so such a request ends in about half a second.
+pub const UNMAP_OBJECTS_MAX: u64 = 16_384;
+
 /// A bdev over a Basalt image. It follows the image's size: when the cluster map says the
 /// image grew or shrank (`image resize --allow-shrink`, whose cut-off data is discarded),
 /// so does the bdev, and the frontends that watch sizes tell their hosts (NVMe/TCP by a
@@ -177,6 +182,13 @@ impl Bdev for ImageBdev {
 
     fn volatile_cache(&self) -> bool {
         false
+    }
+
+    /// [`UNMAP_OBJECTS_MAX`] objects' worth: a discard (and a write zeroes, which
+    /// discards here) is a replicated write per object.
+    fn unmap_blocks_max(&self) -> Option<u64> {
+        let objects = self.shared.image.object_size_bytes() * UNMAP_OBJECTS_MAX;
+        Some((objects / u64::from(self.info().block_size)).max(1))
     }
 
     /// Takes on the image's size in the cluster map now (the bdev does so by itself when a

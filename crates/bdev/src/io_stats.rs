@@ -148,6 +148,10 @@ impl Bdev for Counted {
         self.inner.volatile_cache()
     }
 
+    fn unmap_blocks_max(&self) -> Option<u64> {
+        self.inner.unmap_blocks_max()
+    }
+
     fn count_in_place(&self, write: bool, len_bytes: u64, elapsed: Duration, ok: bool) {
         let kind = if write { Kind::Write } else { Kind::Read };
         self.record(kind, len_bytes, elapsed, ok);

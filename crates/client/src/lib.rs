@@ -460,6 +460,11 @@ impl Image {
         &self.name
     }
 
+    /// Bytes per object.
+    pub fn object_size_bytes(&self) -> u64 {
+        self.object_size_bytes
+    }
+
     /// Its id.
     pub fn id(&self) -> ImageId {
         self.id

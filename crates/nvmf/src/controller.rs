@@ -502,14 +502,18 @@ impl Controller {
                 Some(namespace) => Response::data(id, identify::namespace_descriptors(&namespace)),
                 None => Response::status(id, Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr()),
             },
-            // The NVM command set's own Identify Namespace and Identify Controller hold
-            // nothing this target sets (no limits beyond MDTS): zeroes.
+            // The NVM command set's own Identify Namespace holds nothing this target sets:
+            // zeroes.
             CNS_NAMESPACE_COMMAND_SET if csi == 0 => match subsystem.namespace(nsid) {
                 Some(_) => Response::data(id, vec![0; identify::IDENTIFY_SIZE]),
                 None => Response::status(id, Status::INVALID_NAMESPACE_OR_FORMAT.with_dnr()),
             },
             CNS_CONTROLLER_COMMAND_SET if csi == 0 => {
-                Response::data(id, vec![0; identify::IDENTIFY_SIZE])
+                let namespaces: Vec<_> = subsystem.lock().namespaces.values().cloned().collect();
+                Response::data(
+                    id,
+                    identify::nvm_controller(namespaces.iter().map(|ns| &**ns)),
+                )
             }
             _ => Response::status(id, Status::INVALID_FIELD.with_dnr()),
         }

@@ -145,6 +145,27 @@ pub fn namespace(namespace: &Namespace) -> Vec<u8> {
     page
 }
 
+/// The NVM command set's Identify Controller (CNS 06h, CSI 0; NVM Command Set
+/// specification, figure "I/O Command Set Specific Identify Controller"): the Dataset
+/// Management limits where some namespace has one ([`Bdev::unmap_blocks_max`]), the
+/// lowest of them in each namespace's own blocks (Linux reads DMRSL as that namespace's
+/// limit per command); zeroes, no limit, otherwise.
+///
+/// [`Bdev::unmap_blocks_max`]: basalt_bdev::Bdev::unmap_blocks_max
+pub fn nvm_controller<'a>(namespaces: impl IntoIterator<Item = &'a Namespace>) -> Vec<u8> {
+    let mut page = vec![0u8; IDENTIFY_SIZE];
+    let limit = namespaces
+        .into_iter()
+        .filter_map(|namespace| namespace.bdev.unmap_blocks_max())
+        .min();
+    if let Some(blocks) = limit {
+        let blocks = blocks.clamp(1, u64::from(u32::MAX));
+        put_u32(&mut page, 4, blocks as u32); // DMRSL: blocks per range
+        put_u64(&mut page, 8, blocks); // DMSL: blocks per command
+    }
+    page
+}
+
 /// Active Namespace ID list (CNS 02h): the ids above `after`, ascending, at most 1024.
 pub fn active_namespaces(nsids: impl IntoIterator<Item = u32>, after: u32) -> Vec<u8> {
     let mut page = vec![0u8; IDENTIFY_SIZE];

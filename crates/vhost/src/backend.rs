@@ -297,7 +297,15 @@ impl BlkBackend {
         // Topology: physical block = logical block (exponent 0), minimum I/O one block.
         config[26..28].copy_from_slice(&1u16.to_le_bytes());
         config[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
-        let sectors_max = u32::MAX;
+        // A discard or write zeroes of the bdev's limit at most ([`Bdev::unmap_blocks_max`]).
+        let sectors_max = self
+            .options
+            .bdev
+            .unmap_blocks_max()
+            .map_or(u32::MAX, |blocks| {
+                let sectors = blocks.saturating_mul(u64::from(info.block_size)) / SECTOR_SIZE;
+                sectors.clamp(1, u64::from(u32::MAX)) as u32
+            });
         config[36..40].copy_from_slice(&sectors_max.to_le_bytes()); // max_discard_sectors
         config[40..44].copy_from_slice(&DISCARD_SEGMENTS_MAX.to_le_bytes());
         let alignment = info.block_size / 512;
