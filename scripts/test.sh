@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs the external clients the tests use (fio,
-# qemu-img/qemu-io, the libnbd tools, losetup), then checks formatting, runs clippy with warnings
+# qemu-img/qemu-io, the libnbd tools and Python bindings, losetup), then checks formatting, runs clippy with warnings
 # as errors, and runs every test (unit, property, process and tidy tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,8 @@ missing=()
 for tool in "${!packages[@]}"; do
   command -v "$tool" >/dev/null || missing+=("${packages[$tool]}")
 done
+# Debian's Python bindings of libnbd (a client that can leave block sizes unasked).
+[ -e /usr/lib/python3/dist-packages/nbd.py ] || missing+=(python3-libnbd)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

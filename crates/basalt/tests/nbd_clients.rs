@@ -1,5 +1,5 @@
 //! The NBD export of `basalt target` used by clients we did not write: qemu-img, qemu-io,
-//! nbdinfo, nbdcopy and fio's nbd engine.
+//! nbdinfo, nbdcopy, fio's nbd engine and libnbd's Python bindings.
 
 mod support;
 
@@ -119,6 +119,47 @@ fn nbdinfo_lists_exports_with_sizes_and_limits() {
     assert_eq!(ro["is_read_only"], json!(true));
     assert_eq!(ro["export-size"], json!(4 << 20));
     assert_eq!(ro["block_size_minimum"], json!(512));
+}
+
+/// libnbd (through Debian's Python bindings) as a client that does not ask for block
+/// sizes: refused the 4 KiB-block export with NBD_REP_ERR_BLOCK_SIZE_REQD at connect, not
+/// left to meet EINVAL at its first 512-byte request; let into the 512-byte one. Asking,
+/// as libnbd does by default, it reads the 4 KiB-block export.
+#[test]
+fn a_client_that_does_not_ask_for_block_sizes_is_refused_large_blocks() {
+    let python = "/usr/bin/python3";
+    assert!(
+        Command::new(python)
+            .args(["-c", "import nbd"])
+            .status()
+            .is_ok_and(|status| status.success()),
+        "python3-libnbd is not installed; scripts/test.sh installs it"
+    );
+    let dir = ScratchDir::new("nbd-block-size-reqd");
+    let (_target, port) = target_with_exports(&dir, &[]);
+    let script = r#"
+import nbd, sys
+h = nbd.NBD()
+h.set_request_block_size(sys.argv[2] == "ask")
+try:
+    h.connect_uri(sys.argv[1])
+except nbd.Error as error:
+    print("refused:", error.string)
+    sys.exit(0)
+print("connected, read", len(h.pread(4096, 0)), "bytes")
+"#;
+    let connect = |export: &str, ask: &str| {
+        let uri = format!("nbd://127.0.0.1:{port}/{export}");
+        run_ok(Command::new(python).args(["-c", script, &uri, ask]))
+    };
+    // libnbd's words for NBD_REP_ERR_BLOCK_SIZE_REQD.
+    let refused = connect("disk", "no");
+    assert!(
+        refused.starts_with("refused:") && refused.contains("server requires specific block sizes"),
+        "{refused}"
+    );
+    assert_eq!(connect("disk", "ask").trim(), "connected, read 4096 bytes");
+    assert_eq!(connect("ro", "no").trim(), "connected, read 4096 bytes");
 }
 
 #[test]

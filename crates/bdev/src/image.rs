@@ -18,8 +18,9 @@ use crate::bdev::{
 pub const PRODUCT_NAME: &str = "Basalt image";
 
 /// Objects one discard or write zeroes should cover at most ([`Bdev::unmap_blocks_max`]):
-/// the client discards 30-40 thousand objects a second on this project's test machine
-/// (`docs/internals/store.md`), so such a request ends in about half a second.
+/// the client discards 30-45 thousand objects a second on this project's test machine
+/// (`bench/image-discard.sh`, `docs/benchmarks.md`), so such a request ends within about
+/// half a second.
 pub const UNMAP_OBJECTS_MAX: u64 = 16_384;
 
 /// A bdev over a Basalt image. It follows the image's size: when the cluster map says the

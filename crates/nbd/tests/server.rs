@@ -482,34 +482,77 @@ async fn exchange(
     (received, tokio::time::timeout(within, serve).await)
 }
 
-/// The transmission flags NBD_OPT_GO answers with (its NBD_INFO_EXPORT), after
-/// NBD_OPT_STRUCTURED_REPLY when `structured`.
-async fn flags_given(structured: bool) -> u16 {
-    let server = server_of(malloc("m"));
+/// The option replies (type, data) `server` gives a client that sends `options` after
+/// its flags and then nothing.
+async fn option_replies(server: &Arc<NbdServer>, options: &[u8]) -> Vec<(u32, Vec<u8>)> {
     let mut sent = (CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES)
         .to_be_bytes()
         .to_vec();
-    if structured {
-        sent.extend(option(OPT_STRUCTURED_REPLY, &[]));
-    }
-    let go = InfoRequest {
-        name: "disk".into(),
-        requests: Vec::new(),
-    };
-    sent.extend(option(OPT_GO, &go.encode()));
-    let (received, _) = exchange(&server, &sent).await;
+    sent.extend_from_slice(options);
+    let (received, _) = exchange(server, &sent).await;
     // The greeting (magic, IHAVEOPT, handshake flags), then the option replies.
+    let mut replies = Vec::new();
     let mut at = 18;
     while let Some(head) = received.get(at..at + 20) {
         let kind = u32::from_be_bytes(head[12..16].try_into().expect("4 bytes"));
         let len = u32::from_be_bytes(head[16..20].try_into().expect("4 bytes")) as usize;
-        let data = &received[at + 20..at + 20 + len];
-        if kind == REP_INFO && data[..2] == INFO_EXPORT.to_be_bytes() {
-            return u16::from_be_bytes([data[10], data[11]]);
-        }
+        replies.push((kind, received[at + 20..at + 20 + len].to_vec()));
         at += 20 + len;
     }
-    panic!("no NBD_INFO_EXPORT in {received:?}");
+    replies
+}
+
+/// NBD_OPT_GO of "disk", asking for the information items `requests`.
+fn go(requests: Vec<u16>) -> Vec<u8> {
+    let go = InfoRequest {
+        name: "disk".into(),
+        requests,
+    };
+    option(OPT_GO, &go.encode())
+}
+
+/// The transmission flags NBD_OPT_GO answers with (its NBD_INFO_EXPORT), after
+/// NBD_OPT_STRUCTURED_REPLY when `structured`.
+async fn flags_given(structured: bool) -> u16 {
+    let server = server_of(malloc("m"));
+    let mut options = Vec::new();
+    if structured {
+        options.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    }
+    options.extend(go(Vec::new()));
+    let replies = option_replies(&server, &options).await;
+    let export = replies
+        .iter()
+        .find(|(kind, data)| *kind == REP_INFO && data[..2] == INFO_EXPORT.to_be_bytes());
+    let Some((_, data)) = export else {
+        panic!("no NBD_INFO_EXPORT in {replies:?}");
+    };
+    u16::from_be_bytes([data[10], data[11]])
+}
+
+/// An export of blocks larger than a sector is entered only by a client that asked for
+/// its block sizes (NBD_INFO_BLOCK_SIZE): one that did not is told them, then refused with
+/// NBD_REP_ERR_BLOCK_SIZE_REQD, rather than meeting EINVAL at its first 512-byte request.
+/// Exports of 512-byte blocks take any client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_blocks_are_for_clients_that_asked_for_them() {
+    let large = server_of(Arc::new(MallocBdev::new_named("m", 4096, 64)));
+    let replies = option_replies(&large, &go(Vec::new())).await;
+    let kinds: Vec<u32> = replies.iter().map(|(kind, _)| *kind).collect();
+    assert_eq!(kinds.last(), Some(&REP_ERR_BLOCK_SIZE_REQD), "{replies:?}");
+    let sizes = replies
+        .iter()
+        .find(|(kind, data)| *kind == REP_INFO && data[..2] == INFO_BLOCK_SIZE.to_be_bytes());
+    assert_eq!(
+        sizes.map(|(_, data)| data[2..6].to_vec()),
+        Some(4096u32.to_be_bytes().to_vec()),
+        "the minimum block size comes before the refusal"
+    );
+    let replies = option_replies(&large, &go(vec![INFO_BLOCK_SIZE])).await;
+    assert_eq!(replies.last().map(|(kind, _)| *kind), Some(REP_ACK));
+    let small = server_of(malloc("m"));
+    let replies = option_replies(&small, &go(Vec::new())).await;
+    assert_eq!(replies.last().map(|(kind, _)| *kind), Some(REP_ACK));
 }
 
 /// NBD_FLAG_SEND_DF goes to clients that negotiated structured replies, and only to
