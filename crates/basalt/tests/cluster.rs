@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use basalt_nvmf::command::CNS_CONTROLLER_COMMAND_SET;
-use basalt_nvmf::host::{Host, HostOptions};
+use basalt_nvmf::host::HostOptions;
 use basalt_wire::message::{Message, Status};
 use serde_json::json;
 use support::*;
@@ -1543,24 +1543,17 @@ fn an_exported_image_follows_a_resize_and_bounds_discards() {
 
     // Over NVMe/TCP, the NVM command set's Identify Controller tells hosts how much one
     // Dataset Management command should cover at most (a discard is a replicated write
-    // per object): 16,384 objects of 4 MiB, in 512-byte blocks, per range and per
+    // per object): 2,048 objects of 4 MiB, in 512-byte blocks, per range and per
     // command. A deallocate of the whole image then reads back as zeroes.
     let nqn = "nqn.2016-06.io.basalt:resized";
     let port = target.start_nvmf(nqn, "img");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let (runtime, host) = nvmf_host(port, nqn, HostOptions::default());
     runtime.block_on(async {
-        let host = Host::connect(address, nqn, HostOptions::default())
-            .await
-            .expect("connect");
         let page = host
             .identify(CNS_CONTROLLER_COMMAND_SET, 0)
             .await
             .expect("identify");
-        let limit = (16_384u64 << 22) / 512;
+        let limit = (2_048u64 << 22) / 512;
         let dmrsl = u32::from_le_bytes(page[4..8].try_into().expect("4"));
         let dmsl = u64::from_le_bytes(page[8..16].try_into().expect("8"));
         assert_eq!((u64::from(dmrsl), dmsl), (limit, limit), "DMRSL, DMSL");

@@ -1,10 +1,13 @@
 //! The NBD export of `basalt target` used by clients we did not write: qemu-img, qemu-io,
-//! nbdinfo, nbdcopy, fio's nbd engine and libnbd's Python bindings.
+//! nbdinfo, nbdcopy, fio's nbd engine and libnbd's Python bindings (two tests also look at
+//! the same target through our NVMe/TCP initiator).
 
 mod support;
 
 use std::process::Command;
 
+use basalt_nvmf::completion::Status;
+use basalt_nvmf::host::HostOptions;
 use serde_json::{Value, json};
 use support::*;
 
@@ -122,11 +125,10 @@ fn nbdinfo_lists_exports_with_sizes_and_limits() {
 }
 
 /// libnbd (through Debian's Python bindings) as a client that does not ask for block
-/// sizes: refused the 4 KiB-block export with NBD_REP_ERR_BLOCK_SIZE_REQD at connect, not
-/// left to meet EINVAL at its first 512-byte request; let into the 512-byte one. Asking,
-/// as libnbd does by default, it reads the 4 KiB-block export.
+/// sizes, as the kernel's `nbd-client` does not: it is told the 4 KiB-block export's
+/// minimum anyway and let in (it may know it out of band), and reads a block of it.
 #[test]
-fn a_client_that_does_not_ask_for_block_sizes_is_refused_large_blocks() {
+fn a_client_that_does_not_ask_for_block_sizes_is_told_them() {
     let python = "/usr/bin/python3";
     assert!(
         Command::new(python)
@@ -135,31 +137,21 @@ fn a_client_that_does_not_ask_for_block_sizes_is_refused_large_blocks() {
             .is_ok_and(|status| status.success()),
         "python3-libnbd is not installed; scripts/test.sh installs it"
     );
-    let dir = ScratchDir::new("nbd-block-size-reqd");
+    let dir = ScratchDir::new("nbd-block-size-unasked");
     let (_target, port) = target_with_exports(&dir, &[]);
     let script = r#"
 import nbd, sys
 h = nbd.NBD()
-h.set_request_block_size(sys.argv[2] == "ask")
-try:
-    h.connect_uri(sys.argv[1])
-except nbd.Error as error:
-    print("refused:", error.string)
-    sys.exit(0)
-print("connected, read", len(h.pread(4096, 0)), "bytes")
+h.set_request_block_size(False)
+h.connect_uri(sys.argv[1])
+print(h.get_block_size(nbd.SIZE_MINIMUM), len(h.pread(4096, 0)))
 "#;
-    let connect = |export: &str, ask: &str| {
+    let connect = |export: &str| {
         let uri = format!("nbd://127.0.0.1:{port}/{export}");
-        run_ok(Command::new(python).args(["-c", script, &uri, ask]))
+        run_ok(Command::new(python).args(["-c", script, &uri]))
     };
-    // libnbd's words for NBD_REP_ERR_BLOCK_SIZE_REQD.
-    let refused = connect("disk", "no");
-    assert!(
-        refused.starts_with("refused:") && refused.contains("server requires specific block sizes"),
-        "{refused}"
-    );
-    assert_eq!(connect("disk", "ask").trim(), "connected, read 4096 bytes");
-    assert_eq!(connect("ro", "no").trim(), "connected, read 4096 bytes");
+    assert_eq!(connect("disk").trim(), "4096 4096");
+    assert_eq!(connect("ro").trim(), "512 4096");
 }
 
 #[test]
@@ -348,4 +340,69 @@ fn target_metrics_count_what_clients_do() {
         metric(&nvmf, "basalt_target_nvmf_admin_qpairs_total") >= 1.0,
         "{nvmf}"
     );
+}
+
+/// A tmpfs mounted for a test, unmounted (lazily) when dropped.
+struct Tmpfs(std::path::PathBuf);
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A file bdev whose filesystem is full: writes past the room left fail with ENOSPC at
+/// the host (qemu-io over NBD reads "No space left on device"; NVMe's capacity exceeded,
+/// not retried, at our initiator), and what was written before reads back (a full disk
+/// is a clear error, never lost data). Needs root, for the mount.
+#[test]
+fn a_full_filesystem_refuses_writes_with_enospc() {
+    require("qemu-io");
+    require("mount");
+    let dir = ScratchDir::new("nbd-enospc");
+    let mount = dir.path.join("small");
+    std::fs::create_dir_all(&mount).expect("mount point");
+    run_ok(
+        Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=2M", "tmpfs"])
+            .arg(&mount),
+    );
+    let _mounted = Tmpfs(mount.clone());
+    // 64 MiB of file over 2 MiB of filesystem (tmpfs takes no O_DIRECT: buffered).
+    let file = mount.join("disk");
+    std::fs::File::create(&file)
+        .and_then(|f| f.set_len(64 << 20))
+        .expect("sparse file");
+    let target = TargetProcess::start(&dir.path, &[]);
+    target.rpc_ok(
+        "bdev_uring_create",
+        json!({"filename": file, "name": "f", "block_size": 512, "buffered": true}),
+    );
+    let port = target.start_nbd();
+    target.rpc_ok(
+        "nbd_server_add_export",
+        json!({"bdev_name": "f", "name": "f"}),
+    );
+    let uri = format!("nbd://127.0.0.1:{port}/f");
+    qemu_io_ok(&uri, false, &["write -P 0x11 0 1M"]);
+    let (_, text) = qemu_io(&uri, false, &["write -P 0x22 8M 4M"]);
+    assert!(text.contains("No space left on device"), "{text}");
+    qemu_io_ok(&uri, true, &["read -P 0x11 0 1M"]);
+
+    let nqn = "nqn.2016-06.io.basalt:full";
+    let nvmf_port = target.start_nvmf(nqn, "f");
+    let (runtime, host) = nvmf_host(nvmf_port, nqn, HostOptions::default());
+    runtime.block_on(async {
+        let refused = host
+            .write(0, 1, 32 * 1024, vec![0x33; 4 << 20], 512, false)
+            .await
+            .expect_err("no room for 4 MiB");
+        assert_eq!(
+            refused.status(),
+            Some(Status::CAPACITY_EXCEEDED.with_dnr()),
+            "{refused}"
+        );
+        let data = host.read(0, 1, 0, 2048, 512).await.expect("read");
+        assert!(data.iter().all(|b| *b == 0x11), "the first MiB kept");
+    });
 }

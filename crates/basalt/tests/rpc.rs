@@ -547,18 +547,11 @@ fn queue_pairs_go_round_robin_over_the_reactors_by_default() {
         json!({"num_blocks": 256, "block_size": 512, "name": "m0"}),
     );
     let port = target.start_nvmf(nqn, "m0");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let options = basalt_nvmf::host::HostOptions {
         io_queues: 3,
         ..basalt_nvmf::host::HostOptions::default()
     };
-    let host = runtime
-        .block_on(basalt_nvmf::host::Host::connect(address, nqn, options))
-        .expect("connect");
+    let (_runtime, host) = nvmf_host(port, nqn, options);
     let qpairs = target.rpc_ok("nvmf_subsystem_get_qpairs", json!({"nqn": nqn}));
     let threads: Vec<&str> = qpairs
         .as_array()

@@ -1,6 +1,7 @@
 //! A bdev whose chosen operations wait for a gate: a device that stalls on command, for
 //! tests of what a frontend does while requests do not complete (how many it takes, whether
-//! it answers them all once they do).
+//! it answers them all once they do). It may also state a discard limit of its own, for
+//! tests of what frontends tell their hosts ([`Gated::limit_unmaps`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +28,8 @@ pub struct Gated {
     inner: Box<dyn Bdev>,
     held: Held,
     handle: GateHandle,
+    /// Its own [`Bdev::unmap_blocks_max`], instead of `inner`'s.
+    unmap_blocks_max: Option<Option<u64>>,
 }
 
 /// The gate of a [`Gated`] bdev and its count of held operations, for whoever holds the
@@ -59,6 +62,15 @@ impl Gated {
                 started: Arc::new(AtomicU64::new(0)),
                 gate: Arc::new(Semaphore::new(0)),
             },
+            unmap_blocks_max: None,
+        }
+    }
+
+    /// The same, stating `blocks` as its discard limit whatever `inner`'s.
+    pub fn limit_unmaps(self, blocks: Option<u64>) -> Self {
+        Self {
+            unmap_blocks_max: Some(blocks),
+            ..self
         }
     }
 
@@ -120,7 +132,8 @@ impl Bdev for Gated {
     }
 
     fn unmap_blocks_max(&self) -> Option<u64> {
-        self.inner.unmap_blocks_max()
+        self.unmap_blocks_max
+            .unwrap_or_else(|| self.inner.unmap_blocks_max())
     }
 
     fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()> {

@@ -17,11 +17,13 @@ use crate::bdev::{
 /// The product name of image bdevs.
 pub const PRODUCT_NAME: &str = "Basalt image";
 
-/// Objects one discard or write zeroes should cover at most ([`Bdev::unmap_blocks_max`]):
-/// the client discards 30-45 thousand objects a second on this project's test machine
-/// (`bench/image-discard.sh`, `docs/benchmarks.md`), so such a request ends within about
-/// half a second.
-pub const UNMAP_OBJECTS_MAX: u64 = 16_384;
+/// Objects one discard or write zeroes should cover at most ([`Bdev::unmap_blocks_max`]).
+/// The client discards 42-47 thousand objects a second one request at a time on this
+/// project's test machine (`bench/image-discard.sh`, `docs/benchmarks.md`): 2,048 take
+/// about 50 ms, so even 256 such commands queued at once (Linux's `blkdiscard` of a whole
+/// device over two NVMe queues of 128) end within about 12 s, inside its 30 s I/O timeout,
+/// should the cluster go no faster for the concurrency.
+pub const UNMAP_OBJECTS_MAX: u64 = 2_048;
 
 /// A bdev over a Basalt image. It follows the image's size: when the cluster map says the
 /// image grew or shrank (`image resize --allow-shrink`, whose cut-off data is discarded),

@@ -274,13 +274,38 @@ impl FileEngine {
                 .await
             }
             ring => {
-                ring.call(|reply| Op::Write {
-                    offset_bytes,
-                    buf,
-                    fua,
-                    reply,
-                })
-                .await
+                let len = buf.len();
+                let (mut moved, buf) = ring
+                    .call(|reply| Op::Write {
+                        offset_bytes,
+                        buf,
+                        fua,
+                        reply,
+                    })
+                    .await?;
+                // A short write: the filesystem (or a quota, or a size limit) ran out of
+                // room part way. The rest is written again, which says why (ENOSPC,
+                // EDQUOT, EFBIG) or goes on; a plain EIO would hide it from the host.
+                let mut done = moved;
+                while done < len {
+                    if moved == 0 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::WriteZero,
+                            format!("short write: {done} of {len} bytes"),
+                        ));
+                    }
+                    let rest = DmaBuf::from_slice(&buf[done..]);
+                    (moved, _) = ring
+                        .call(|reply| Op::Write {
+                            offset_bytes: offset_bytes + done as u64,
+                            buf: rest,
+                            fua,
+                            reply,
+                        })
+                        .await?;
+                    done += moved;
+                }
+                Ok(buf)
             }
         }
     }
@@ -355,11 +380,12 @@ enum Op {
         buf: DmaBuf,
         reply: Reply<DmaBuf>,
     },
+    /// Answered with the bytes written, which may be fewer than asked.
     Write {
         offset_bytes: u64,
         buf: DmaBuf,
         fua: bool,
-        reply: Reply<DmaBuf>,
+        reply: Reply<(usize, DmaBuf)>,
     },
     Sync {
         reply: Reply<()>,
@@ -421,7 +447,7 @@ impl Op {
                 let _ = reply.send(status.and_then(|moved| full_transfer(moved, buf)));
             }
             Op::Write { buf, reply, .. } => {
-                let _ = reply.send(status.and_then(|moved| full_transfer(moved, buf)));
+                let _ = reply.send(status.map(|moved| (moved.min(buf.len()), buf)));
             }
             Op::Sync { reply } | Op::Allocate { reply, .. } => {
                 let _ = reply.send(status.map(|_| ()));
@@ -431,7 +457,10 @@ impl Op {
 
     fn fail(self, error: io::Error) {
         match self {
-            Op::Read { reply, .. } | Op::Write { reply, .. } => {
+            Op::Read { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Op::Write { reply, .. } => {
                 let _ = reply.send(Err(error));
             }
             Op::Sync { reply } | Op::Allocate { reply, .. } => {
@@ -445,7 +474,7 @@ fn entry_len(len: usize) -> u32 {
     u32::try_from(len).expect("callers split requests below 4 GiB")
 }
 
-/// A short transfer is reported as an error rather than resubmitted: within bounds it only
+/// A short read is reported as an error rather than resubmitted: within bounds it only
 /// happens when the file shrank under us, and the caller then sees it fail.
 fn full_transfer(moved: usize, buf: DmaBuf) -> io::Result<DmaBuf> {
     if moved == buf.len() {

@@ -10,9 +10,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::protocol::*;
 use crate::server::{Export, Exports};
 
-/// The block size any client may assume: a sector.
-const SECTOR_SIZE: u32 = 512;
-
 /// How negotiation ended.
 pub enum Outcome {
     /// The client chose `export` and transmission begins.
@@ -119,18 +116,6 @@ where
                     continue;
                 };
                 send_info(writer, option, &export, &request.requests, structured).await?;
-                // Blocks larger than a sector are more than a client that did not ask may
-                // assume (its 512-byte requests would each fail with EINVAL): it is told
-                // (the block sizes went out above) and must ask again, as NBD allows.
-                let block_size = export.bdev.info().block_size;
-                if block_size > SECTOR_SIZE && !request.requests.contains(&INFO_BLOCK_SIZE) {
-                    let message = format!(
-                        "export {:?} has {block_size}-byte blocks: ask for NBD_INFO_BLOCK_SIZE and keep to them",
-                        export.name
-                    );
-                    reply(writer, option, REP_ERR_BLOCK_SIZE_REQD, message.as_bytes()).await?;
-                    continue;
-                }
                 reply(writer, option, REP_ACK, &[]).await?;
                 if option == OPT_GO {
                     return Ok(Outcome::Transmission { export, structured });

@@ -69,8 +69,6 @@ pub const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
 pub const REP_ERR_INVALID: u32 = (1 << 31) | 3;
 /// No export of that name.
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) | 6;
-/// The export's block sizes must be asked for (NBD_INFO_BLOCK_SIZE) before it is used.
-pub const REP_ERR_BLOCK_SIZE_REQD: u32 = (1 << 31) | 8;
 /// Option data too large.
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) | 9;
 

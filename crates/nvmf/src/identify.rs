@@ -391,6 +391,39 @@ mod tests {
         }
     }
 
+    /// DMRSL and DMSL: the lowest limit of the namespaces that have one, in blocks, within
+    /// DMRSL's 32 bits; zeroes when none has one.
+    #[test]
+    fn dataset_management_limits_are_the_lowest_of_the_namespaces() {
+        use basalt_bdev::gated::{Gated, Held};
+        let namespace = |nsid: u32, limit: Option<u64>| {
+            let malloc = basalt_bdev::malloc::MallocBdev::new_named("m", 512, 256);
+            Namespace {
+                nsid,
+                bdev: Arc::new(Gated::new(Box::new(malloc), Held::default()).limit_unmaps(limit)),
+                ..test_namespace()
+            }
+        };
+        let limits = |page: Vec<u8>| {
+            let dmrsl = u32::from_le_bytes(page[4..8].try_into().expect("4"));
+            let dmsl = u64::from_le_bytes(page[8..16].try_into().expect("8"));
+            (dmrsl, dmsl)
+        };
+        let none = [namespace(1, None), namespace(2, None)];
+        assert_eq!(limits(nvm_controller(&none)), (0, 0));
+        let some = [
+            namespace(1, None),
+            namespace(2, Some(9000)),
+            namespace(3, Some(700)),
+        ];
+        assert_eq!(limits(nvm_controller(&some)), (700, 700));
+        let huge = [namespace(1, Some(1 << 40))];
+        assert_eq!(
+            limits(nvm_controller(&huge)),
+            (u32::MAX, u64::from(u32::MAX))
+        );
+    }
+
     #[test]
     fn controller_fields_sit_where_linux_reads_them() {
         let facts = ControllerFacts {

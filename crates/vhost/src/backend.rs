@@ -298,20 +298,24 @@ impl BlkBackend {
         config[26..28].copy_from_slice(&1u16.to_le_bytes());
         config[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
         // A discard or write zeroes of the bdev's limit at most ([`Bdev::unmap_blocks_max`]).
-        let sectors_max = self
-            .options
-            .bdev
-            .unmap_blocks_max()
-            .map_or(u32::MAX, |blocks| {
-                let sectors = blocks.saturating_mul(u64::from(info.block_size)) / SECTOR_SIZE;
-                sectors.clamp(1, u64::from(u32::MAX)) as u32
-            });
+        // The specification bounds each segment by it, Linux each request: with a limit,
+        // one segment per request, so that both read it as a bound on the request.
+        let limit = self.options.bdev.unmap_blocks_max();
+        let sectors_max = limit.map_or(u32::MAX, |blocks| {
+            let sectors = blocks.saturating_mul(u64::from(info.block_size)) / SECTOR_SIZE;
+            sectors.clamp(1, u64::from(u32::MAX)) as u32
+        });
+        let segments = if limit.is_some() {
+            1
+        } else {
+            DISCARD_SEGMENTS_MAX
+        };
         config[36..40].copy_from_slice(&sectors_max.to_le_bytes()); // max_discard_sectors
-        config[40..44].copy_from_slice(&DISCARD_SEGMENTS_MAX.to_le_bytes());
+        config[40..44].copy_from_slice(&segments.to_le_bytes()); // max_discard_seg
         let alignment = info.block_size / 512;
         config[44..48].copy_from_slice(&alignment.to_le_bytes()); // discard_sector_alignment
         config[48..52].copy_from_slice(&sectors_max.to_le_bytes()); // max_write_zeroes_sectors
-        config[52..56].copy_from_slice(&DISCARD_SEGMENTS_MAX.to_le_bytes());
+        config[52..56].copy_from_slice(&segments.to_le_bytes()); // max_write_zeroes_seg
         config[56] = 1; // write_zeroes_may_unmap
         config
     }

@@ -10,11 +10,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use basalt_bdev::Bdev;
 use basalt_bdev::file::{FileBdev, FileBdevError, FileBdevOptions};
 use basalt_bdev::gated::{Gated, Held};
 use basalt_bdev::io_stats::Counted;
 use basalt_bdev::malloc::MallocBdev;
-use basalt_bdev::{Bdev, BdevFuture, Extent};
 use basalt_io::OpenError;
 use basalt_io::Reactors;
 use basalt_vhost::VhostServer;
@@ -273,57 +273,23 @@ fn a_frontend_of_our_own_drives_the_device() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A malloc bdev whose discards and write zeroes should cover `limit` blocks at most.
-struct Limited {
-    inner: MallocBdev,
-    limit: Option<u64>,
-}
-
-impl Bdev for Limited {
-    fn info(&self) -> &basalt_bdev::BdevInfo {
-        self.inner.info()
-    }
-    fn read(&self, extent: Extent) -> BdevFuture<'_, basalt_io::DmaBuf> {
-        self.inner.read(extent)
-    }
-    fn write(&self, extent: Extent, data: basalt_io::DmaBuf, fua: bool) -> BdevFuture<'_, ()> {
-        self.inner.write(extent, data, fua)
-    }
-    fn flush(&self) -> BdevFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn volatile_cache(&self) -> bool {
-        self.inner.volatile_cache()
-    }
-    fn write_zeroes(&self, extent: Extent, deallocate: bool) -> BdevFuture<'_, ()> {
-        self.inner.write_zeroes(extent, deallocate)
-    }
-    fn discard(&self, extent: Extent) -> BdevFuture<'_, ()> {
-        self.inner.discard(extent)
-    }
-    fn unmap_blocks_max(&self) -> Option<u64> {
-        self.limit
-    }
-}
-
 /// The configuration space tells the guest the bdev's discard and write zeroes limit, in
-/// 512-byte sectors whatever its block size (Linux splits larger ones), and no limit for
-/// a bdev without one.
+/// 512-byte sectors whatever its block size (Linux splits larger ones), with one segment
+/// per request (the specification's limit is per segment), and no limit for a bdev
+/// without one.
 #[test]
 fn the_bdevs_discard_limit_is_in_the_configuration_space() {
     let _alone = alone();
     let dir = scratch_dir("vhost-discard-limit");
     let reactors = Arc::new(Reactors::start(1, "vhost-limit").expect("reactors"));
     let server = VhostServer::new(reactors, dir.clone());
-    for (name, block_size, limit, sectors) in [
-        ("a", 4096, Some(100), 800),
-        ("b", 512, Some(1 << 40), u32::MAX),
-        ("c", 512, None, u32::MAX),
+    for (name, block_size, limit, sectors, segments) in [
+        ("a", 4096, Some(100), 800, 1),
+        ("b", 512, Some(1 << 40), u32::MAX, 1),
+        ("c", 512, None, u32::MAX, 32),
     ] {
-        let bdev = Limited {
-            inner: MallocBdev::new_named(name, block_size, 256),
-            limit,
-        };
+        let malloc = MallocBdev::new_named(name, block_size, 256);
+        let bdev = Gated::new(Box::new(malloc), Held::default()).limit_unmaps(limit);
         let options = BlkOptions {
             bdev: Arc::new(bdev),
             readonly: false,
@@ -341,6 +307,8 @@ fn the_bdevs_discard_limit_is_in_the_configuration_space() {
         let field = |at: usize| u32::from_le_bytes(config[at..at + 4].try_into().expect("4"));
         assert_eq!(field(36), sectors, "max_discard_sectors of {name}");
         assert_eq!(field(48), sectors, "max_write_zeroes_sectors of {name}");
+        assert_eq!(field(40), segments, "max_discard_seg of {name}");
+        assert_eq!(field(52), segments, "max_write_zeroes_seg of {name}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

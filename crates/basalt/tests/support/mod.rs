@@ -1074,3 +1074,21 @@ impl PatternRound {
         qemu_io_ok(&self.uri, true, &args(&reads));
     }
 }
+
+/// Our NVMe/TCP initiator connected to subsystem `nqn` on loopback `port`, and the
+/// runtime to drive it on.
+pub fn nvmf_host(
+    port: u16,
+    nqn: &str,
+    options: basalt_nvmf::host::HostOptions,
+) -> (tokio::runtime::Runtime, basalt_nvmf::host::Host) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let host = runtime
+        .block_on(basalt_nvmf::host::Host::connect(address, nqn, options))
+        .expect("connect");
+    (runtime, host)
+}
