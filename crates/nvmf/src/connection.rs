@@ -9,7 +9,7 @@
 //! Once the connection ends (the host gone, the controller torn down, a fatal error),
 //! commands still under way are given up unanswered (see the end of [`serve`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::poll_fn;
 use std::io;
 use std::sync::Arc;
@@ -22,6 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::budget::{DataBudget, DataPermit, Waiting};
 use crate::command::*;
 use crate::completion::{Cqe, Status};
 use crate::controller::{Controller, ErrorSite, Response};
@@ -54,6 +55,8 @@ struct InFlight {
     async_event: bool,
     /// Where the command was aimed, for the error log.
     site: ErrorSite,
+    /// Its data bytes of the target's budget.
+    _permit: Option<DataPermit>,
 }
 
 /// Write data being gathered after an R2T.
@@ -64,6 +67,8 @@ struct Transfer {
     received: usize,
     /// A data digest failed: the data is read and dropped, the command fails.
     failed: bool,
+    /// Its data bytes of the target's budget.
+    permit: Option<DataPermit>,
 }
 
 struct Connection {
@@ -85,6 +90,17 @@ struct Connection {
     reading: bool,
     /// A fatal error or a teardown: nothing more is answered.
     terminating: bool,
+    /// The data bytes that all connections' commands under way may hold.
+    budget: Option<Arc<DataBudget>>,
+    /// The bytes taken for the command being started, which its entry keeps.
+    permit: Option<DataPermit>,
+    /// Set while the next command waits for bytes of the budget.
+    waiting: Option<Waiting>,
+    /// Commands read while the first of them waits for bytes of the budget, in order
+    /// (their in-capsule data copied): the PDUs after them are read meanwhile, so that the
+    /// write data of commands under way, which gives bytes back, is never stuck behind
+    /// them.
+    parked: VecDeque<(Sqe, Vec<u8>)>,
 }
 
 /// Serves one connection accepted on `via`.
@@ -97,6 +113,7 @@ pub async fn serve(
         return Ok(());
     };
     let (mut reader, mut writer) = stream.into_split();
+    let budget = target.data_budget();
     let mut connection = Connection {
         target,
         via,
@@ -114,6 +131,10 @@ pub async fn serve(
         sq_head: 0,
         reading: true,
         terminating: false,
+        budget,
+        permit: None,
+        waiting: None,
+        parked: VecDeque::new(),
     };
     let connect_deadline = Instant::now() + CONNECT_TIMEOUT;
     let poll = connection.target.poll();
@@ -152,6 +173,8 @@ pub async fn serve(
         let terminating = connection.terminating;
         let closed = &mut connection.closed;
         let queue = &connection.queue;
+        let waiting = &mut connection.waiting;
+        let waits_for_bytes = waiting.is_some() && !terminating;
         tokio::select! {
             biased;
             // A command under way is not completed once the controller is torn down (a
@@ -187,6 +210,10 @@ pub async fn serve(
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                 connection.check_deadlines(connect_deadline);
             }
+            // Bytes of the budget given back: the waiting command tries again.
+            _ = freed(waiting), if waits_for_bytes => {
+                connection.waiting = None;
+            }
         }
     };
     connection.in_flight.clear();
@@ -205,6 +232,15 @@ pub async fn serve(
     // after a newer leader's).
     let _ = writer.shutdown().await;
     result
+}
+
+async fn freed(waiting: &mut Option<Waiting>) {
+    match waiting {
+        Some(waiting) => {
+            let _ = waiting.freed.changed().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 async fn wait_closed(closed: &mut Option<watch::Receiver<bool>>) {
@@ -326,7 +362,8 @@ impl Connection {
             .queue
             .as_ref()
             .map_or(1, |queue| usize::from(queue.sq_size));
-        self.in_flight.len() + self.transfers.len() <= depth_max + ASYNC_EVENT_REQUESTS_MAX
+        self.in_flight.len() + self.transfers.len() + self.parked.len()
+            <= depth_max + ASYNC_EVENT_REQUESTS_MAX
             && self.output.len() - self.output_start < OUTPUT_BYTES_MAX
     }
 
@@ -403,6 +440,7 @@ impl Connection {
 
     /// Decodes and handles every whole PDU in the input buffer.
     fn process_input(&mut self) {
+        self.start_parked();
         let input = std::mem::take(&mut self.input);
         while self.reading && !self.terminating && self.input_start < input.len() {
             let bytes = &input[self.input_start..];
@@ -412,9 +450,19 @@ impl Connection {
                 // its queue's size never meets this, as the room counts what it may have
                 // under way and the asynchronous event requests besides.)
                 Ok(Some((Pdu::CapsuleCmd(_), _))) if !self.has_room() => break,
+                // A command whose data does not fit in the target's budget now, and those
+                // after it, are parked until bytes come back.
+                Ok(Some((Pdu::CapsuleCmd(capsule), used)))
+                    if !self.parked.is_empty() || !self.take_bytes(&capsule.sqe) =>
+                {
+                    self.input_start += used;
+                    self.parked.push_back((capsule.sqe, capsule.data.to_vec()));
+                }
                 Ok(Some((pdu, used))) => {
                     self.input_start += used;
                     self.handle(pdu, &bytes[..used]);
+                    // A command that did not keep its bytes gives them back.
+                    self.permit = None;
                 }
                 Err(PduError::DataDigest {
                     pdu_type,
@@ -433,6 +481,45 @@ impl Connection {
             }
         }
         self.input = input;
+    }
+
+    /// Starts the parked commands whose bytes the budget now has, in order.
+    fn start_parked(&mut self) {
+        while !self.terminating
+            && let Some((sqe, _)) = self.parked.front()
+        {
+            let sqe = *sqe;
+            if !self.take_bytes(&sqe) {
+                return;
+            }
+            let (sqe, data) = self.parked.pop_front().expect("a front");
+            self.command(sqe, &data);
+            self.permit = None;
+        }
+    }
+
+    /// Takes the data bytes of I/O command `sqe` from the target's budget (into
+    /// `self.permit`, for the command's entry), or joins the connections waiting for
+    /// bytes and says no. Admin commands and commands without data take none.
+    fn take_bytes(&mut self, sqe: &Sqe) -> bool {
+        let bytes = u64::from(sqe.data_pointer.length).min(u64::from(self.options.max_io_size));
+        let io_queue = self.queue.as_ref().is_some_and(|queue| queue.qid != 0);
+        let Some(budget) = self.budget.as_ref().filter(|_| io_queue && bytes > 0) else {
+            return true;
+        };
+        for _ in 0..2 {
+            if let Some(permit) = budget.try_take(bytes) {
+                self.permit = Some(permit);
+                self.waiting = None;
+                return true;
+            }
+            if self.waiting.is_some() {
+                return false;
+            }
+            // Tried again once waiting, so that bytes given back meanwhile are not missed.
+            self.waiting = Some(budget.wait());
+        }
+        false
     }
 
     /// Sends the C2HTermReq for `error` (if one is due) and stops.
@@ -511,6 +598,7 @@ impl Connection {
             data_limit,
             async_event,
             site: ErrorSite { bound, ..site },
+            _permit: self.permit.take(),
         });
     }
 
@@ -641,6 +729,7 @@ impl Connection {
                 buffer: DmaBuf::zeroed(len),
                 received: 0,
                 failed: false,
+                permit: self.permit.take(),
             },
         );
     }
@@ -740,6 +829,7 @@ impl Connection {
         };
         let id = transfer.sqe.command_id;
         let site = ErrorSite::of(&transfer.sqe);
+        self.permit = transfer.permit;
         if transfer.failed {
             self.push_response(
                 Response::status(id, Status::TRANSIENT_TRANSPORT_ERROR),

@@ -26,6 +26,7 @@
 //! NVMe base specification. `docs/internals/nvmf.md` lists the choices made where the
 //! implementations differ.
 
+pub mod budget;
 pub mod command;
 pub mod completion;
 pub mod connection;

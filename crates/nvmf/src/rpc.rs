@@ -238,9 +238,8 @@ fn claim_owner(nqn: &str) -> String {
 #[serde(deny_unknown_fields)]
 struct Empty {}
 
-/// Parameters of `nvmf_create_transport`, SPDK's names. `num_shared_buffers` and
-/// `buf_cache_size` size SPDK's buffer pools; they are accepted so that SPDK scripts run,
-/// and ignored (buffers here are allocated per command).
+/// Parameters of `nvmf_create_transport`, SPDK's names. `buf_cache_size` sizes SPDK's
+/// per-thread buffer caches; it is accepted so that SPDK scripts run, and ignored.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TransportParams {
@@ -270,7 +269,7 @@ pub struct TransportParams {
     /// Reads end with C2HData SUCCESS when the host allows it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub c2h_success: Option<bool>,
-    /// Accepted and ignored (SPDK's buffer pool).
+    /// Buffers of `io_unit_size` that I/O commands on all connections hold at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_shared_buffers: Option<u32>,
     /// Accepted and ignored (SPDK's buffer cache).
@@ -303,6 +302,9 @@ fn parse_transport(method: &str, params: Value) -> Result<TransportOptions, RpcE
         io_unit_size: params.io_unit_size.unwrap_or(defaults.io_unit_size),
         max_aq_depth: params.max_aq_depth.unwrap_or(defaults.max_aq_depth),
         c2h_success: params.c2h_success.unwrap_or(defaults.c2h_success),
+        num_shared_buffers: params
+            .num_shared_buffers
+            .unwrap_or(defaults.num_shared_buffers),
     };
     options.validate().map_err(RpcError::invalid_params)?;
     Ok(options)
@@ -324,7 +326,7 @@ fn transport_params(options: &TransportOptions) -> TransportParams {
         io_unit_size: Some(options.io_unit_size),
         max_aq_depth: Some(options.max_aq_depth),
         c2h_success: Some(options.c2h_success),
-        num_shared_buffers: None,
+        num_shared_buffers: Some(options.num_shared_buffers),
         buf_cache_size: None,
     }
 }

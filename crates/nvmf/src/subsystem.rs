@@ -49,6 +49,9 @@ pub struct TransportOptions {
     /// Reads end with a C2HData PDU flagged SUCCESS instead of a response capsule, when
     /// the host disabled SQ flow control.
     pub c2h_success: bool,
+    /// Buffers of `io_unit_size` bytes that the I/O commands under way on all
+    /// connections may hold at once ([`crate::budget`]).
+    pub num_shared_buffers: u32,
 }
 
 impl Default for TransportOptions {
@@ -61,6 +64,7 @@ impl Default for TransportOptions {
             io_unit_size: 131_072,
             max_aq_depth: 128,
             c2h_success: true,
+            num_shared_buffers: 511,
         }
     }
 }
@@ -101,6 +105,14 @@ impl TransportOptions {
             return Err(format!(
                 "io_unit_size {} must be a multiple of 4 from {MAXH2CDATA_MIN} to {PDU_DATA_SIZE_MAX}",
                 self.io_unit_size
+            ));
+        }
+        if u64::from(self.num_shared_buffers) * u64::from(self.io_unit_size)
+            < u64::from(self.max_io_size)
+        {
+            return Err(format!(
+                "num_shared_buffers {} of io_unit_size {} bytes cannot hold one request of max_io_size {}",
+                self.num_shared_buffers, self.io_unit_size, self.max_io_size
             ));
         }
         if !(2..=ADMIN_QUEUE_DEPTH_MAX).contains(&self.max_aq_depth) {

@@ -67,6 +67,8 @@ const SIZE_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_milli
 pub struct NvmfTarget {
     reactors: Arc<Reactors>,
     transport: Mutex<Option<TransportOptions>>,
+    /// The data bytes of the commands under way, once the transport exists.
+    budget: std::sync::OnceLock<Arc<crate::budget::DataBudget>>,
     subsystems: RwLock<BTreeMap<String, Arc<Subsystem>>>,
     discovery: Arc<Subsystem>,
     listeners: Mutex<BTreeMap<ListenAddress, Listener>>,
@@ -91,6 +93,7 @@ impl NvmfTarget {
         let target = Arc::new(Self {
             reactors,
             transport: Mutex::new(None),
+            budget: std::sync::OnceLock::new(),
             subsystems: RwLock::new(BTreeMap::new()),
             discovery,
             listeners: Mutex::new(BTreeMap::new()),
@@ -177,8 +180,17 @@ impl NvmfTarget {
         if transport.is_some() {
             return Err("the TCP transport already exists".into());
         }
+        let bytes = u64::from(options.num_shared_buffers) * u64::from(options.io_unit_size);
+        // Made once: the transport is never deleted.
+        let _ = self.budget.set(crate::budget::DataBudget::new(bytes));
         *transport = Some(options);
         Ok(())
+    }
+
+    /// The data bytes all connections' commands under way may hold, once the transport
+    /// exists.
+    pub fn data_budget(&self) -> Option<Arc<crate::budget::DataBudget>> {
+        self.budget.get().cloned()
     }
 
     /// The discovery subsystem.

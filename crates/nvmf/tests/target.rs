@@ -439,6 +439,75 @@ async fn commands_under_way_are_given_up_when_their_connection_closes() {
     assert_eq!(host.read(0, 2, 8, 8, BLOCK).await.expect("read"), data);
 }
 
+/// The data bytes of the commands under way on all connections stay within the
+/// transport's `num_shared_buffers` × `io_unit_size`: with room for two 8 KiB commands, a
+/// third (another host's read) waits while two writes are held by their device, and ends
+/// once they do. A queue whose next command waits for bytes still takes the write data of
+/// its commands under way, which give bytes back: three 8 KiB writes sent at once on one
+/// queue, each asking its data with an R2T, all end (they would wait for good if the
+/// data stayed unread behind the third command).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_wait_for_the_transports_data_budget() {
+    let fixture = fixture(
+        json!({"trtype": "TCP", "max_io_size": 8192, "io_unit_size": 8192,
+        "num_shared_buffers": 2}),
+    )
+    .await;
+    let held = basalt_bdev::gated::Held {
+        writes: true,
+        ..Default::default()
+    };
+    let gate = gated_namespace(&fixture, held).await;
+    let connect = || Host::connect(fixture.address, NQN, HostOptions::default());
+    let first = Arc::new(connect().await.expect("connect"));
+    let second = connect().await.expect("connect");
+    let writes: Vec<_> = (0..2u64)
+        .map(|n| {
+            let host = first.clone();
+            let data = pattern(n as u8 + 1, 8192);
+            tokio::spawn(async move { host.write(0, 2, n * 16, data, BLOCK, false).await })
+        })
+        .collect();
+    while gate.started() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let read = tokio::spawn(async move { second.read(0, 2, 64, 16, BLOCK).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !read.is_finished(),
+        "the read waits for bytes of the budget"
+    );
+    gate.open();
+    for write in writes {
+        write.await.expect("task").expect("write");
+    }
+    let data = tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .expect("the read ends once the writes give their bytes back")
+        .expect("task")
+        .expect("read");
+    assert_eq!(data, vec![0; 8192]);
+
+    let writes: Vec<_> = (0..3u64)
+        .map(|n| {
+            let host = first.clone();
+            let data = pattern(n as u8 + 7, 8192);
+            tokio::spawn(async move { host.write(0, 1, n * 16, data, BLOCK, false).await })
+        })
+        .collect();
+    for write in writes {
+        tokio::time::timeout(Duration::from_secs(5), write)
+            .await
+            .expect("every write ends")
+            .expect("task")
+            .expect("write");
+    }
+    for n in 0..3u64 {
+        let back = first.read(0, 1, n * 16, 16, BLOCK).await.expect("read");
+        assert_eq!(back, pattern(n as u8 + 7, 8192));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_commands_in_flight_on_several_queues() {
     let fixture = fixture(json!({"trtype": "TCP"})).await;
