@@ -1,102 +1,72 @@
-//! The data bytes that the commands under way on all of a target's NVMe/TCP connections
-//! may hold at once (`num_shared_buffers` × `io_unit_size`, SPDK's transport-wide buffer
-//! pool). Each I/O command with data takes its length from the budget before it starts
-//! (the buffer its write data is gathered in, or its read's data) and gives it back when
-//! it ends. A connection whose next command does not fit leaves it unread (and what the
-//! host sends after it, in the socket) until other commands give bytes back: many hosts
-//! with deep queues of large writes cannot together hold more memory than this.
+//! The data bytes that the I/O commands under way on all of a target's NVMe/TCP
+//! connections may hold at once: `num_shared_buffers` × `io_unit_size`, after SPDK's
+//! transport-wide buffer pool, counted in bytes (a 4 KiB command takes 4 KiB, not a whole
+//! buffer). Each I/O command with data takes its length before it starts (the buffer its
+//! write data is gathered in, or its read's data until the connection copies it into its
+//! output, which is bounded per connection) and gives it back when it ends. A connection
+//! whose next command does not fit parks it, with the commands after it, until the bytes
+//! come: many hosts with deep queues of large writes cannot together hold more memory
+//! than this. Waiters are served in order (a fair semaphore): a large command is not
+//! starved by small ones, and a release wakes only the waiter it serves.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Bytes taken from a [`DataBudget`], given back when dropped.
+pub type DataPermit = OwnedSemaphorePermit;
+
+/// A wait for bytes of a [`DataBudget`], in its turn.
+pub type DataWait = Pin<Box<dyn Future<Output = DataPermit> + Send>>;
 
 /// The shared budget.
 pub struct DataBudget {
-    limit: u64,
-    in_use: AtomicU64,
-    /// Connections waiting for bytes: a permit given back wakes them only then.
-    waiting: AtomicUsize,
-    /// Bumped when bytes come back while a connection waits.
-    freed: watch::Sender<u64>,
-}
-
-/// Bytes taken from a [`DataBudget`], given back when dropped.
-pub struct DataPermit {
-    budget: Arc<DataBudget>,
-    bytes: u64,
-}
-
-/// A connection's place among those waiting for bytes, left when dropped.
-pub struct Waiting {
-    budget: Arc<DataBudget>,
-    /// Tells of bytes given back since it was made.
-    pub freed: watch::Receiver<u64>,
+    limit: u32,
+    bytes: Arc<Semaphore>,
 }
 
 impl DataBudget {
-    /// A budget of `limit` bytes.
+    /// A budget of `limit` bytes (at most 4 GiB - 1).
     pub fn new(limit: u64) -> Arc<Self> {
+        let limit = u32::try_from(limit).unwrap_or(u32::MAX);
         Arc::new(Self {
             limit,
-            in_use: AtomicU64::new(0),
-            waiting: AtomicUsize::new(0),
-            freed: watch::Sender::new(0),
+            bytes: Arc::new(Semaphore::new(limit as usize)),
         })
     }
 
     /// Its size in bytes.
     pub fn limit(&self) -> u64 {
-        self.limit
+        u64::from(self.limit)
     }
 
     /// Bytes taken now.
     pub fn in_use(&self) -> u64 {
-        self.in_use.load(Ordering::SeqCst)
+        u64::from(self.limit) - self.bytes.available_permits() as u64
     }
 
-    /// `bytes` of the budget, if that many are free (a request larger than the whole
-    /// budget takes it all once it is free, so that it is not refused for good).
-    pub fn try_take(self: &Arc<Self>, bytes: u64) -> Option<DataPermit> {
-        let bytes = bytes.min(self.limit);
-        self.in_use
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |in_use| {
-                (in_use + bytes <= self.limit).then_some(in_use + bytes)
-            })
+    /// `bytes` of the budget now, if that many are free and nobody waits before (a
+    /// request larger than the whole budget takes all of it).
+    pub fn try_take(&self, bytes: u32) -> Option<DataPermit> {
+        self.bytes
+            .clone()
+            .try_acquire_many_owned(bytes.min(self.limit))
             .ok()
-            .map(|_| DataPermit {
-                budget: self.clone(),
-                bytes,
-            })
     }
 
-    /// Joins the connections waiting for bytes. The caller then tries again before it
-    /// waits on [`Waiting::freed`]: bytes given back after this call wake it, and bytes
-    /// given back before it are seen by that try (both sides order their two steps).
-    pub fn wait(self: &Arc<Self>) -> Waiting {
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        Waiting {
-            budget: self.clone(),
-            freed: self.freed.subscribe(),
-        }
-    }
-}
-
-impl Drop for DataPermit {
-    fn drop(&mut self) {
-        let budget = &self.budget;
-        budget.in_use.fetch_sub(self.bytes, Ordering::SeqCst);
-        if budget.waiting.load(Ordering::SeqCst) > 0 {
-            budget
-                .freed
-                .send_modify(|count| *count = count.wrapping_add(1));
-        }
-    }
-}
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        self.budget.waiting.fetch_sub(1, Ordering::SeqCst);
+    /// `bytes` of the budget, once they are free and the waits before this one are
+    /// served.
+    pub fn take(&self, bytes: u32) -> DataWait {
+        let bytes_wanted = bytes.min(self.limit);
+        let semaphore = self.bytes.clone();
+        Box::pin(async move {
+            semaphore
+                .acquire_many_owned(bytes_wanted)
+                .await
+                .expect("the budget's semaphore is never closed")
+        })
     }
 }
 
@@ -124,17 +94,21 @@ mod tests {
         assert_eq!(budget.in_use(), 0);
     }
 
+    /// A waiter is served before later takers: bytes given back go to it first, even
+    /// when a smaller request would fit.
     #[tokio::test]
-    async fn a_waiting_connection_hears_of_bytes_given_back() {
+    async fn waiters_are_served_in_order() {
         let budget = DataBudget::new(10);
-        let held = budget.try_take(10).expect("room");
-        let mut waiting = budget.wait();
-        assert!(budget.try_take(5).is_none());
+        let held = budget.try_take(8).expect("room");
+        let mut large = budget.take(6);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(large.as_mut().poll(&mut cx).is_pending(), "6 of 2 free");
+        assert!(budget.try_take(2).is_none(), "the waiter comes first");
         drop(held);
-        tokio::time::timeout(std::time::Duration::from_secs(1), waiting.freed.changed())
+        let permit = tokio::time::timeout(std::time::Duration::from_secs(1), large)
             .await
-            .expect("woken")
-            .expect("the budget lives");
-        assert!(budget.try_take(5).is_some());
+            .expect("served once the bytes are back");
+        assert_eq!(permit.num_permits(), 6);
+        assert!(budget.try_take(4).is_some());
     }
 }

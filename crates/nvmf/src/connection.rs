@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::budget::{DataBudget, DataPermit, Waiting};
+use crate::budget::{DataBudget, DataPermit, DataWait};
 use crate::command::*;
 use crate::completion::{Cqe, Status};
 use crate::controller::{Controller, ErrorSite, Response};
@@ -94,8 +94,10 @@ struct Connection {
     budget: Option<Arc<DataBudget>>,
     /// The bytes taken for the command being started, which its entry keeps.
     permit: Option<DataPermit>,
-    /// Set while the next command waits for bytes of the budget.
-    waiting: Option<Waiting>,
+    /// The first parked command's wait for bytes of the budget, in its turn.
+    waiting: Option<DataWait>,
+    /// The bytes that wait brought, for that command.
+    granted: Option<DataPermit>,
     /// Commands read while the first of them waits for bytes of the budget, in order
     /// (their in-capsule data copied): the PDUs after them are read meanwhile, so that the
     /// write data of commands under way, which gives bytes back, is never stuck behind
@@ -134,6 +136,7 @@ pub async fn serve(
         budget,
         permit: None,
         waiting: None,
+        granted: None,
         parked: VecDeque::new(),
     };
     let connect_deadline = Instant::now() + CONNECT_TIMEOUT;
@@ -143,7 +146,7 @@ pub async fn serve(
         // Ending (the host closed or ended the connection, its controller was torn down):
         // the commands under way are given up at once, never polled again (see the end).
         if connection.terminating || connection.is_closed() {
-            connection.in_flight.clear();
+            connection.give_up_commands();
         }
         if connection.is_finished() {
             break Ok(());
@@ -174,7 +177,7 @@ pub async fn serve(
         let closed = &mut connection.closed;
         let queue = &connection.queue;
         let waiting = &mut connection.waiting;
-        let waits_for_bytes = waiting.is_some() && !terminating;
+        let waits_for_bytes = waiting.is_some();
         tokio::select! {
             biased;
             // A command under way is not completed once the controller is torn down (a
@@ -210,13 +213,14 @@ pub async fn serve(
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                 connection.check_deadlines(connect_deadline);
             }
-            // Bytes of the budget given back: the waiting command tries again.
-            _ = freed(waiting), if waits_for_bytes => {
+            // The first parked command's bytes: it starts (with those after it that fit).
+            permit = bytes_for(waiting), if waits_for_bytes => {
                 connection.waiting = None;
+                connection.granted = Some(permit);
             }
         }
     };
-    connection.in_flight.clear();
+    connection.give_up_commands();
     if let Some(queue) = connection.queue.take() {
         connection.target.disconnect(&queue);
     }
@@ -234,11 +238,9 @@ pub async fn serve(
     result
 }
 
-async fn freed(waiting: &mut Option<Waiting>) {
+async fn bytes_for(waiting: &mut Option<DataWait>) -> DataPermit {
     match waiting {
-        Some(waiting) => {
-            let _ = waiting.freed.changed().await;
-        }
+        Some(wait) => wait.await,
         None => std::future::pending().await,
     }
 }
@@ -485,7 +487,8 @@ impl Connection {
 
     /// Starts the parked commands whose bytes the budget now has, in order.
     fn start_parked(&mut self) {
-        while !self.terminating
+        while self.reading
+            && !self.terminating
             && let Some((sqe, _)) = self.parked.front()
         {
             let sqe = *sqe;
@@ -499,27 +502,40 @@ impl Connection {
     }
 
     /// Takes the data bytes of I/O command `sqe` from the target's budget (into
-    /// `self.permit`, for the command's entry), or joins the connections waiting for
-    /// bytes and says no. Admin commands and commands without data take none.
+    /// `self.permit`, for the command's entry), or starts waiting for them in turn (the
+    /// command is then parked, first) and says no. Admin commands and commands without
+    /// data take none.
     fn take_bytes(&mut self, sqe: &Sqe) -> bool {
-        let bytes = u64::from(sqe.data_pointer.length).min(u64::from(self.options.max_io_size));
+        let bytes = sqe.data_pointer.length.min(self.options.max_io_size);
         let io_queue = self.queue.as_ref().is_some_and(|queue| queue.qid != 0);
         let Some(budget) = self.budget.as_ref().filter(|_| io_queue && bytes > 0) else {
             return true;
         };
-        for _ in 0..2 {
-            if let Some(permit) = budget.try_take(bytes) {
-                self.permit = Some(permit);
-                self.waiting = None;
-                return true;
-            }
-            if self.waiting.is_some() {
-                return false;
-            }
-            // Tried again once waiting, so that bytes given back meanwhile are not missed.
-            self.waiting = Some(budget.wait());
+        // The first parked command's wait ended: these bytes are its.
+        if let Some(permit) = self.granted.take() {
+            self.permit = Some(permit);
+            return true;
         }
+        if self.waiting.is_some() {
+            return false;
+        }
+        if let Some(permit) = budget.try_take(bytes) {
+            self.permit = Some(permit);
+            return true;
+        }
+        self.waiting = Some(budget.take(bytes));
         false
+    }
+
+    /// Gives up every command under way, gathering write data or parked, and their bytes
+    /// of the budget (a connection ending: its output may take long to go, if ever).
+    fn give_up_commands(&mut self) {
+        self.in_flight.clear();
+        self.transfers.clear();
+        self.parked.clear();
+        self.waiting = None;
+        self.granted = None;
+        self.permit = None;
     }
 
     /// Sends the C2HTermReq for `error` (if one is due) and stops.

@@ -269,7 +269,8 @@ pub struct TransportParams {
     /// Reads end with C2HData SUCCESS when the host allows it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub c2h_success: Option<bool>,
-    /// Buffers of `io_unit_size` that I/O commands on all connections hold at most.
+    /// With `io_unit_size`, the data bytes I/O commands on all connections hold at most
+    /// (`num_shared_buffers` × `io_unit_size`, counted in bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_shared_buffers: Option<u32>,
     /// Accepted and ignored (SPDK's buffer cache).

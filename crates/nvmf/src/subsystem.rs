@@ -49,8 +49,9 @@ pub struct TransportOptions {
     /// Reads end with a C2HData PDU flagged SUCCESS instead of a response capsule, when
     /// the host disabled SQ flow control.
     pub c2h_success: bool,
-    /// Buffers of `io_unit_size` bytes that the I/O commands under way on all
-    /// connections may hold at once ([`crate::budget`]).
+    /// With `io_unit_size`, the data bytes the I/O commands under way on all
+    /// connections may hold at once: `num_shared_buffers` × `io_unit_size`, counted in
+    /// bytes ([`crate::budget`]).
     pub num_shared_buffers: u32,
 }
 
@@ -532,6 +533,14 @@ mod tests {
                     ..Default::default()
                 },
                 "io_unit_size",
+            ),
+            (
+                TransportOptions {
+                    num_shared_buffers: 3,
+                    io_unit_size: 8192,
+                    ..Default::default()
+                },
+                "num_shared_buffers",
             ),
             (
                 TransportOptions {

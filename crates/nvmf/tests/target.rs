@@ -468,9 +468,19 @@ async fn commands_wait_for_the_transports_data_budget() {
             tokio::spawn(async move { host.write(0, 2, n * 16, data, BLOCK, false).await })
         })
         .collect();
+    let started = std::time::Instant::now();
     while gate.started() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the writes reach the device"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    let budget = fixture
+        .target
+        .data_budget()
+        .expect("the transport's budget");
+    assert_eq!(budget.in_use(), 16384, "the held writes hold the budget");
     let read = tokio::spawn(async move { second.read(0, 2, 64, 16, BLOCK).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -506,6 +516,7 @@ async fn commands_wait_for_the_transports_data_budget() {
         let back = first.read(0, 1, n * 16, 16, BLOCK).await.expect("read");
         assert_eq!(back, pattern(n as u8 + 7, 8192));
     }
+    assert_eq!(budget.in_use(), 0, "every command gave its bytes back");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
