@@ -69,6 +69,8 @@ struct Transfer {
     failed: bool,
     /// Its data bytes of the target's budget.
     permit: Option<DataPermit>,
+    /// When the R2T asked for the data.
+    asked: Instant,
 }
 
 struct Connection {
@@ -92,6 +94,8 @@ struct Connection {
     terminating: bool,
     /// The data bytes that all connections' commands under way may hold.
     budget: Option<Arc<DataBudget>>,
+    /// How long the write data an R2T asked for may take to come.
+    transfer_timeout: Duration,
     /// The bytes taken for the command being started, which its entry keeps.
     permit: Option<DataPermit>,
     /// The first parked command's wait for bytes of the budget, in its turn.
@@ -116,6 +120,7 @@ pub async fn serve(
     };
     let (mut reader, mut writer) = stream.into_split();
     let budget = target.data_budget();
+    let transfer_timeout = target.transfer_timeout();
     let mut connection = Connection {
         target,
         via,
@@ -134,6 +139,7 @@ pub async fn serve(
         reading: true,
         terminating: false,
         budget,
+        transfer_timeout,
         permit: None,
         waiting: None,
         granted: None,
@@ -401,18 +407,38 @@ impl Connection {
         if !self.reading {
             return None;
         }
-        match &self.queue {
+        let queue = match &self.queue {
             None => Some(connect_deadline),
             Some(queue) if queue.qid == 0 => queue
                 .controller
                 .keep_alive_deadline()
                 .map(Instant::from_std),
             Some(_) => None,
-        }
+        };
+        let data = self.transfers.values().map(|transfer| transfer.asked).min();
+        let data = data.map(|asked| asked + self.transfer_timeout);
+        queue.into_iter().chain(data).min()
     }
 
     fn check_deadlines(&mut self, connect_deadline: Instant) {
         let now = Instant::now();
+        let late = self
+            .transfers
+            .values()
+            .filter(|transfer| transfer.asked + self.transfer_timeout <= now)
+            .count();
+        if late > 0 {
+            // The bytes its R2Ts hold are the budget's, which other hosts wait for.
+            tracing::warn!(
+                via = %self.via.address,
+                late,
+                timeout = ?self.transfer_timeout,
+                "host sent no write data for its R2Ts in time: connection closed"
+            );
+            self.stop_reading();
+            self.terminating = true;
+            return;
+        }
         match &self.queue {
             None if now >= connect_deadline => {
                 tracing::info!(via = %self.via.address, "nvmf connection sent no Connect in time");
@@ -746,6 +772,7 @@ impl Connection {
                 received: 0,
                 failed: false,
                 permit: self.permit.take(),
+                asked: Instant::now(),
             },
         );
     }

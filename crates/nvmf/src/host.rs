@@ -90,6 +90,9 @@ pub struct HostOptions {
     pub no_in_capsule_data: bool,
     /// Disable SQ flow control in Connect (lets reads complete with C2HData SUCCESS).
     pub disable_sq_flow_control: bool,
+    /// Never answer an R2T with the data it asks for: a broken host, for tests of what a
+    /// target does with one.
+    pub withhold_write_data: bool,
 }
 
 impl Default for HostOptions {
@@ -105,6 +108,7 @@ impl Default for HostOptions {
             send_keep_alive: true,
             no_in_capsule_data: false,
             disable_sq_flow_control: true,
+            withhold_write_data: false,
         }
     }
 }
@@ -227,6 +231,7 @@ impl QueuePair {
             maxh2cdata,
             in_capsule_max,
             depth,
+            options.withhold_write_data,
         ));
         let queue = QueuePair {
             requests,
@@ -314,6 +319,7 @@ async fn run_queue(
     maxh2cdata: u32,
     in_capsule_max: u32,
     depth: u16,
+    withhold_write_data: bool,
 ) {
     let (mut reader, mut writer) = stream.into_split();
     let mut pending: HashMap<u16, Pending> = HashMap::new();
@@ -329,6 +335,7 @@ async fn run_queue(
         while input_start < input.len() {
             match decode(&input[input_start..], &negotiated) {
                 Ok(None) => break,
+                Ok(Some((Pdu::R2T(_), used))) if withhold_write_data => input_start += used,
                 Ok(Some((pdu, used))) => {
                     input_start += used;
                     if let Err(error) =

@@ -60,6 +60,11 @@ pub struct BoundQueue {
     pub sq_flow_control_disabled: bool,
 }
 
+/// How long a queue waits for the write data an R2T asked for: a host that sends none
+/// holds its bytes of the data budget (`crate::budget`), which other hosts wait for. Linux
+/// gives up on a command after 30 s (its I/O timeout) and resets the controller anyway.
+pub const TRANSFER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// How often the target looks at its namespaces' sizes.
 const SIZE_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -69,6 +74,8 @@ pub struct NvmfTarget {
     transport: Mutex<Option<TransportOptions>>,
     /// The data bytes of the commands under way, once the transport exists.
     budget: std::sync::OnceLock<Arc<crate::budget::DataBudget>>,
+    /// How long a queue waits for the write data an R2T asked for, in milliseconds.
+    transfer_timeout_ms: AtomicU64,
     subsystems: RwLock<BTreeMap<String, Arc<Subsystem>>>,
     discovery: Arc<Subsystem>,
     listeners: Mutex<BTreeMap<ListenAddress, Listener>>,
@@ -94,6 +101,7 @@ impl NvmfTarget {
             reactors,
             transport: Mutex::new(None),
             budget: std::sync::OnceLock::new(),
+            transfer_timeout_ms: AtomicU64::new(TRANSFER_TIMEOUT.as_millis() as u64),
             subsystems: RwLock::new(BTreeMap::new()),
             discovery,
             listeners: Mutex::new(BTreeMap::new()),
@@ -185,6 +193,18 @@ impl NvmfTarget {
         let _ = self.budget.set(crate::budget::DataBudget::new(bytes));
         *transport = Some(options);
         Ok(())
+    }
+
+    /// How long a queue waits for the write data an R2T asked for before it closes its
+    /// connection ([`TRANSFER_TIMEOUT`] unless set).
+    pub fn transfer_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.transfer_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Sets [`NvmfTarget::transfer_timeout`] for connections made from now on (tests).
+    pub fn set_transfer_timeout(&self, timeout: std::time::Duration) {
+        self.transfer_timeout_ms
+            .store(timeout.as_millis() as u64, Ordering::Relaxed);
     }
 
     /// The data bytes all connections' commands under way may hold, once the transport

@@ -519,6 +519,75 @@ async fn commands_wait_for_the_transports_data_budget() {
     assert_eq!(budget.in_use(), 0, "every command gave its bytes back");
 }
 
+/// A host that never sends the write data its R2Ts asked for loses its connection after
+/// the transfer timeout, and the bytes of the data budget its writes held come back: the
+/// write of another host, which waited for them, then goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_withholding_write_data_loses_its_connection() {
+    let fixture = fixture(
+        json!({"trtype": "TCP", "max_io_size": 8192, "io_unit_size": 8192,
+        "num_shared_buffers": 2}),
+    )
+    .await;
+    fixture
+        .target
+        .set_transfer_timeout(Duration::from_millis(300));
+    let options = HostOptions {
+        withhold_write_data: true,
+        ..HostOptions::default()
+    };
+    let broken = Arc::new(
+        Host::connect(fixture.address, NQN, options)
+            .await
+            .expect("connect"),
+    );
+    let writes: Vec<_> = (0..2u64)
+        .map(|n| {
+            let host = broken.clone();
+            let data = pattern(n as u8 + 1, 8192);
+            tokio::spawn(async move { host.write(0, 1, n * 16, data, BLOCK, false).await })
+        })
+        .collect();
+    let budget = fixture
+        .target
+        .data_budget()
+        .expect("the transport's budget");
+    let started = std::time::Instant::now();
+    while budget.in_use() < 16384 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the R2Ts hold the budget"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let good = Host::connect(fixture.address, NQN, HostOptions::default())
+        .await
+        .expect("connect");
+    let data = pattern(9, 8192);
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        good.write(0, 1, 64, data.clone(), BLOCK, false),
+    )
+    .await
+    .expect("the write goes once the broken host's bytes come back")
+    .expect("write");
+    assert_eq!(good.read(0, 1, 64, 16, BLOCK).await.expect("read"), data);
+    for write in writes {
+        let result = tokio::time::timeout(Duration::from_secs(5), write)
+            .await
+            .expect("the withheld writes end")
+            .expect("task");
+        assert!(result.is_err(), "a write whose data never came: {result:?}");
+    }
+    for lba in [0, 16] {
+        let back = good.read(0, 1, lba, 16, BLOCK).await.expect("read");
+        assert!(
+            back.iter().all(|b| *b == 0),
+            "nothing of a withheld write landed"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_commands_in_flight_on_several_queues() {
     let fixture = fixture(json!({"trtype": "TCP"})).await;
