@@ -146,13 +146,25 @@ pub async fn serve(
         parked: VecDeque::new(),
     };
     let connect_deadline = Instant::now() + CONNECT_TIMEOUT;
+    let half = (transfer_timeout / 2).max(Duration::from_millis(1));
+    let mut transfers_checked = tokio::time::interval(half);
+    transfers_checked.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let poll = connection.target.poll();
     let result = loop {
         connection.process_input();
         // Ending (the host closed or ended the connection, its controller was torn down):
-        // the commands under way are given up at once, never polled again (see the end).
-        if connection.terminating || connection.is_closed() {
+        // the commands under way are given up at once, never polled again (see the end),
+        // and nothing more is read (write data for a transfer given up would be refused).
+        if connection.is_closed() && !connection.terminating {
+            connection.stop_reading();
+            connection.terminating = true;
+        }
+        if connection.terminating {
             connection.give_up_commands();
+        } else if !connection.reading {
+            // After a Disconnect: nothing more is read, so transfers and parked commands
+            // could never go on; their bytes go back now.
+            connection.give_up_unstarted();
         }
         if connection.is_finished() {
             break Ok(());
@@ -184,8 +196,16 @@ pub async fn serve(
         let queue = &connection.queue;
         let waiting = &mut connection.waiting;
         let waits_for_bytes = waiting.is_some();
+        let transfers_checked = &mut transfers_checked;
+        let has_transfers = !connection.transfers.is_empty();
         tokio::select! {
             biased;
+            // The first parked command's bytes: it starts (with those after it that fit).
+            // First, so that its wait takes its place in the budget's queue at once.
+            permit = bytes_for(waiting), if waits_for_bytes => {
+                connection.waiting = None;
+                connection.granted = Some(permit);
+            }
             // A command under way is not completed once the controller is torn down (a
             // host that reconnected may be writing the same blocks again), even if the
             // teardown comes from another thread while this task polls.
@@ -219,10 +239,10 @@ pub async fn serve(
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                 connection.check_deadlines(connect_deadline);
             }
-            // The first parked command's bytes: it starts (with those after it that fit).
-            permit = bytes_for(waiting), if waits_for_bytes => {
-                connection.waiting = None;
-                connection.granted = Some(permit);
+            // Write data asked for long ago (a coarse check, every half timeout, so that
+            // no timer is set at each turn).
+            _ = transfers_checked.tick(), if has_transfers => {
+                connection.check_transfers();
             }
         }
     };
@@ -407,38 +427,43 @@ impl Connection {
         if !self.reading {
             return None;
         }
-        let queue = match &self.queue {
+        match &self.queue {
             None => Some(connect_deadline),
             Some(queue) if queue.qid == 0 => queue
                 .controller
                 .keep_alive_deadline()
                 .map(Instant::from_std),
             Some(_) => None,
-        };
-        let data = self.transfers.values().map(|transfer| transfer.asked).min();
-        let data = data.map(|asked| asked + self.transfer_timeout);
-        queue.into_iter().chain(data).min()
+        }
     }
 
-    fn check_deadlines(&mut self, connect_deadline: Instant) {
+    /// Closes the connection when write data an R2T asked for has not come within the
+    /// transfer timeout: its bytes are the budget's, which other hosts wait for.
+    fn check_transfers(&mut self) {
         let now = Instant::now();
         let late = self
             .transfers
             .values()
             .filter(|transfer| transfer.asked + self.transfer_timeout <= now)
             .count();
-        if late > 0 {
-            // The bytes its R2Ts hold are the budget's, which other hosts wait for.
-            tracing::warn!(
-                via = %self.via.address,
-                late,
-                timeout = ?self.transfer_timeout,
-                "host sent no write data for its R2Ts in time: connection closed"
-            );
-            self.stop_reading();
-            self.terminating = true;
+        if late == 0 {
             return;
         }
+        // Not read, when the host is past its queue's size or does not read our output.
+        let unread = !self.has_room();
+        tracing::warn!(
+            via = %self.via.address,
+            late,
+            unread,
+            timeout = ?self.transfer_timeout,
+            "write data asked for by R2Ts did not come in time: connection closed"
+        );
+        self.stop_reading();
+        self.terminating = true;
+    }
+
+    fn check_deadlines(&mut self, connect_deadline: Instant) {
+        let now = Instant::now();
         match &self.queue {
             None if now >= connect_deadline => {
                 tracing::info!(via = %self.via.address, "nvmf connection sent no Connect in time");
@@ -557,6 +582,11 @@ impl Connection {
     /// of the budget (a connection ending: its output may take long to go, if ever).
     fn give_up_commands(&mut self) {
         self.in_flight.clear();
+        self.give_up_unstarted();
+    }
+
+    /// Gives up the commands not started or still gathering write data, and their bytes.
+    fn give_up_unstarted(&mut self) {
         self.transfers.clear();
         self.parked.clear();
         self.waiting = None;

@@ -108,11 +108,10 @@ impl TransportOptions {
                 self.io_unit_size
             ));
         }
-        if u64::from(self.num_shared_buffers) * u64::from(self.io_unit_size)
-            < u64::from(self.max_io_size)
-        {
+        let budget = u64::from(self.num_shared_buffers) * u64::from(self.io_unit_size);
+        if budget < u64::from(self.max_io_size) || budget > u64::from(u32::MAX) {
             return Err(format!(
-                "num_shared_buffers {} of io_unit_size {} bytes cannot hold one request of max_io_size {}",
+                "num_shared_buffers {} of io_unit_size {} bytes must hold one request of max_io_size {} and stay below 4 GiB",
                 self.num_shared_buffers, self.io_unit_size, self.max_io_size
             ));
         }

@@ -201,7 +201,8 @@ impl NvmfTarget {
         std::time::Duration::from_millis(self.transfer_timeout_ms.load(Ordering::Relaxed))
     }
 
-    /// Sets [`NvmfTarget::transfer_timeout`] for connections made from now on (tests).
+    /// Sets [`NvmfTarget::transfer_timeout`] for connections made from now on (tests; a
+    /// connection checks its transfers every half timeout, and at least every 1 ms).
     pub fn set_transfer_timeout(&self, timeout: std::time::Duration) {
         self.transfer_timeout_ms
             .store(timeout.as_millis() as u64, Ordering::Relaxed);
