@@ -340,6 +340,18 @@ fn target_metrics_count_what_clients_do() {
         metric(&nvmf, "basalt_target_nvmf_admin_qpairs_total") >= 1.0,
         "{nvmf}"
     );
+    // The transport's data budget: 511 x 128 KiB by default, all of it back once the
+    // bench's commands ended.
+    assert_eq!(
+        metric(&nvmf, "basalt_target_nvmf_data_budget_bytes"),
+        511.0 * 131_072.0,
+        "{nvmf}"
+    );
+    assert_eq!(
+        metric(&nvmf, "basalt_target_nvmf_data_budget_used_bytes"),
+        0.0,
+        "{nvmf}"
+    );
 }
 
 /// A tmpfs mounted for a test, unmounted (lazily) when dropped.

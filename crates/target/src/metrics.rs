@@ -160,6 +160,22 @@ pub fn render(target: &Target) -> String {
             count(value),
         );
     }
+    if let Some(budget) = target.nvmf.data_budget() {
+        let help = "Bytes of data the NVMe/TCP commands under way on all queues hold now (a command that does not fit waits).";
+        e.single(
+            "basalt_target_nvmf_data_budget_used_bytes",
+            gauge,
+            help,
+            budget.in_use() as f64,
+        );
+        let help = "Bytes of data the NVMe/TCP commands under way may hold (num_shared_buffers x io_unit_size).";
+        e.single(
+            "basalt_target_nvmf_data_budget_bytes",
+            gauge,
+            help,
+            budget.limit() as f64,
+        );
+    }
     let subsystems: Vec<(String, usize, usize)> = target
         .nvmf
         .subsystems()
