@@ -35,6 +35,15 @@ start_cluster() {
     [ "$up" = 3 ] || die "only $up of 3 OSDs came up; see $BASE_DIR/*.log (KEEP=1 keeps them)"
 }
 
+# fresh_cluster DEVICE_SIZE: stops what runs, empties BASE_DIR, then start_cluster (for
+# scripts that run each build on a cluster of its own).
+fresh_cluster() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"; pids=()
+    start_cluster "$1"
+}
+
 # create_pool NAME PGS: a pool of 3 replicas; waits until its PGs are active+clean.
 create_pool() {
     "$BASALT" pool create "$1" --pg-count "$2" --size 3 --mon "$MON" >/dev/null

@@ -31,10 +31,7 @@ CHUNK=2147483136 # 2 GiB less 512 bytes: qemu's NBD client refuses more
 rows=()
 for round in $(seq "$ROUNDS"); do
     for BASALT in $BUILDS; do
-        for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-        wait 2>/dev/null || true
-        rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"; pids=()
-        start_cluster 1GiB
+        fresh_cluster 1GiB
         create_pool d "$PGS"
         "$BASALT" image create d/small --size 64GiB --object-size 64KiB --mon "$MON" >/dev/null
         "$BASALT" image create d/large --size 2TiB --object-size 4MiB --mon "$MON" >/dev/null

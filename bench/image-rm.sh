@@ -27,10 +27,7 @@ BASALT=${BUILDS%% *}
 rows=()
 for round in $(seq "$ROUNDS"); do
     for BASALT in $BUILDS; do
-        for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-        wait 2>/dev/null || true
-        rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"; pids=()
-        start_cluster "$DEVICE_SIZE"
+        fresh_cluster "$DEVICE_SIZE"
         create_pool rm "$PGS"
         "$BASALT" image create rm/img --size "$SIZE" --mon "$MON" >/dev/null
         "$BASALT" bench --image rm/img --mon "$MON" --rw randwrite --bs 4KiB --iodepth 32 \

@@ -93,7 +93,7 @@ struct Connection {
     /// A fatal error or a teardown: nothing more is answered.
     terminating: bool,
     /// The data bytes that all connections' commands under way may hold.
-    budget: Option<Arc<DataBudget>>,
+    budget: Arc<DataBudget>,
     /// How long the write data an R2T asked for may take to come.
     transfer_timeout: Duration,
     /// The bytes taken for the command being started, which its entry keeps.
@@ -115,11 +115,11 @@ pub async fn serve(
     stream: TcpStream,
     via: ListenAddress,
 ) -> io::Result<()> {
-    let Some(options) = target.transport() else {
+    // The budget is made with the transport.
+    let (Some(options), Some(budget)) = (target.transport(), target.data_budget()) else {
         return Ok(());
     };
     let (mut reader, mut writer) = stream.into_split();
-    let budget = target.data_budget();
     let transfer_timeout = target.transfer_timeout();
     let mut connection = Connection {
         target,
@@ -559,9 +559,9 @@ impl Connection {
     fn take_bytes(&mut self, sqe: &Sqe) -> bool {
         let bytes = sqe.data_pointer.length.min(self.options.max_io_size);
         let io_queue = self.queue.as_ref().is_some_and(|queue| queue.qid != 0);
-        let Some(budget) = self.budget.as_ref().filter(|_| io_queue && bytes > 0) else {
+        if !io_queue || bytes == 0 {
             return true;
-        };
+        }
         // The first parked command's wait ended: these bytes are its.
         if let Some(permit) = self.granted.take() {
             self.permit = Some(permit);
@@ -570,11 +570,11 @@ impl Connection {
         if self.waiting.is_some() {
             return false;
         }
-        if let Some(permit) = budget.try_take(bytes) {
+        if let Some(permit) = self.budget.try_take(bytes) {
             self.permit = Some(permit);
             return true;
         }
-        self.waiting = Some(budget.take(bytes));
+        self.waiting = Some(self.budget.take(bytes));
         false
     }
 

@@ -439,6 +439,31 @@ async fn commands_under_way_are_given_up_when_their_connection_closes() {
     assert_eq!(host.read(0, 2, 8, 8, BLOCK).await.expect("read"), data);
 }
 
+/// A fixture whose transport's data budget holds two 8 KiB commands (8 KiB is its
+/// largest I/O, asked for with an R2T).
+async fn two_command_budget() -> Fixture {
+    let transport = json!({"trtype": "TCP", "max_io_size": 8192, "io_unit_size": 8192,
+        "num_shared_buffers": 2});
+    fixture(transport).await
+}
+
+/// `count` 8 KiB writes to namespace `nsid` at once, 16 blocks apart from block 0, the
+/// `n`th of pattern `seed + n`.
+fn spawn_writes(
+    host: &Arc<Host>,
+    nsid: u32,
+    count: u64,
+    seed: u8,
+) -> Vec<tokio::task::JoinHandle<Result<(), basalt_nvmf::host::HostError>>> {
+    (0..count)
+        .map(|n| {
+            let host = host.clone();
+            let data = pattern(seed + n as u8, 8192);
+            tokio::spawn(async move { host.write(0, nsid, n * 16, data, BLOCK, false).await })
+        })
+        .collect()
+}
+
 /// The data bytes of the commands under way on all connections stay within the
 /// transport's `num_shared_buffers` × `io_unit_size`: with room for two 8 KiB commands, a
 /// third (another host's read) waits while two writes are held by their device, and ends
@@ -448,11 +473,7 @@ async fn commands_under_way_are_given_up_when_their_connection_closes() {
 /// data stayed unread behind the third command).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_wait_for_the_transports_data_budget() {
-    let fixture = fixture(
-        json!({"trtype": "TCP", "max_io_size": 8192, "io_unit_size": 8192,
-        "num_shared_buffers": 2}),
-    )
-    .await;
+    let fixture = two_command_budget().await;
     let held = basalt_bdev::gated::Held {
         writes: true,
         ..Default::default()
@@ -461,13 +482,7 @@ async fn commands_wait_for_the_transports_data_budget() {
     let connect = || Host::connect(fixture.address, NQN, HostOptions::default());
     let first = Arc::new(connect().await.expect("connect"));
     let second = connect().await.expect("connect");
-    let writes: Vec<_> = (0..2u64)
-        .map(|n| {
-            let host = first.clone();
-            let data = pattern(n as u8 + 1, 8192);
-            tokio::spawn(async move { host.write(0, 2, n * 16, data, BLOCK, false).await })
-        })
-        .collect();
+    let writes = spawn_writes(&first, 2, 2, 1);
     let started = std::time::Instant::now();
     while gate.started() < 2 {
         assert!(
@@ -498,13 +513,7 @@ async fn commands_wait_for_the_transports_data_budget() {
         .expect("read");
     assert_eq!(data, vec![0; 8192]);
 
-    let writes: Vec<_> = (0..3u64)
-        .map(|n| {
-            let host = first.clone();
-            let data = pattern(n as u8 + 7, 8192);
-            tokio::spawn(async move { host.write(0, 1, n * 16, data, BLOCK, false).await })
-        })
-        .collect();
+    let writes = spawn_writes(&first, 1, 3, 7);
     for write in writes {
         tokio::time::timeout(Duration::from_secs(5), write)
             .await
@@ -524,11 +533,7 @@ async fn commands_wait_for_the_transports_data_budget() {
 /// write of another host, which waits for them meanwhile, then goes through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_withholding_write_data_loses_its_connection() {
-    let fixture = fixture(
-        json!({"trtype": "TCP", "max_io_size": 8192, "io_unit_size": 8192,
-        "num_shared_buffers": 2}),
-    )
-    .await;
+    let fixture = two_command_budget().await;
     // The timeout is read as a connection starts: the broken host's is short, the other
     // host's the default.
     let target = &fixture.target;
@@ -546,13 +551,7 @@ async fn a_host_withholding_write_data_loses_its_connection() {
     let good = Host::connect(fixture.address, NQN, HostOptions::default())
         .await
         .expect("connect");
-    let writes: Vec<_> = (0..2u64)
-        .map(|n| {
-            let host = broken.clone();
-            let data = pattern(n as u8 + 1, 8192);
-            tokio::spawn(async move { host.write(0, 1, n * 16, data, BLOCK, false).await })
-        })
-        .collect();
+    let writes = spawn_writes(&broken, 1, 2, 1);
     let budget = target.data_budget().expect("the transport's budget");
     let started = std::time::Instant::now();
     while budget.in_use() < 16384 {
