@@ -44,6 +44,9 @@ trap 'rm -rf "$work"' EXIT
 # because the kernel reads an LZ4 archive to the end of the initrd.
 mkdir -p "$work/cpio/basalt"
 cp "$script" "$work/cpio/basalt/script"
+# Functions the test scripts beside SCRIPT share, which they source as /basalt/common.sh.
+common="$(dirname "$script")/common.sh"
+[ -f "$common" ] && cp "$common" "$work/cpio/basalt/common.sh"
 # Quoted for bash's eval in init.sh, which runs bash too, so any argument survives.
 printf '%q ' ${script_args[@]+"${script_args[@]}"} >"$work/cpio/basalt/args"
 (cd "$work/cpio" && find . | cpio -o -H newc -R 0:0 --quiet) | gzip -1 >"$work/script.cpio.gz"

@@ -24,6 +24,8 @@ pub type ResponseFuture = Pin<Box<dyn Future<Output = Response> + Send + 'static
 const NSID_ALL: u32 = 0xffff_ffff;
 /// Bytes of one Dataset Management range.
 const DSM_RANGE_SIZE: usize = 16;
+/// Bytes of the most ranges one Dataset Management command holds (256).
+const DSM_BUFFER_MAX: u64 = 256 * DSM_RANGE_SIZE as u64;
 /// Write (and Read) CDW12 bit 30: Force Unit Access.
 const FUA: u32 = 1 << 30;
 /// Write Zeroes CDW12 bit 25: deallocate.
@@ -38,6 +40,11 @@ pub struct Prepared {
     extent: Option<Extent>,
     /// Bytes the host must send before the command can run (0: none).
     pub data_len_bytes: u32,
+}
+
+/// The ranges a Dataset Management command names (CDW10 bits 7:0, 0's based).
+fn dsm_ranges(sqe: &Sqe) -> usize {
+    (sqe.cdw10 & 0xff) as usize + 1
 }
 
 fn failed(sqe: &Sqe, status: Status) -> Response {
@@ -90,7 +97,7 @@ pub fn prepare(sqe: &Sqe, controller: &Controller) -> Result<Prepared, Response>
             range = Some(extent(sqe, &namespaces[0], true).map_err(|status| failed(sqe, status))?);
             len
         }
-        IO_DATASET_MANAGEMENT => ((sqe.cdw10 & 0xff) as u64 + 1) * DSM_RANGE_SIZE as u64,
+        IO_DATASET_MANAGEMENT => dsm_ranges(sqe) as u64 * DSM_RANGE_SIZE as u64,
         IO_WRITE_ZEROES => {
             range = Some(extent(sqe, &namespaces[0], false).map_err(|status| failed(sqe, status))?);
             0
@@ -98,7 +105,15 @@ pub fn prepare(sqe: &Sqe, controller: &Controller) -> Result<Prepared, Response>
         IO_FLUSH => 0,
         _ => return Err(failed(sqe, Status::INVALID_OPCODE.with_dnr())),
     };
-    if u64::from(sgl_len) != expected {
+    // Linux sends the buffer of every Dataset Management command whole, room for all 256
+    // ranges, whatever NR says (as some devices read that much): more than NR ranges is
+    // taken, up to that room, and the ranges past NR are not read.
+    let length_fits = if sqe.opcode == IO_DATASET_MANAGEMENT {
+        (expected..=DSM_BUFFER_MAX).contains(&u64::from(sgl_len))
+    } else {
+        u64::from(sgl_len) == expected
+    };
+    if !length_fits {
         return Err(failed(sqe, Status::DATA_SGL_LENGTH_INVALID.with_dnr()));
     }
     let host_sends = matches!(sqe.opcode, IO_WRITE | IO_DATASET_MANAGEMENT);
@@ -211,7 +226,7 @@ async fn run(
             }
             let info = bdev.info();
             let mut extents = Vec::new();
-            for range in data.chunks_exact(DSM_RANGE_SIZE) {
+            for range in data.chunks_exact(DSM_RANGE_SIZE).take(dsm_ranges(sqe)) {
                 let blocks =
                     u64::from(u32::from_le_bytes(range[4..8].try_into().expect("4 bytes")));
                 let start = u64::from_le_bytes(range[8..16].try_into().expect("8 bytes"));

@@ -272,6 +272,52 @@ async fn every_command_with_and_without_digests() {
     }
 }
 
+/// A discard as Linux sends it: NR names one range, the buffer has room for 256 (4 KiB,
+/// in the capsule or through R2T). The ranges past NR are not read (the second here lies
+/// past the end); a buffer shorter than NR's ranges, or longer than 256 ranges, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataset_management_buffer_longer_than_its_ranges() {
+    for in_capsule in [4096, 0] {
+        let fixture = fixture(json!({"trtype": "TCP", "in_capsule_data_size": in_capsule})).await;
+        let host = Host::connect(fixture.address, NQN, HostOptions::default())
+            .await
+            .expect("connect");
+        host.write(0, 1, 300, pattern(5, 4096), BLOCK, false)
+            .await
+            .expect("write");
+        let dsm = |ranges: u32| Sqe {
+            opcode: IO_DATASET_MANAGEMENT,
+            namespace_id: 1,
+            cdw10: ranges - 1,
+            cdw11: 1 << 2,
+            ..Sqe::default()
+        };
+        let mut buffer = vec![0u8; 4096];
+        buffer[4..8].copy_from_slice(&4u32.to_le_bytes());
+        buffer[8..16].copy_from_slice(&302u64.to_le_bytes());
+        buffer[20..24].copy_from_slice(&8u32.to_le_bytes());
+        buffer[24..32].copy_from_slice(&BLOCKS.to_le_bytes());
+        host.io(0, dsm(1), buffer, 0)
+            .await
+            .expect("one range in a buffer of 256");
+        let data = host.read(0, 1, 300, 8, BLOCK).await.expect("read");
+        assert_eq!(data[..1024], pattern(5, 4096)[..1024], "left of the range");
+        assert!(data[1024..3072].iter().all(|b| *b == 0), "the range");
+        assert_eq!(data[3072..], pattern(5, 4096)[3072..], "right of the range");
+        for (ranges, len) in [(2, 16), (1, 4112)] {
+            let refused = host
+                .io(0, dsm(ranges), vec![0; len], 0)
+                .await
+                .expect_err("a buffer that does not fit NR");
+            assert_eq!(
+                refused.status().map(|s| (s.sct(), s.sc(), s.dnr())),
+                Some((0, 0x0f, true)),
+                "{ranges} ranges in {len} bytes: {refused}"
+            );
+        }
+    }
+}
+
 /// A malloc bdev that says whether its completed writes may sit in a volatile cache (as a
 /// file bdev's do), counts the writes (with and without FUA) and flushes that reach it,
 /// and may take its time over reads (as an image bdev waits for its OSDs).

@@ -15,37 +15,8 @@ trigger="$4"
 host=10.0.2.2
 step() { echo "nvme_tcp: $*"; }
 
-# The block device of namespace NSID of subsystem NQN, once it exists (no udev here).
-device_of() {
-  local want_nqn="$1" nsid="$2" dir ns
-  for _ in $(seq 100); do
-    # With native multipath, the namespace's node hangs off the subsystem.
-    for dir in /sys/class/nvme-subsystem/nvme-subsys* /sys/class/nvme/nvme*; do
-      [ "$(cat "$dir/subsysnqn" 2>/dev/null)" = "$want_nqn" ] || continue
-      for ns in "$dir"/nvme*n"$nsid"; do
-        case "${ns##*/}" in *c*n*) continue ;; esac
-        if [ -e "$ns" ] && [ -b "/dev/${ns##*/}" ]; then
-          echo "/dev/${ns##*/}"
-          return 0
-        fi
-      done
-    done
-    sleep 0.1
-  done
-  echo "nvme_tcp: no block device for namespace $nsid of $want_nqn" >&2
-  nvme list >&2 || true
-  return 1
-}
-
-# Reads COUNT 4 KiB blocks at 4 KiB block OFFSET of DEVICE and fails unless all are zero.
-expect_zeroes() {
-  local device="$1" offset="$2" count="$3"
-  if ! dd if="$device" bs=4096 skip="$offset" count="$count" iflag=direct status=none |
-    cmp -s - <(head -c $((count * 4096)) /dev/zero); then
-    echo "nvme_tcp: blocks $offset+$count of $device are not zeroes" >&2
-    return 1
-  fi
-}
+# shellcheck source=common.sh
+source /basalt/common.sh
 
 modprobe nvme-tcp
 

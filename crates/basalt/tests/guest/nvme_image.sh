@@ -1,0 +1,78 @@
+#!/bin/bash
+# The guest half of an_image_over_nvme_tcp_rides_out_a_killed_leader (tests/nvme_guest.rs):
+# the Linux kernel's NVMe/TCP initiator against a 3-replica Basalt image that
+# `basalt target` exports from the host (10.0.2.2).
+#
+#   nvme_image.sh PORT NQN TRIGGER_PORT SIZE_BYTES DISCARD_BYTES
+#
+# NQN's namespace 1 is the image, SIZE_BYTES long; DISCARD_BYTES is the most one discard
+# should cover (the target's DMRSL). On the connection to TRIGGER_PORT the guest asks the
+# host test to "kill" the OSD that leads the most PGs and later to "restart" it; the host
+# answers each with a line once done.
+set -euo pipefail
+port="$1"
+nqn="$2"
+trigger="$3"
+size="$4"
+discard="$5"
+host=10.0.2.2
+step() { echo "nvme_image: $*"; }
+fail() {
+  echo "nvme_image: $*" >&2
+  exit 1
+}
+
+# shellcheck source=common.sh
+source /basalt/common.sh
+
+# Asks the host for WHAT on the trigger connection and waits for ANSWER.
+ask_host() {
+  local what="$1" want="$2" answer
+  echo "$what" >&3
+  read -r answer <&3 || fail "the host did not answer '$what'"
+  [ "$answer" = "$want" ] || fail "the host answered '$what' with '$answer'"
+}
+
+modprobe nvme-tcp
+exec 3<>"/dev/tcp/$host/$trigger"
+
+step "connect"
+nvme connect -t tcp -a "$host" -s "$port" -n "$nqn"
+device="$(device_of "$nqn" 1)"
+name="${device#/dev/}"
+[ "$(blockdev --getsize64 "$device")" = "$size" ] ||
+  fail "$device holds $(blockdev --getsize64 "$device") bytes, not $size"
+
+step "the kernel bounds its discards by the target's limit"
+seen="$(cat "/sys/block/$name/queue/discard_max_bytes")"
+echo "discard_max_bytes $seen, discard_max_hw_bytes $(cat "/sys/block/$name/queue/discard_max_hw_bytes")"
+[ "$seen" = "$discard" ] || fail "discard_max_bytes is $seen, not $discard"
+
+# 48 MiB of 4 KiB random writes, each verified by fio when all are written; the OSD
+# leading the most PGs dies while they go on.
+write=(--name=write --filename="$device" --direct=1 --ioengine=libaio --iodepth=16
+  --rw=randwrite --bs=4k --size=48M --verify=crc32c --verify_fatal=1 --randseed=4321)
+step "fio randwrite with crc32c verify while the busiest leader is killed"
+fio "${write[@]}" --do_verify=1 --output=/tmp/fio-write >/dev/null &
+fio_pid=$!
+sleep 2
+kill -0 "$fio_pid" 2>/dev/null || fail "fio ended before the kill: nothing was tested"
+ask_host kill killed
+wait "$fio_pid" || {
+  cat /tmp/fio-write >&2
+  fail "fio failed"
+}
+grep -E 'IOPS|err=|clat \(' /tmp/fio-write
+
+step "the killed OSD restarts and catches up; every block verifies again"
+ask_host restart caught-up
+fio "${write[@]}" --verify_only | grep -E 'err='
+
+step "blkdiscard of the whole image reads back as zeroes"
+blkdiscard "$device"
+for at in 0 6000 12000 $((size / 4096 - 64)); do
+  expect_zeroes "$device" "$at" 64
+done
+
+nvme disconnect -n "$nqn"
+step "done"
