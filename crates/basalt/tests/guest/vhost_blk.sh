@@ -57,6 +57,10 @@ mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 /dev/vda
 mount -t ext4 /dev/vda /mnt
 for i in 1 2 3; do head -c $((i * 1024 * 1024)) /dev/urandom >"/mnt/file$i"; done
 (cd /mnt && sha256sum file1 file2 file3) >/tmp/sums
+head -c $((4 << 20)) /dev/urandom >/mnt/scratch
+rm /mnt/scratch
+sync
+fstrim -v /mnt
 umount /mnt
 mount -t ext4 /dev/vda /mnt
 (cd /mnt && sha256sum -c /tmp/sums)
