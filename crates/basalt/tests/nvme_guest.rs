@@ -17,7 +17,7 @@ use support::{ScratchDir, TargetProcess};
 
 const NQN: &str = "nqn.2016-06.io.basalt:guest";
 const RESTRICTED_NQN: &str = "nqn.2016-06.io.basalt:restricted";
-const RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
+use support::GUEST_RUN as RUN;
 
 /// One guest at a time: two TCG guests on a 2-core machine would each run at half speed.
 static GUEST: Mutex<()> = Mutex::new(());
@@ -88,30 +88,13 @@ fn the_linux_initiator_uses_the_target() {
         let _ = BufReader::new(stream).read_line(&mut line);
     });
 
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_tcp.sh");
-    let output = Command::new(RUN)
-        .args([
-            script,
-            &port,
-            NQN,
-            RESTRICTED_NQN,
-            &trigger_port.to_string(),
-        ])
-        .env("BASALT_GUEST_TIMEOUT", "600")
-        .output()
-        .expect("run the guest");
-    let console = String::from_utf8_lossy(&output.stdout);
-    let errors = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "guest failed ({}):\n{console}\n{errors}\ntarget log:\n{}",
-        output.status,
-        target.log_text()
+    let trigger_port = trigger_port.to_string();
+    support::run_guest(
+        "nvme_tcp.sh",
+        &[&port, NQN, RESTRICTED_NQN, &trigger_port],
+        "nvme_tcp: done",
+        || target.log_text(),
     );
-    assert!(console.contains("nvme_tcp: done"), "{console}");
-    if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
-        eprintln!("{console}");
-    }
     hot_add.join().expect("hot add");
 
     // The controller went away with the guest's disconnect.
@@ -230,10 +213,13 @@ fn our_initiator_uses_the_linux_target() {
 /// initiator sees it (`tests/guest/nvme_image.sh`). The kernel takes the target's discard
 /// limit (DMRSL: 2,048 objects of 64 KiB here) and splits a `blkdiscard` of the whole
 /// image by it; fio's crc32c-verified writes ride out a `kill -9` of the OSD leading the
-/// most PGs (inside Linux's 30 s I/O timeout, or the kernel would reset the controller and
-/// fail them), and verify again once it has restarted and caught up.
+/// most PGs (well inside Linux's 30 s I/O timeout, past which the kernel would reset the
+/// controller), and verify again once it has restarted and caught up; more writes ride
+/// out a `kill -9` of the target (Linux reconnects to the target started again from its
+/// saved configuration and sends again what was not answered). Write zeroes (`blkdiscard
+/// -z`) zeroes its range and nothing else.
 #[test]
-fn an_image_over_nvme_tcp_rides_out_a_killed_leader() {
+fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
     let _guest = GUEST
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -252,13 +238,19 @@ fn an_image_over_nvme_tcp_rides_out_a_killed_leader() {
         &OBJECT.to_string(),
     ]);
     cluster.wait_clean(Duration::from_secs(60));
-    let target = TargetProcess::start(&dir.path, &[]);
+    let mut target = TargetProcess::start(&dir.path, &[]);
     target.rpc_ok(
         "bdev_basalt_create",
         json!({"name": "img", "pool": "rbd", "image": "vol", "mons": cluster.mon_addresses()}),
     );
     let nqn = "nqn.2016-06.io.basalt:image";
     let port = target.start_nvmf(nqn, "img");
+    let config = dir.join("target.json");
+    std::fs::write(
+        &config,
+        target.rpc_ok("save_config", json!(null)).to_string(),
+    )
+    .expect("save the configuration");
 
     // The guest asks for the busiest leader to be killed, then restarted once fio is done;
     // its requests are served here while it runs.
@@ -327,6 +319,15 @@ fn an_image_over_nvme_tcp_rides_out_a_killed_leader() {
                         cluster.wait_replicas_equal(Duration::from_secs(60));
                         b"caught-up\n"
                     }
+                    "restart-target" => {
+                        target.child.kill().expect("kill -9 the target");
+                        target.child.wait().expect("the killed target");
+                        target = TargetProcess::start(
+                            &dir.path,
+                            &["--config", config.to_str().expect("utf8")],
+                        );
+                        b"restarted\n"
+                    }
                     other => panic!("unknown request from the guest: {other:?}"),
                 };
                 stream.write_all(answer).expect("answer the guest");
@@ -341,14 +342,6 @@ fn an_image_over_nvme_tcp_rides_out_a_killed_leader() {
         }
     };
     let console = std::fs::read_to_string(&console_path).unwrap_or_default();
-    assert!(
-        status.success(),
-        "guest failed ({status}):\n{console}\ntarget log:\n{}",
-        target.log_text()
-    );
-    assert!(console.contains("nvme_image: done"), "{console}");
-    if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
-        eprintln!("{console}");
-    }
+    support::check_guest(status, &console, "nvme_image: done", || target.log_text());
     target.stop();
 }

@@ -13,7 +13,7 @@ use basalt_vhost::inflight::queue_bytes;
 use serde_json::{Value, json};
 use support::{ScratchDir, TargetProcess};
 
-const RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
+use support::GUEST_RUN as RUN;
 
 /// One TCG guest at a time: two would share the machine's two cores.
 static GUEST: Mutex<()> = Mutex::new(());

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Functions the guest scripts of tests/nvme_guest.rs share; scripts/guest/run.sh puts this
+# Functions the guest scripts of the tests share; scripts/guest/run.sh puts this
 # file beside the script as /basalt/common.sh.
 
 # The block device of namespace NSID of subsystem NQN, once it exists (no udev here).
@@ -32,4 +32,20 @@ expect_zeroes() {
     echo "guest: blocks $offset+$count of $device are not zeroes" >&2
     return 1
   fi
+}
+
+# Writes three files of random data (TENTHS, twice and three times TENTHS tenths of a
+# MiB) to the ext4 filesystem mounted at /mnt and their checksums to /tmp/sums; then frees
+# 4 MiB and trims the free space (fstrim: the kernel merges free extents into discards of
+# several ranges).
+write_files_and_trim() {
+  local tenths="$1" i
+  for i in 1 2 3; do
+    head -c $((i * tenths * 1048576 / 10)) /dev/urandom >"/mnt/file$i"
+  done
+  (cd /mnt && sha256sum file1 file2 file3) >/tmp/sums
+  head -c $((4 << 20)) /dev/urandom >/mnt/scratch
+  rm /mnt/scratch
+  sync
+  fstrim -v /mnt
 }

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The guest half of an_image_over_nvme_tcp_rides_out_a_killed_leader (tests/nvme_guest.rs):
+# The guest half of linux_uses_an_image_over_nvme_tcp_through_crashes (tests/nvme_guest.rs):
 # the Linux kernel's NVMe/TCP initiator against a 3-replica Basalt image that
 # `basalt target` exports from the host (10.0.2.2).
 #
@@ -7,8 +7,9 @@
 #
 # NQN's namespace 1 is the image, SIZE_BYTES long; DISCARD_BYTES is the most one discard
 # should cover (the target's DMRSL). On the connection to TRIGGER_PORT the guest asks the
-# host test to "kill" the OSD that leads the most PGs and later to "restart" it; the host
-# answers each with a line once done.
+# host test to "kill" the OSD that leads the most PGs, later to "restart" it, and to
+# "restart-target" (kill -9 the target, start it again from its saved configuration); the
+# host answers each with a line once done.
 set -euo pipefail
 port="$1"
 nqn="$2"
@@ -37,7 +38,8 @@ modprobe nvme-tcp
 exec 3<>"/dev/tcp/$host/$trigger"
 
 step "connect"
-nvme connect -t tcp -a "$host" -s "$port" -n "$nqn"
+# Reconnecting a second after a lost connection (rather than Linux's default 10 s).
+nvme connect -t tcp -a "$host" -s "$port" -n "$nqn" --reconnect-delay=1 --ctrl-loss-tmo=120
 device="$(device_of "$nqn" 1)"
 name="${device#/dev/}"
 [ "$(blockdev --getsize64 "$device")" = "$size" ] ||
@@ -67,6 +69,33 @@ grep -E 'IOPS|err=|clat \(' /tmp/fio-write
 step "the killed OSD restarts and catches up; every block verifies again"
 ask_host restart caught-up
 fio "${write[@]}" --verify_only | grep -E 'err='
+
+# A second region, written while the target is killed and started again: Linux
+# reconnects and sends again the writes the dead target had not answered.
+second=(--name=second --filename="$device" --direct=1 --ioengine=libaio --iodepth=16
+  --rw=randwrite --bs=4k --offset=64M --size=32M --verify=crc32c --verify_fatal=1
+  --randseed=8765)
+step "fio randwrite with crc32c verify while the target is killed and restarted"
+fio "${second[@]}" --do_verify=1 --output=/tmp/fio-second >/dev/null &
+fio_pid=$!
+sleep 2
+kill -0 "$fio_pid" 2>/dev/null || fail "fio ended before the target's kill: nothing was tested"
+ask_host restart-target restarted
+wait "$fio_pid" || {
+  cat /tmp/fio-second >&2
+  fail "fio failed across the target's restart"
+}
+grep -E 'IOPS|err=|clat \(' /tmp/fio-second
+fio "${write[@]}" --verify_only | grep -E 'err='
+
+step "write zeroes (blkdiscard -z) reads back as zeroes, and only there"
+head -c $((3 << 20)) /dev/urandom >/tmp/random
+dd if=/tmp/random of="$device" bs=1M seek=128 oflag=direct status=none
+blkdiscard -z -o $((129 << 20)) -l $((1 << 20)) "$device"
+expect_zeroes "$device" $((129 * 256)) 256
+dd if="$device" bs=1M skip=128 count=3 iflag=direct status=none >/tmp/read
+cmp -n $((1 << 20)) /tmp/random /tmp/read || fail "the MiB before the zeroes changed"
+cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)) || fail "the MiB after the zeroes changed"
 
 step "blkdiscard of the whole image reads back as zeroes"
 blkdiscard "$device"

@@ -82,16 +82,7 @@ expect_zeroes "$device" 13000 32
 step "ext4: mkfs, files, checksums across unmount and remount"
 mkfs.ext4 -q -F "$device"
 mount -t ext4 "$device" /mnt
-for i in 1 2 3; do
-  head -c $((i * 1536 * 1024)) /dev/urandom >"/mnt/file$i"
-done
-(cd /mnt && sha256sum file1 file2 file3) >/tmp/sums
-# fstrim discards the free space, merged by the kernel into Dataset Management commands
-# of several ranges each.
-head -c $((4 << 20)) /dev/urandom >/mnt/scratch
-rm /mnt/scratch
-sync
-fstrim -v /mnt
+write_files_and_trim 15
 umount /mnt
 mount -t ext4 "$device" /mnt
 (cd /mnt && sha256sum -c /tmp/sums)

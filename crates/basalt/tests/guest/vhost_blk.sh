@@ -8,6 +8,8 @@ set -euo pipefail
 size="$1"
 serial="$2"
 step() { echo "vhost_blk: $*"; }
+# shellcheck source=common.sh
+source /basalt/common.sh
 
 modprobe virtio_blk
 for _ in $(seq 100); do [ -b /dev/vda ] && [ -b /dev/vdb ] && break; sleep 0.1; done
@@ -55,12 +57,7 @@ fi
 step "ext4 (inode tables zeroed by write zeroes), files, checksums across remount"
 mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 /dev/vda
 mount -t ext4 /dev/vda /mnt
-for i in 1 2 3; do head -c $((i * 1024 * 1024)) /dev/urandom >"/mnt/file$i"; done
-(cd /mnt && sha256sum file1 file2 file3) >/tmp/sums
-head -c $((4 << 20)) /dev/urandom >/mnt/scratch
-rm /mnt/scratch
-sync
-fstrim -v /mnt
+write_files_and_trim 10
 umount /mnt
 mount -t ext4 /dev/vda /mnt
 (cd /mnt && sha256sum -c /tmp/sums)

@@ -1092,3 +1092,39 @@ pub fn nvmf_host(
         .expect("connect");
     (runtime, host)
 }
+
+/// scripts/guest/run.sh: boots the test guest and runs a script in it.
+pub const GUEST_RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
+
+/// Runs `tests/guest/SCRIPT` with `args` in the guest and returns its console; fails unless
+/// the script exits 0 and prints `done`, showing the console and `log()` (the target's).
+pub fn run_guest(script: &str, args: &[&str], done: &str, log: impl Fn() -> String) -> String {
+    let script = format!("{}/tests/guest/{script}", env!("CARGO_MANIFEST_DIR"));
+    let output = Command::new(GUEST_RUN)
+        .arg(script)
+        .args(args)
+        .env("BASALT_GUEST_TIMEOUT", "600")
+        .output()
+        .expect("run the guest");
+    let console = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    check_guest(output.status, &console, done, log);
+    console
+}
+
+/// Fails unless the guest exited with `status` 0 and its `console` shows `done`.
+pub fn check_guest(
+    status: std::process::ExitStatus,
+    console: &str,
+    done: &str,
+    log: impl Fn() -> String,
+) {
+    assert!(
+        status.success() && console.contains(done),
+        "guest failed ({status}):\n{console}\ntarget log:\n{}",
+        log()
+    );
+    if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
+        eprintln!("{console}");
+    }
+}
