@@ -5,18 +5,13 @@
 
 mod support;
 
-use std::time::Duration;
-
 use support::{ClusterProcesses, ScratchDir};
 
 #[test]
 fn the_linux_nbd_client_uses_an_image() {
     const SIZE: u64 = 128 << 20;
     let dir = ScratchDir::new("nbd-guest");
-    let cluster = ClusterProcesses::start(&dir.path, 3);
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "8", "--size", "3"]);
-    cluster.cli_ok(&["image", "create", "rbd/vol", "--size", &SIZE.to_string()]);
-    cluster.wait_clean(Duration::from_secs(60));
+    let cluster = ClusterProcesses::start_with_image(&dir.path, SIZE, None);
     let (target, uri) = support::export_image(&dir.path, &cluster, "rbd", "vol");
     let port = uri
         .trim_start_matches("nbd://127.0.0.1:")

@@ -7,7 +7,7 @@
 mod support;
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -226,18 +226,7 @@ fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
     const SIZE: u64 = 256 << 20;
     const OBJECT: u64 = 64 << 10;
     let dir = ScratchDir::new("nvme-guest-image");
-    let mut cluster = support::ClusterProcesses::start(&dir.path, 3);
-    cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "16", "--size", "3"]);
-    cluster.cli_ok(&[
-        "image",
-        "create",
-        "rbd/vol",
-        "--size",
-        &SIZE.to_string(),
-        "--object-size",
-        &OBJECT.to_string(),
-    ]);
-    cluster.wait_clean(Duration::from_secs(60));
+    let mut cluster = support::ClusterProcesses::start_with_image(&dir.path, SIZE, Some(OBJECT));
     let mut target = TargetProcess::start(&dir.path, &[]);
     target.rpc_ok(
         "bdev_basalt_create",
@@ -252,96 +241,31 @@ fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
     )
     .expect("save the configuration");
 
-    // The guest asks for the busiest leader to be killed, then restarted once fio is done;
-    // its requests are served here while it runs.
+    // The guest asks for the busiest leader to be killed, then restarted once fio is done,
+    // then for the target to be killed and started again.
     let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
-    trigger.set_nonblocking(true).expect("nonblocking");
     let trigger_port = trigger.local_addr().expect("address").port();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_image.sh");
     let discard_bytes = 2_048 * OBJECT;
-    let console_path = dir.join("console.txt");
-    let console_file = std::fs::File::create(&console_path).expect("console file");
-    let mut guest = Command::new(RUN)
-        .args([
-            script,
-            &port.to_string(),
-            nqn,
-            &trigger_port.to_string(),
-            &SIZE.to_string(),
-            &discard_bytes.to_string(),
-        ])
-        .env("BASALT_GUEST_TIMEOUT", "600")
-        .stdout(console_file.try_clone().expect("console file"))
-        .stderr(console_file)
-        .spawn()
-        .expect("run the guest");
-    let mut requests: Option<(BufReader<TcpStream>, TcpStream)> = None;
+    let mut guest = Command::new(RUN);
+    guest.args([
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_image.sh"),
+        &port.to_string(),
+        nqn,
+        &trigger_port.to_string(),
+        &SIZE.to_string(),
+        &discard_bytes.to_string(),
+    ]);
     let mut killed = None;
-    let mut line = String::new();
-    let status = loop {
-        if let Some(status) = guest.try_wait().expect("the guest's status") {
-            break status;
-        }
-        let Some((reader, stream)) = requests.as_mut() else {
-            match trigger.accept() {
-                Ok((stream, _)) => {
-                    stream.set_nonblocking(false).expect("blocking");
-                    stream
-                        .set_read_timeout(Some(Duration::from_millis(100)))
-                        .expect("read timeout");
-                    let reader = BufReader::new(stream.try_clone().expect("clone"));
-                    requests = Some((reader, stream));
-                }
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                Err(error) => panic!("accept: {error}"),
+    let (status, console) =
+        support::run_guest_serving(guest, trigger, &dir.join("console.txt"), |request| {
+            if request != "restart-target" {
+                return cluster.guest_request(request, &mut killed);
             }
-            continue;
-        };
-        match reader.read_line(&mut line) {
-            Ok(0) => requests = None,
-            Ok(_) => {
-                let answer: &[u8] = match line.trim() {
-                    "kill" => {
-                        let victim = cluster.busiest_leader();
-                        let process = cluster.osd_process(victim);
-                        eprintln!("killing osd.{victim} (process {process})");
-                        cluster.kill_osd(process);
-                        killed = Some(process);
-                        b"killed\n"
-                    }
-                    "restart" => {
-                        let process = killed.take().expect("an OSD was killed first");
-                        cluster.start_osd(process);
-                        cluster.wait_osds_up(3);
-                        cluster.wait_clean(Duration::from_secs(60));
-                        cluster.wait_replicas_equal(Duration::from_secs(60));
-                        b"caught-up\n"
-                    }
-                    "restart-target" => {
-                        target.child.kill().expect("kill -9 the target");
-                        target.child.wait().expect("the killed target");
-                        target = TargetProcess::start(
-                            &dir.path,
-                            &["--config", config.to_str().expect("utf8")],
-                        );
-                        b"restarted\n"
-                    }
-                    other => panic!("unknown request from the guest: {other:?}"),
-                };
-                stream.write_all(answer).expect("answer the guest");
-                line.clear();
-            }
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(error) => panic!("the guest's requests: {error}"),
-        }
-    };
-    let console = std::fs::read_to_string(&console_path).unwrap_or_default();
+            target.child.kill().expect("kill -9 the target");
+            target.child.wait().expect("the killed target");
+            target = TargetProcess::start(&dir.path, &["--config", config.to_str().expect("utf8")]);
+            "restarted"
+        });
     support::check_guest(status, &console, "nvme_image: done", || target.log_text());
     target.stop();
 }

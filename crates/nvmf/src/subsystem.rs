@@ -30,6 +30,8 @@ pub const DEFAULT_MODEL_NUMBER: &str = "Basalt bdev Controller";
 pub const DEFAULT_MAX_NAMESPACES: u32 = 32;
 /// The admin queue's deepest submission queue (entries).
 pub const ADMIN_QUEUE_DEPTH_MAX: u16 = 128;
+/// The fewest admin queue entries a transport may allow: Linux always asks for 32.
+pub const ADMIN_QUEUE_DEPTH_MIN: u16 = 32;
 
 /// The options of the TCP transport (`nvmf_create_transport`), SPDK's names and defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,9 +117,11 @@ impl TransportOptions {
                 self.num_shared_buffers, self.io_unit_size, self.max_io_size
             ));
         }
-        if !(2..=ADMIN_QUEUE_DEPTH_MAX).contains(&self.max_aq_depth) {
+        // Linux's host asks for an admin queue of 32 entries, whatever CAP.MQES says, and
+        // gives up on the controller when Connect refuses it.
+        if !(ADMIN_QUEUE_DEPTH_MIN..=ADMIN_QUEUE_DEPTH_MAX).contains(&self.max_aq_depth) {
             return Err(format!(
-                "max_aq_depth {} must be from 2 to {ADMIN_QUEUE_DEPTH_MAX}",
+                "max_aq_depth {} must be from {ADMIN_QUEUE_DEPTH_MIN} (the admin queue Linux asks for) to {ADMIN_QUEUE_DEPTH_MAX}",
                 self.max_aq_depth
             ));
         }
@@ -544,6 +548,13 @@ mod tests {
             (
                 TransportOptions {
                     max_aq_depth: 1000,
+                    ..Default::default()
+                },
+                "max_aq_depth",
+            ),
+            (
+                TransportOptions {
+                    max_aq_depth: 31,
                     ..Default::default()
                 },
                 "max_aq_depth",

@@ -49,3 +49,78 @@ write_files_and_trim() {
   sync
   fstrim -v /mnt
 }
+
+# Asks the host test for WHAT on the connection open as fd 3 and waits for ANSWER.
+ask_host() {
+  local what="$1" want="$2" answer
+  echo "$what" >&3
+  if ! read -r answer <&3; then
+    echo "guest: the host did not answer '$what'" >&2
+    return 1
+  fi
+  if [ "$answer" != "$want" ]; then
+    echo "guest: the host answered '$what' with '$answer'" >&2
+    return 1
+  fi
+}
+
+# Writes 3 MiB of random data at MiB AT of DEVICE, zeroes the middle MiB with
+# `blkdiscard HOW` (HOW: -z for write zeroes, empty for a discard) and checks that it
+# reads back as zeroes and that the MiBs around it did not change.
+zero_a_mib() {
+  local device="$1" at="$2" how="${3:-}"
+  head -c $((3 << 20)) /dev/urandom >/tmp/random
+  dd if=/tmp/random of="$device" bs=1M seek="$at" oflag=direct status=none
+  # shellcheck disable=SC2086 # HOW is one option or none
+  blkdiscard $how -o $(((at + 1) << 20)) -l $((1 << 20)) "$device"
+  expect_zeroes "$device" $(((at + 1) * 256)) 256
+  dd if="$device" bs=1M skip="$at" count=3 iflag=direct status=none >/tmp/read
+  if ! cmp -n $((1 << 20)) /tmp/random /tmp/read ||
+    ! cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)); then
+    echo "guest: blkdiscard $how changed data beside its MiB" >&2
+    return 1
+  fi
+}
+
+# Runs fio with ARGs (a crc32c-verified write job) in the background, asks the host for
+# WHAT (answered ANSWER) 2 s in, while fio still writes, and fails unless fio then ends
+# its writes and their verification without an error.
+fio_while_host() {
+  local what="$1" want="$2" pid
+  shift 2
+  fio "$@" --do_verify=1 --output=/tmp/fio-out >/dev/null &
+  pid=$!
+  sleep 2
+  if ! kill -0 "$pid" 2>/dev/null; then
+    echo "guest: fio ended before '$what': nothing was tested" >&2
+    return 1
+  fi
+  ask_host "$what" "$want"
+  if ! wait "$pid"; then
+    cat /tmp/fio-out >&2
+    echo "guest: fio failed across '$what'" >&2
+    return 1
+  fi
+  grep -E 'IOPS|err=|clat \(' /tmp/fio-out
+}
+
+# ext4 on DEVICE: mkfs, files written and trimmed as write_files_and_trim TENTHS does, and
+# their checksums checked after a remount.
+ext4_files() {
+  local device="$1" tenths="$2"
+  mkfs.ext4 -q -F "$device"
+  mount -t ext4 "$device" /mnt
+  write_files_and_trim "$tenths"
+  umount /mnt
+  check_files "$device"
+}
+
+# Mounts DEVICE, checks the files' checksums in /tmp/sums, unmounts it and checks the
+# filesystem.
+check_files() {
+  local device="$1"
+  mount -t ext4 "$device" /mnt
+  (cd /mnt && sha256sum -c /tmp/sums)
+  umount /mnt
+  fsck.ext4 -n -f "$device" >/dev/null
+}

@@ -37,26 +37,13 @@ fio --name=large --filename="$device" --direct=1 --ioengine=libaio --iodepth=4 \
   --rw=write --bs=1M --offset=40M --size=16M --verify=crc32c --verify_fatal=1 | grep -E 'IOPS|err='
 
 step "discard and write zeroes read back as zeroes, and only there"
-head -c $((3 << 20)) /dev/urandom >/tmp/random
-for how in "" -z; do
-  dd if=/tmp/random of="$device" bs=1M seek=60 oflag=direct status=none
-  blkdiscard $how -o $((61 << 20)) -l $((1 << 20)) "$device"
-  expect_zeroes "$device" $((61 * 256)) 256
-  dd if="$device" bs=1M skip=60 count=3 iflag=direct status=none >/tmp/read
-  cmp -n $((1 << 20)) /tmp/random /tmp/read || fail "blkdiscard $how: the MiB before changed"
-  cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)) || fail "blkdiscard $how: the MiB after changed"
-done
+zero_a_mib "$device" 60
+zero_a_mib "$device" 60 -z
 
 step "ext4: mkfs, files, fstrim, checksums across unmount, disconnect and reconnect"
-mkfs.ext4 -q -F "$device"
-mount -t ext4 "$device" /mnt
-write_files_and_trim 15
-umount /mnt
+ext4_files "$device" 15
 nbd-client -d "$device"
 nbd-client "$host" "$port" "$device" -N "$export_name"
-mount -t ext4 "$device" /mnt
-(cd /mnt && sha256sum -c /tmp/sums)
-umount /mnt
-fsck.ext4 -n -f "$device" >/dev/null
+check_files "$device"
 nbd-client -d "$device"
 step "done"

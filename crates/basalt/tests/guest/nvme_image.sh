@@ -26,14 +26,6 @@ fail() {
 # shellcheck source=common.sh
 source /basalt/common.sh
 
-# Asks the host for WHAT on the trigger connection and waits for ANSWER.
-ask_host() {
-  local what="$1" want="$2" answer
-  echo "$what" >&3
-  read -r answer <&3 || fail "the host did not answer '$what'"
-  [ "$answer" = "$want" ] || fail "the host answered '$what' with '$answer'"
-}
-
 modprobe nvme-tcp
 exec 3<>"/dev/tcp/$host/$trigger"
 
@@ -55,16 +47,7 @@ echo "discard_max_bytes $seen, discard_max_hw_bytes $(cat "/sys/block/$name/queu
 write=(--name=write --filename="$device" --direct=1 --ioengine=libaio --iodepth=16
   --rw=randwrite --bs=4k --size=48M --verify=crc32c --verify_fatal=1 --randseed=4321)
 step "fio randwrite with crc32c verify while the busiest leader is killed"
-fio "${write[@]}" --do_verify=1 --output=/tmp/fio-write >/dev/null &
-fio_pid=$!
-sleep 2
-kill -0 "$fio_pid" 2>/dev/null || fail "fio ended before the kill: nothing was tested"
-ask_host kill killed
-wait "$fio_pid" || {
-  cat /tmp/fio-write >&2
-  fail "fio failed"
-}
-grep -E 'IOPS|err=|clat \(' /tmp/fio-write
+fio_while_host kill killed "${write[@]}"
 
 step "the killed OSD restarts and catches up; every block verifies again"
 ask_host restart caught-up
@@ -76,26 +59,11 @@ second=(--name=second --filename="$device" --direct=1 --ioengine=libaio --iodept
   --rw=randwrite --bs=4k --offset=64M --size=32M --verify=crc32c --verify_fatal=1
   --randseed=8765)
 step "fio randwrite with crc32c verify while the target is killed and restarted"
-fio "${second[@]}" --do_verify=1 --output=/tmp/fio-second >/dev/null &
-fio_pid=$!
-sleep 2
-kill -0 "$fio_pid" 2>/dev/null || fail "fio ended before the target's kill: nothing was tested"
-ask_host restart-target restarted
-wait "$fio_pid" || {
-  cat /tmp/fio-second >&2
-  fail "fio failed across the target's restart"
-}
-grep -E 'IOPS|err=|clat \(' /tmp/fio-second
+fio_while_host restart-target restarted "${second[@]}"
 fio "${write[@]}" --verify_only | grep -E 'err='
 
 step "write zeroes (blkdiscard -z) reads back as zeroes, and only there"
-head -c $((3 << 20)) /dev/urandom >/tmp/random
-dd if=/tmp/random of="$device" bs=1M seek=128 oflag=direct status=none
-blkdiscard -z -o $((129 << 20)) -l $((1 << 20)) "$device"
-expect_zeroes "$device" $((129 * 256)) 256
-dd if="$device" bs=1M skip=128 count=3 iflag=direct status=none >/tmp/read
-cmp -n $((1 << 20)) /tmp/random /tmp/read || fail "the MiB before the zeroes changed"
-cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)) || fail "the MiB after the zeroes changed"
+zero_a_mib "$device" 128 -z
 
 step "blkdiscard of the whole image reads back as zeroes"
 blkdiscard "$device"

@@ -80,23 +80,14 @@ nvme write-zeroes "$device" -n 1 -s $((13000 * 8)) -c $((32 * 8 - 1))
 expect_zeroes "$device" 13000 32
 
 step "ext4: mkfs, files, checksums across unmount and remount"
-mkfs.ext4 -q -F "$device"
-mount -t ext4 "$device" /mnt
-write_files_and_trim 15
-umount /mnt
-mount -t ext4 "$device" /mnt
-(cd /mnt && sha256sum -c /tmp/sums)
-umount /mnt
+ext4_files "$device" 15
 
 step "disconnect and reconnect: the files are still there"
 nvme disconnect -n "$nqn"
 for _ in $(seq 50); do [ -b "$device" ] || break; sleep 0.1; done
 nvme connect -t tcp -a "$host" -s "$port" -n "$nqn"
 device="$(device_of "$nqn" 1)"
-mount -t ext4 "$device" /mnt
-(cd /mnt && sha256sum -c /tmp/sums)
-umount /mnt
-fsck.ext4 -n -f "$device" >/dev/null
+check_files "$device"
 
 step "a namespace hot-added on the target shows up"
 exec 3<>"/dev/tcp/$host/$trigger"

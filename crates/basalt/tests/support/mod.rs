@@ -365,6 +365,23 @@ impl ClusterProcesses {
         Self::start_with_mons(dir, osds, 1)
     }
 
+    /// Three OSDs and a 3-replica pool `rbd` of 16 PGs holding the image `rbd/vol` of
+    /// `size` bytes (of `object_size` bytes objects, or the default), once every PG is
+    /// clean.
+    pub fn start_with_image(dir: &Path, size: u64, object_size: Option<u64>) -> Self {
+        let cluster = Self::start(dir, 3);
+        cluster.cli_ok(&["pool", "create", "rbd", "--pg-count", "16", "--size", "3"]);
+        let size = size.to_string();
+        let mut create = vec!["image", "create", "rbd/vol", "--size", &size];
+        let object_size = object_size.map(|bytes| bytes.to_string());
+        if let Some(bytes) = &object_size {
+            create.extend(["--object-size", bytes]);
+        }
+        cluster.cli_ok(&create);
+        cluster.wait_clean(Duration::from_secs(60));
+        cluster
+    }
+
     /// The same with `mons` monitors.
     pub fn start_with_mons(dir: &Path, osds: usize, mons: usize) -> Self {
         let mon_addresses: Vec<String> = (0..mons)
@@ -623,6 +640,31 @@ impl ClusterProcesses {
                 })
             })
         });
+    }
+
+    /// A guest's request about OSDs: "kill" kills the OSD that leads the most PGs (answered
+    /// "killed"; `killed` keeps its process), "restart" starts it again and waits until
+    /// its replicas equal the others' ("caught-up").
+    pub fn guest_request(&mut self, request: &str, killed: &mut Option<usize>) -> &'static str {
+        match request {
+            "kill" => {
+                let victim = self.busiest_leader();
+                let process = self.osd_process(victim);
+                eprintln!("killing osd.{victim} (process {process})");
+                self.kill_osd(process);
+                *killed = Some(process);
+                "killed"
+            }
+            "restart" => {
+                let process = killed.take().expect("an OSD was killed first");
+                self.start_osd(process);
+                self.wait_osds_up(self.osds.len());
+                self.wait_clean(Duration::from_secs(60));
+                self.wait_replicas_equal(Duration::from_secs(60));
+                "caught-up"
+            }
+            other => panic!("unknown request from the guest: {other:?}"),
+        }
     }
 
     /// The OSD id that leads the most PGs.
@@ -1127,4 +1169,67 @@ pub fn check_guest(
     if std::env::var_os("BASALT_SHOW_GUEST").is_some() {
         eprintln!("{console}");
     }
+}
+
+/// Runs the guest of `command` (scripts/guest/run.sh and its arguments), its console to
+/// `console`, serving the requests its script sends on a connection to `trigger`: one
+/// line each, answered with the line `serve` returns. Returns the guest's exit status and
+/// console once it ends.
+pub fn run_guest_serving(
+    mut command: Command,
+    trigger: std::net::TcpListener,
+    console: &Path,
+    mut serve: impl FnMut(&str) -> &'static str,
+) -> (std::process::ExitStatus, String) {
+    use std::io::{BufRead, BufReader};
+    let file = std::fs::File::create(console).expect("console file");
+    let mut guest = command
+        .env("BASALT_GUEST_TIMEOUT", "600")
+        .stdout(file.try_clone().expect("console file"))
+        .stderr(file)
+        .spawn()
+        .expect("run the guest");
+    trigger.set_nonblocking(true).expect("nonblocking");
+    let mut requests = None;
+    let mut line = String::new();
+    let status = loop {
+        if let Some(status) = guest.try_wait().expect("the guest's status") {
+            break status;
+        }
+        let Some((reader, stream)) = requests.as_mut() else {
+            match trigger.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(false).expect("blocking");
+                    stream
+                        .set_read_timeout(Some(Duration::from_millis(100)))
+                        .expect("read timeout");
+                    let reader = BufReader::new(stream.try_clone().expect("clone"));
+                    requests = Some((reader, stream));
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(error) => panic!("accept: {error}"),
+            }
+            continue;
+        };
+        match reader.read_line(&mut line) {
+            Ok(0) => requests = None,
+            Ok(_) => {
+                let answer = serve(line.trim());
+                let stream: &mut std::net::TcpStream = stream;
+                stream
+                    .write_all(format!("{answer}\n").as_bytes())
+                    .expect("answer the guest");
+                line.clear();
+            }
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(error) => panic!("the guest's requests: {error}"),
+        }
+    };
+    (status, std::fs::read_to_string(console).unwrap_or_default())
 }
