@@ -269,3 +269,75 @@ fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
     support::check_guest(status, &console, "nvme_image: done", || target.log_text());
     target.stop();
 }
+
+/// Two `basalt target` processes as two paths to one image: each exports it as namespace 1
+/// (the same UUID) of the same subsystem, with controller ids of its own
+/// (`min_cntlid`/`max_cntlid`, as with SPDK), and Linux's native multipath puts both under
+/// one block device (`tests/guest/nvme_multipath.sh`). fio's verified writes, sent down
+/// both paths in turn, ride out a `kill -9` of one target: Linux sends the commands it had
+/// under way there down the other.
+#[test]
+fn two_targets_are_two_paths_to_an_image() {
+    let _guest = GUEST
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = ScratchDir::new("nvme-guest-multipath");
+    let cluster = support::ClusterProcesses::start_with_image(&dir.path, 128 << 20, None);
+    let nqn = "nqn.2016-06.io.basalt:paths";
+    let uuid = "5e4c8a3f-61d2-4b7e-9a0c-2f18d6b4e701";
+    let start = |name: &str, cntlids: (u16, u16)| {
+        let own = dir.join(name);
+        std::fs::create_dir_all(&own).expect("target dir");
+        let target = TargetProcess::start(&own, &[]);
+        target.rpc_ok(
+            "bdev_basalt_create",
+            json!({"name": "img", "pool": "rbd", "image": "vol", "uuid": uuid,
+                "mons": cluster.mon_addresses()}),
+        );
+        target.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
+        target.rpc_ok(
+            "nvmf_create_subsystem",
+            json!({"nqn": nqn, "allow_any_host": true, "serial_number": "BASALTPATHS1",
+                "min_cntlid": cntlids.0, "max_cntlid": cntlids.1}),
+        );
+        target.rpc_ok(
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": nqn, "namespace": {"bdev_name": "img", "nsid": 1}}),
+        );
+        target.rpc_ok(
+            "nvmf_subsystem_add_listener",
+            json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "adrfam": "IPv4",
+                "traddr": "127.0.0.1", "trsvcid": "0"}}),
+        );
+        let subsystems = target.rpc_ok("nvmf_get_subsystems", json!({"nqn": nqn}));
+        let port = subsystems[0]["listen_addresses"][0]["trsvcid"]
+            .as_str()
+            .expect("trsvcid")
+            .to_string();
+        (target, port)
+    };
+    let (mut a, port_a) = start("a", (1, 999));
+    let (b, port_b) = start("b", (1000, 1999));
+
+    let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
+    let trigger_port = trigger.local_addr().expect("address").port().to_string();
+    let mut guest = Command::new(RUN);
+    guest.args([
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_multipath.sh"),
+        &port_a,
+        &port_b,
+        nqn,
+        &trigger_port,
+    ]);
+    let (status, console) =
+        support::run_guest_serving(guest, trigger, &dir.join("console.txt"), |request| {
+            assert_eq!(request, "kill-a", "unknown request from the guest");
+            a.child.kill().expect("kill -9 target A");
+            a.child.wait().expect("the killed target");
+            "killed"
+        });
+    support::check_guest(status, &console, "nvme_multipath: done", || {
+        format!("A:\n{}\nB:\n{}", a.log_text(), b.log_text())
+    });
+    b.stop();
+}

@@ -1,6 +1,14 @@
 # shellcheck shell=bash
 # Functions the guest scripts of the tests share; scripts/guest/run.sh puts this
-# file beside the script as /basalt/common.sh.
+# file beside the script as /basalt/common.sh. A script sets `script_name` (its name in
+# messages) before it sources this file.
+
+step() { echo "${script_name:-guest}: $*"; }
+
+fail() {
+  echo "${script_name:-guest}: $*" >&2
+  exit 1
+}
 
 # The block device of namespace NSID of subsystem NQN, once it exists (no udev here).
 device_of() {

@@ -10,12 +10,7 @@ export_name="$2"
 size="$3"
 host=10.0.2.2
 device=/dev/nbd0
-step() { echo "nbd_kernel: $*"; }
-fail() {
-  echo "nbd_kernel: $*" >&2
-  exit 1
-}
-
+script_name=nbd_kernel
 # shellcheck source=common.sh
 source /basalt/common.sh
 

@@ -17,12 +17,7 @@ trigger="$3"
 size="$4"
 discard="$5"
 host=10.0.2.2
-step() { echo "nvme_image: $*"; }
-fail() {
-  echo "nvme_image: $*" >&2
-  exit 1
-}
-
+script_name=nvme_image
 # shellcheck source=common.sh
 source /basalt/common.sh
 

@@ -13,7 +13,7 @@ nqn="$2"
 restricted="$3"
 trigger="$4"
 host=10.0.2.2
-step() { echo "nvme_tcp: $*"; }
+script_name=nvme_tcp
 
 # shellcheck source=common.sh
 source /basalt/common.sh

@@ -7,7 +7,7 @@
 set -euo pipefail
 size="$1"
 serial="$2"
-step() { echo "vhost_blk: $*"; }
+script_name=vhost_blk
 # shellcheck source=common.sh
 source /basalt/common.sh
 

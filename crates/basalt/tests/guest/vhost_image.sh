@@ -14,12 +14,7 @@ trigger="$1"
 size="$2"
 discard="$3"
 device=/dev/vda
-step() { echo "vhost_image: $*"; }
-fail() {
-  echo "vhost_image: $*" >&2
-  exit 1
-}
-
+script_name=vhost_image
 # shellcheck source=common.sh
 source /basalt/common.sh
 
