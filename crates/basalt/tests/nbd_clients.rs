@@ -352,6 +352,11 @@ fn target_metrics_count_what_clients_do() {
         0.0,
         "{nvmf}"
     );
+    assert_eq!(
+        metric(&nvmf, "basalt_target_nvmf_parked_commands"),
+        0.0,
+        "{nvmf}"
+    );
 }
 
 /// A tmpfs mounted for a test, unmounted (lazily) when dropped.

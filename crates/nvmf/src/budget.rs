@@ -9,9 +9,11 @@
 //! than this. Waiters are served in order (a fair semaphore): a large command is not
 //! starved by small ones, and a release wakes only the waiter it serves.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -25,6 +27,8 @@ pub type DataWait = Pin<Box<dyn Future<Output = DataPermit> + Send>>;
 pub struct DataBudget {
     limit: u32,
     bytes: Arc<Semaphore>,
+    /// Commands parked on every connection ([`Parked`]).
+    parked: AtomicU64,
 }
 
 impl DataBudget {
@@ -34,7 +38,13 @@ impl DataBudget {
         Arc::new(Self {
             limit,
             bytes: Arc::new(Semaphore::new(limit as usize)),
+            parked: AtomicU64::new(0),
         })
+    }
+
+    /// Commands that every connection holds parked until bytes come back.
+    pub fn parked(&self) -> u64 {
+        self.parked.load(Ordering::Relaxed)
     }
 
     /// Its size in bytes.
@@ -70,6 +80,67 @@ impl DataBudget {
     }
 }
 
+/// The commands one connection parked while the first of them waits for bytes of the
+/// budget, in order; counted in the budget's [`DataBudget::parked`] until they start or
+/// the queue goes.
+pub struct Parked<T> {
+    queue: VecDeque<T>,
+    budget: Arc<DataBudget>,
+}
+
+impl<T> Parked<T> {
+    /// An empty queue counted in `budget`.
+    pub fn new(budget: Arc<DataBudget>) -> Self {
+        Self {
+            queue: VecDeque::new(),
+            budget,
+        }
+    }
+
+    /// Parks `command` last.
+    pub fn push_back(&mut self, command: T) {
+        self.budget.parked.fetch_add(1, Ordering::Relaxed);
+        self.queue.push_back(command);
+    }
+
+    /// The first parked command, taken off to start.
+    pub fn pop_front(&mut self) -> Option<T> {
+        let command = self.queue.pop_front();
+        if command.is_some() {
+            self.budget.parked.fetch_sub(1, Ordering::Relaxed);
+        }
+        command
+    }
+
+    /// The first parked command.
+    pub fn front(&self) -> Option<&T> {
+        self.queue.front()
+    }
+
+    /// How many are parked.
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Whether none is parked.
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Gives up every parked command.
+    pub fn clear(&mut self) {
+        let count = self.queue.len() as u64;
+        self.budget.parked.fetch_sub(count, Ordering::Relaxed);
+        self.queue.clear();
+    }
+}
+
+impl<T> Drop for Parked<T> {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +163,25 @@ mod tests {
         assert_eq!(budget.in_use(), 100);
         drop(all);
         assert_eq!(budget.in_use(), 0);
+    }
+
+    #[test]
+    fn parked_commands_are_counted_until_they_start_or_their_queue_goes() {
+        let budget = DataBudget::new(100);
+        let mut first = Parked::new(budget.clone());
+        let mut second = Parked::new(budget.clone());
+        first.push_back(1);
+        first.push_back(2);
+        second.push_back(3);
+        assert_eq!(budget.parked(), 3);
+        assert_eq!(first.pop_front(), Some(1));
+        assert_eq!(budget.parked(), 2);
+        second.clear();
+        assert_eq!(budget.parked(), 1);
+        drop(first);
+        assert_eq!(budget.parked(), 0);
+        assert_eq!(second.pop_front(), None);
+        assert_eq!(budget.parked(), 0);
     }
 
     /// A waiter is served before later takers: bytes given back go to it first, even

@@ -9,7 +9,7 @@
 //! Once the connection ends (the host gone, the controller torn down, a fatal error),
 //! commands still under way are given up unanswered (see the end of [`serve`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::poll_fn;
 use std::io;
 use std::sync::Arc;
@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::budget::{DataBudget, DataPermit, DataWait};
+use crate::budget::{DataBudget, DataPermit, DataWait, Parked};
 use crate::command::*;
 use crate::completion::{Cqe, Status};
 use crate::controller::{Controller, ErrorSite, Response};
@@ -106,7 +106,7 @@ struct Connection {
     /// (their in-capsule data copied): the PDUs after them are read meanwhile, so that the
     /// write data of commands under way, which gives bytes back, is never stuck behind
     /// them.
-    parked: VecDeque<(Sqe, Vec<u8>)>,
+    parked: Parked<(Sqe, Vec<u8>)>,
 }
 
 /// Serves one connection accepted on `via`.
@@ -138,12 +138,12 @@ pub async fn serve(
         sq_head: 0,
         reading: true,
         terminating: false,
+        parked: Parked::new(budget.clone()),
         budget,
         transfer_timeout,
         permit: None,
         waiting: None,
         granted: None,
-        parked: VecDeque::new(),
     };
     let connect_deadline = Instant::now() + CONNECT_TIMEOUT;
     let half = (transfer_timeout / 2).max(Duration::from_millis(1));

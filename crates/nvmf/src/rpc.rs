@@ -199,7 +199,11 @@ async fn dispatch(
                     "current_admin_qpairs": counters.current_admin_qpairs.load(Ordering::Relaxed),
                     "current_io_qpairs": counters.current_io_qpairs.load(Ordering::Relaxed),
                     "pending_bdev_io": 0,
-                    "transports": [{"trtype": "TCP"}],
+                    "transports": [{
+                        "trtype": "TCP",
+                        // Commands waiting for the transport's data budget.
+                        "pending_data_buffer": target.data_budget().map_or(0, |budget| budget.parked()),
+                    }],
                 }],
             }))
         }

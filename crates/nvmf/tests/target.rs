@@ -548,6 +548,15 @@ async fn commands_wait_for_the_transports_data_budget() {
         !read.is_finished(),
         "the read waits for bytes of the budget"
     );
+    assert_eq!(budget.parked(), 1, "the read is parked");
+    let stats = rpc(&fixture, "nvmf_get_stats", Value::Null)
+        .await
+        .expect("stats");
+    assert_eq!(
+        stats["poll_groups"][0]["transports"][0]["pending_data_buffer"],
+        json!(1),
+        "{stats}"
+    );
     gate.open();
     for write in writes {
         write.await.expect("task").expect("write");
@@ -572,6 +581,7 @@ async fn commands_wait_for_the_transports_data_budget() {
         assert_eq!(back, pattern(n as u8 + 7, 8192));
     }
     assert_eq!(budget.in_use(), 0, "every command gave its bytes back");
+    assert_eq!(budget.parked(), 0, "none is parked");
 }
 
 /// A host that never sends the write data its R2Ts asked for loses its connection after

@@ -175,6 +175,13 @@ pub fn render(target: &Target) -> String {
             help,
             budget.limit() as f64,
         );
+        let help = "NVMe/TCP commands read and parked until the data budget has their bytes.";
+        e.single(
+            "basalt_target_nvmf_parked_commands",
+            gauge,
+            help,
+            budget.parked() as f64,
+        );
     }
     let subsystems: Vec<(String, usize, usize)> = target
         .nvmf
