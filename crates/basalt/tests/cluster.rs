@@ -800,11 +800,12 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         false,
         &["write -P 0x77 8M 1M", "write -P 0x44 12M 1M"],
     );
-    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x77);
-
     // Restarted, the OSD replays its log, finds the damaged data with intact batches after
-    // it, marks it damaged, goes on, and has its copy rebuilt from another replica.
+    // it, marks it damaged, goes on, and has its copy rebuilt from another replica. (The
+    // damage is done while the OSD is down: running, its background scrubs could find it
+    // first.)
     cluster.kill_osd(1);
+    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x77);
     let repairs_before = repairs_of_osd_1(&cluster);
     cluster.start_osd(1);
     let why = ["replay found data in the batch of lsn", "damaged at rest"];
@@ -822,21 +823,25 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         &["write -P 0x22 10M 1M", "write -P 0x23 11M 1M"],
     );
     cluster.wait_replicas_equal(Duration::from_secs(60));
-    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x22);
     for n in 0..3 {
         cluster.kill_osd(n);
     }
+    flip_a_byte_in_a_block_of(&dir.join("osd.1").join("osd.log"), 0x22);
     let asked = |cluster: &ClusterProcesses| {
         let log = cluster.log_text("osd.1");
         log.matches("checkpoint written as asked").count()
     };
     let checkpoints_before = asked(&cluster);
     cluster.start_osd(1);
-    wait_for(
-        "a checkpoint past the damage",
-        Duration::from_secs(60),
-        || asked(&cluster) > checkpoints_before,
-    );
+    let started = Instant::now();
+    while asked(&cluster) <= checkpoints_before {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no checkpoint past the damage: {}",
+            cluster.log_text("osd.1")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     cluster.kill_osd(1);
     let repairs_before = repairs_of_osd_1(&cluster);
     // (The damaged one first: if its log reads the damage, it waits for the others.)
@@ -854,8 +859,8 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         false,
         &["write -P 0x66 14M 1M", "write -P 0x55 15M 1M"],
     );
-    flip_a_byte_in_the_header_of_a_batch_of(&dir.join("osd.1").join("osd.log"), 0x66);
     cluster.kill_osd(1);
+    flip_a_byte_in_the_header_of_a_batch_of(&dir.join("osd.1").join("osd.log"), 0x66);
     // (Under `timeout`: an OSD that started would never end.)
     let refused = run(within(60)
         .args(["osd", "--mon", &cluster.mon_addresses()[0], "--data-dir"])
