@@ -256,6 +256,7 @@ fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
         &discard_bytes.to_string(),
     ]);
     let mut killed = None;
+    let killed_log = dir.join("target-killed.log");
     let (status, console) =
         support::run_guest_serving(guest, trigger, &dir.join("console.txt"), |request| {
             if request != "restart-target" {
@@ -263,10 +264,17 @@ fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
             }
             target.child.kill().expect("kill -9 the target");
             target.child.wait().expect("the killed target");
+            std::fs::rename(&target.log, &killed_log).expect("keep the killed target's log");
             target = TargetProcess::start(&dir.path, &["--config", config.to_str().expect("utf8")]);
             "restarted"
         });
-    support::check_guest(status, &console, "nvme_image: done", || target.log_text());
+    support::check_guest(status, &console, "nvme_image: done", || {
+        let killed = std::fs::read_to_string(&killed_log).unwrap_or_default();
+        format!(
+            "{killed}\n(the target started again:)\n{}",
+            target.log_text()
+        )
+    });
     target.stop();
 }
 

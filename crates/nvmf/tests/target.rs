@@ -304,6 +304,41 @@ async fn a_dataset_management_buffer_longer_than_its_ranges() {
         assert_eq!(data[..1024], pattern(5, 4096)[..1024], "left of the range");
         assert!(data[1024..3072].iter().all(|b| *b == 0), "the range");
         assert_eq!(data[3072..], pattern(5, 4096)[3072..], "right of the range");
+        // Every one of 256 ranges (every other block of 512) is read.
+        let written = pattern(6, 512 * 512);
+        for half in 0..2u64 {
+            let at = (half * 256 * 512) as usize;
+            host.write(
+                0,
+                1,
+                400 + half * 256,
+                written[at..at + 256 * 512].to_vec(),
+                BLOCK,
+                false,
+            )
+            .await
+            .expect("write");
+        }
+        let mut ranges = vec![0u8; 4096];
+        for (n, range) in ranges.chunks_exact_mut(16).enumerate() {
+            range[4..8].copy_from_slice(&1u32.to_le_bytes());
+            range[8..16].copy_from_slice(&(400 + 2 * n as u64).to_le_bytes());
+        }
+        host.io(0, dsm(256), ranges, 0).await.expect("256 ranges");
+        for half in 0..2u64 {
+            let data = host
+                .read(0, 1, 400 + half * 256, 256, BLOCK)
+                .await
+                .expect("read");
+            for (n, block) in data.chunks_exact(512).enumerate() {
+                let at = (half as usize * 256 + n) * 512;
+                if n % 2 == 0 {
+                    assert!(block.iter().all(|b| *b == 0), "block {at} discarded");
+                } else {
+                    assert_eq!(block, &written[at..at + 512], "block {at} kept");
+                }
+            }
+        }
         for (ranges, len) in [(2, 16), (1, 4112)] {
             let refused = host
                 .io(0, dsm(ranges), vec![0; len], 0)

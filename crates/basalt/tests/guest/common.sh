@@ -27,7 +27,7 @@ device_of() {
     done
     sleep 0.1
   done
-  echo "guest: no block device for namespace $nsid of $want_nqn" >&2
+  echo "${script_name:-guest}: no block device for namespace $nsid of $want_nqn" >&2
   nvme list >&2 || true
   return 1
 }
@@ -37,15 +37,14 @@ expect_zeroes() {
   local device="$1" offset="$2" count="$3"
   if ! dd if="$device" bs=4096 skip="$offset" count="$count" iflag=direct status=none |
     cmp -s - <(head -c $((count * 4096)) /dev/zero); then
-    echo "guest: blocks $offset+$count of $device are not zeroes" >&2
+    echo "${script_name:-guest}: blocks $offset+$count of $device are not zeroes" >&2
     return 1
   fi
 }
 
 # Writes three files of random data (TENTHS, twice and three times TENTHS tenths of a
 # MiB) to the ext4 filesystem mounted at /mnt and their checksums to /tmp/sums; then frees
-# 4 MiB and trims the free space (fstrim: the kernel merges free extents into discards of
-# several ranges).
+# 4 MiB and trims the free space (fstrim: a discard of each free extent).
 write_files_and_trim() {
   local tenths="$1" i
   for i in 1 2 3; do
@@ -63,11 +62,11 @@ ask_host() {
   local what="$1" want="$2" answer
   echo "$what" >&3
   if ! read -r answer <&3; then
-    echo "guest: the host did not answer '$what'" >&2
+    echo "${script_name:-guest}: the host did not answer '$what'" >&2
     return 1
   fi
   if [ "$answer" != "$want" ]; then
-    echo "guest: the host answered '$what' with '$answer'" >&2
+    echo "${script_name:-guest}: the host answered '$what' with '$answer'" >&2
     return 1
   fi
 }
@@ -85,31 +84,37 @@ zero_a_mib() {
   dd if="$device" bs=1M skip="$at" count=3 iflag=direct status=none >/tmp/read
   if ! cmp -n $((1 << 20)) /tmp/random /tmp/read ||
     ! cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)); then
-    echo "guest: blkdiscard $how changed data beside its MiB" >&2
+    echo "${script_name:-guest}: blkdiscard $how changed data beside its MiB" >&2
     return 1
   fi
 }
 
-# Runs fio with ARGs (a crc32c-verified write job) in the background, asks the host for
-# WHAT (answered ANSWER) 2 s in, while fio still writes, and fails unless fio then ends
-# its writes and their verification without an error.
+# Runs fio's writes with ARGs (a crc32c-verified write job) in the background and asks
+# the host for WHAT (answered ANSWER) 2 s in; fails unless fio was still writing when the
+# answer came (so that what the host did happened under the writes), then ends them
+# without an error, and they all verify.
 fio_while_host() {
   local what="$1" want="$2" pid
   shift 2
-  fio "$@" --do_verify=1 --output=/tmp/fio-out >/dev/null &
+  fio "$@" --do_verify=0 --output=/tmp/fio-out >/dev/null &
   pid=$!
   sleep 2
   if ! kill -0 "$pid" 2>/dev/null; then
-    echo "guest: fio ended before '$what': nothing was tested" >&2
+    echo "${script_name:-guest}: fio's writes ended before '$what': nothing was tested" >&2
     return 1
   fi
   ask_host "$what" "$want"
+  if ! kill -0 "$pid" 2>/dev/null; then
+    echo "${script_name:-guest}: fio's writes ended before the host's '$want': they may not have met it" >&2
+    return 1
+  fi
   if ! wait "$pid"; then
     cat /tmp/fio-out >&2
-    echo "guest: fio failed across '$what'" >&2
+    echo "${script_name:-guest}: fio failed across '$what'" >&2
     return 1
   fi
   grep -E 'IOPS|err=|clat \(' /tmp/fio-out
+  fio "$@" --verify_only | grep -E 'err='
 }
 
 # ext4 on DEVICE: mkfs, files written and trimmed as write_files_and_trim TENTHS does, and

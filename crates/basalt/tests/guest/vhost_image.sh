@@ -33,10 +33,11 @@ for limit in discard_max_bytes write_zeroes_max_bytes; do
   [ "$seen" = "$discard" ] || fail "$limit is $seen, not $discard"
 done
 
-# Two jobs, one per queue, of 4 KiB random writes verified by fio once all are written;
+# Two jobs, one per vCPU and so one per queue, of 4 KiB random writes verified by fio;
 # the OSD leading the most PGs dies while they go on.
 write=(--name=write --filename="$device" --direct=1 --ioengine=libaio --iodepth=16
   --rw=randwrite --bs=4k --size=24M --numjobs=2 --offset_increment=32M
+  --cpus_allowed=0-1 --cpus_allowed_policy=split
   --verify=crc32c --verify_fatal=1 --randseed=4321 --group_reporting)
 step "fio randwrite with crc32c verify while the busiest leader is killed"
 fio_while_host kill killed "${write[@]}"

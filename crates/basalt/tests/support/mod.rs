@@ -1182,18 +1182,33 @@ pub fn run_guest_serving(
     mut serve: impl FnMut(&str) -> &'static str,
 ) -> (std::process::ExitStatus, String) {
     use std::io::{BufRead, BufReader};
+    /// The guest's run.sh, sent SIGTERM if the test fails while it runs (its trap stops
+    /// QEMU; SIGKILL would leave QEMU running until its timeout, into the next test).
+    struct Guest(std::process::Child);
+    impl Drop for Guest {
+        fn drop(&mut self) {
+            if let Ok(None) = self.0.try_wait() {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &self.0.id().to_string()])
+                    .status();
+                let _ = self.0.wait();
+            }
+        }
+    }
     let file = std::fs::File::create(console).expect("console file");
-    let mut guest = command
-        .env("BASALT_GUEST_TIMEOUT", "600")
-        .stdout(file.try_clone().expect("console file"))
-        .stderr(file)
-        .spawn()
-        .expect("run the guest");
+    let mut guest = Guest(
+        command
+            .env("BASALT_GUEST_TIMEOUT", "600")
+            .stdout(file.try_clone().expect("console file"))
+            .stderr(file)
+            .spawn()
+            .expect("run the guest"),
+    );
     trigger.set_nonblocking(true).expect("nonblocking");
     let mut requests = None;
     let mut line = String::new();
     let status = loop {
-        if let Some(status) = guest.try_wait().expect("the guest's status") {
+        if let Some(status) = guest.0.try_wait().expect("the guest's status") {
             break status;
         }
         let Some((reader, stream)) = requests.as_mut() else {
@@ -1213,14 +1228,19 @@ pub fn run_guest_serving(
             }
             continue;
         };
+        // A connection that ends or fails is dropped: the guest's exit status and console
+        // then tell what happened.
         match reader.read_line(&mut line) {
-            Ok(0) => requests = None,
+            Ok(0) => {
+                requests = None;
+                line.clear();
+            }
             Ok(_) => {
                 let answer = serve(line.trim());
                 let stream: &mut std::net::TcpStream = stream;
-                stream
-                    .write_all(format!("{answer}\n").as_bytes())
-                    .expect("answer the guest");
+                if stream.write_all(format!("{answer}\n").as_bytes()).is_err() {
+                    requests = None;
+                }
                 line.clear();
             }
             Err(error)
@@ -1228,7 +1248,10 @@ pub fn run_guest_serving(
                     error.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) => {}
-            Err(error) => panic!("the guest's requests: {error}"),
+            Err(_) => {
+                requests = None;
+                line.clear();
+            }
         }
     };
     (status, std::fs::read_to_string(console).unwrap_or_default())
