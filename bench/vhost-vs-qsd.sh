@@ -12,7 +12,8 @@
 # cpumask, e.g. 0x1: its requests and its vring thread on CPU 0; default: none), FIRST
 # (basalt or qsd: which runs first in each case, default basalt), ROUNDS (runs of each
 # case per server, default 1; the first runs first in odd rounds, second in even ones; the
-# table shows medians and each round's ratio).
+# table shows medians and each round's ratio), QUEUES (virtqueues of each disk, default 1;
+# with 2, QD32 runs as two fio jobs of depth 16, one per guest vCPU and so one per queue).
 set -euo pipefail
 
 if [ "${1:-}" != "--guest" ]; then
@@ -20,6 +21,7 @@ if [ "${1:-}" != "--guest" ]; then
     REPO_ROOT=$(cd "$SCRIPT_DIR/.." && pwd)
     REPORT=${1:-}
     SIZE_MIB=${SIZE_MIB:-256}
+    QUEUES=${QUEUES:-1}
     RUNTIME=${RUNTIME:-10}
     BASALT=${BASALT:-$REPO_ROOT/target/release/basalt}
     [ -x "$BASALT" ] || (cd "$REPO_ROOT" && cargo build --release -p basalt) >&2
@@ -36,10 +38,10 @@ if [ "${1:-}" != "--guest" ]; then
     for _ in $(seq 100); do [ -S "$work/rpc.sock" ] && break; sleep 0.1; done
     rpc() { "$BASALT" rpc -s "$work/rpc.sock" "$@" >/dev/null; }
     rpc bdev_uring_create "{\"filename\":\"$work/basalt.img\",\"name\":\"disk\",\"block_size\":512}"
-    rpc vhost_create_blk_controller "{\"ctrlr\":\"vhost.0\",\"dev_name\":\"disk\",\"max_queues\":1${CPUMASK:+,\"cpumask\":\"$CPUMASK\"}}"
+    rpc vhost_create_blk_controller "{\"ctrlr\":\"vhost.0\",\"dev_name\":\"disk\",\"max_queues\":$QUEUES${CPUMASK:+,\"cpumask\":\"$CPUMASK\"}}"
     qemu-storage-daemon \
         --blockdev "driver=file,node-name=file0,filename=$work/qsd.img,cache.direct=on,aio=io_uring" \
-        --export "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path=$work/qsd.sock,writable=on,num-queues=1" \
+        --export "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path=$work/qsd.sock,writable=on,num-queues=$QUEUES" \
         >"$work/qsd.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 100); do [ -S "$work/qsd.sock" ] && [ -S "$work/vhost.0" ] && break; sleep 0.1; done
@@ -67,13 +69,13 @@ if [ "${1:-}" != "--guest" ]; then
         esac
     done <"$work/marks" &
     watcher=$!
-    BASALT_GUEST_TIMEOUT=$((1200 * ${ROUNDS:-1})) "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" "${FIRST:-basalt}" "${ROUNDS:-1}" -- \
-        -chardev "socket,id=vu0,path=$work/vhost.0" -device vhost-user-blk-pci,chardev=vu0,num-queues=1 \
-        -chardev "socket,id=vu1,path=$work/qsd.sock" -device vhost-user-blk-pci,chardev=vu1,num-queues=1 \
+    BASALT_GUEST_TIMEOUT=$((1200 * ${ROUNDS:-1})) "$REPO_ROOT/scripts/guest/run.sh" "$0" --guest "$RUNTIME" "${FIRST:-basalt}" "${ROUNDS:-1}" "$QUEUES" -- \
+        -chardev "socket,id=vu0,path=$work/vhost.0" -device vhost-user-blk-pci,chardev=vu0,num-queues="$QUEUES" \
+        -chardev "socket,id=vu1,path=$work/qsd.sock" -device vhost-user-blk-pci,chardev=vu1,num-queues="$QUEUES" \
         | tee "$console" "$work/marks" >&2
     wait "$watcher"
     {
-        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, ${FIRST:-basalt} first, ${ROUNDS:-1} round(s), TCG guest, files on the host)"
+        echo "# vhost-user-blk: Basalt vs qemu-storage-daemon ($(date -u +%Y-%m-%d), commit $(git -C "$REPO_ROOT" rev-parse --short HEAD), ${RUNTIME}s per run${CPUMASK:+, cpumask $CPUMASK}, $QUEUES queue(s) per disk, ${FIRST:-basalt} first, ${ROUNDS:-1} round(s), TCG guest, files on the host)"
         echo
         echo "| case | qemu-storage-daemon IOPS | qsd mean µs | Basalt IOPS | Basalt mean µs | Basalt / qsd |"
         echo "|---|---:|---:|---:|---:|---:|"
@@ -112,6 +114,7 @@ runtime=$2
 first="basalt qsd"
 [ "${3:-basalt}" = qsd ] && first="qsd basalt"
 rounds=${4:-1}
+queues=${5:-1}
 # Interrupts the guest took from a disk's request queues (/proc/interrupts, all CPUs).
 irqs() {
   local virtio
@@ -132,9 +135,13 @@ for rw in randread randwrite; do
         [ "$who" = qsd ] && device=/dev/vdb
         echo "BEGIN $who $rw $qd"
         irqs_before=$(irqs "$device")
+        # Several queues: as many jobs, one per vCPU, sharing the depth.
+        jobs=(--numjobs=1)
+        [ "$queues" -gt 1 ] && [ "$qd" -ge "$queues" ] &&
+          jobs=(--numjobs="$queues" --group_reporting --cpus_allowed=0-$((queues - 1)) --cpus_allowed_policy=split)
         line=$(timeout $((runtime * 3 + 60)) fio --name=bench --filename="$device" --direct=1 \
-          --ioengine=libaio --iodepth="$qd" --rw="$rw" --bs=4k --runtime="$runtime" --time_based \
-          --ramp_time=2 --minimal)
+          --ioengine=libaio --iodepth=$((qd / ${jobs[0]#--numjobs=})) "${jobs[@]}" \
+          --rw="$rw" --bs=4k --runtime="$runtime" --time_based --ramp_time=2 --minimal)
         if [ "$rw" = randread ]; then
           echo "$line" | awk -F';' -v who="$who" -v rw="$rw" -v qd="$qd" '{ printf "RESULT %s %s %s %s %s\n", who, rw, qd, $8, $40 }'
         else
