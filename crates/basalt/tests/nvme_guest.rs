@@ -70,32 +70,23 @@ fn the_linux_initiator_uses_the_target() {
         json!({"nqn": RESTRICTED_NQN, "listen_address": {"trtype": "TCP", "traddr": "127.0.0.1", "trsvcid": port}}),
     );
 
-    // The guest connects here when it wants namespace 2 added to its subsystem.
-    let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
-    let trigger_port = trigger.local_addr().expect("address").port();
-    let socket = target.socket.clone();
-    let hot_add = std::thread::spawn(move || {
-        let (stream, _) = trigger.accept().expect("the guest asks for a namespace");
-        let answer = support::rpc_call(
-            &socket,
-            "nvmf_subsystem_add_ns",
-            json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc1", "nsid": 2}}),
-        );
-        assert_eq!(answer["result"], json!(2), "{answer}");
-        let mut stream = stream;
-        stream.write_all(b"added\n").expect("answer the guest");
-        let mut line = String::new();
-        let _ = BufReader::new(stream).read_line(&mut line);
-    });
-
-    let trigger_port = trigger_port.to_string();
-    support::run_guest(
-        "nvme_tcp.sh",
-        &[&port, NQN, RESTRICTED_NQN, &trigger_port],
-        "nvme_tcp: done",
-        || target.log_text(),
-    );
-    hot_add.join().expect("hot add");
+    // The guest asks for namespace 2 to be added to its subsystem while it is connected.
+    let guest = |trigger_port: u16| {
+        let mut command = support::guest_command("nvme_tcp.sh");
+        command.args([&port, NQN, RESTRICTED_NQN, &trigger_port.to_string()]);
+        command
+    };
+    let (status, console) =
+        support::run_guest_serving(guest, &dir.join("console.txt"), |request| {
+            assert_eq!(request, "add-namespace", "unknown request from the guest");
+            let nsid = target.rpc_ok(
+                "nvmf_subsystem_add_ns",
+                json!({"nqn": NQN, "namespace": {"bdev_name": "Malloc1", "nsid": 2}}),
+            );
+            assert_eq!(nsid, json!(2));
+            "added"
+        });
+    support::check_guest(status, &console, "nvme_tcp: done", || target.log_text());
 
     // The controller went away with the guest's disconnect.
     support::wait_for("no controller left", Duration::from_secs(10), || {
@@ -243,27 +234,25 @@ fn linux_uses_an_image_over_nvme_tcp_through_crashes() {
 
     // The guest asks for the busiest leader to be killed, then restarted once fio is done,
     // then for the target to be killed and started again.
-    let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
-    let trigger_port = trigger.local_addr().expect("address").port();
-    let discard_bytes = 2_048 * OBJECT;
-    let mut guest = Command::new(RUN);
-    guest.args([
-        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_image.sh"),
-        &port.to_string(),
-        nqn,
-        &trigger_port.to_string(),
-        &SIZE.to_string(),
-        &discard_bytes.to_string(),
-    ]);
+    let guest = |trigger_port: u16| {
+        let mut command = support::guest_command("nvme_image.sh");
+        command.args([
+            port.to_string(),
+            nqn.to_string(),
+            trigger_port.to_string(),
+            SIZE.to_string(),
+            (2_048 * OBJECT).to_string(),
+        ]);
+        command
+    };
     let mut killed = None;
     let killed_log = dir.join("target-killed.log");
     let (status, console) =
-        support::run_guest_serving(guest, trigger, &dir.join("console.txt"), |request| {
+        support::run_guest_serving(guest, &dir.join("console.txt"), |request| {
             if request != "restart-target" {
                 return cluster.guest_request(request, &mut killed);
             }
-            target.child.kill().expect("kill -9 the target");
-            target.child.wait().expect("the killed target");
+            target.kill();
             std::fs::rename(&target.log, &killed_log).expect("keep the killed target's log");
             target = TargetProcess::start(&dir.path, &["--config", config.to_str().expect("utf8")]);
             "restarted"
@@ -302,46 +291,26 @@ fn two_targets_are_two_paths_to_an_image() {
             json!({"name": "img", "pool": "rbd", "image": "vol", "uuid": uuid,
                 "mons": cluster.mon_addresses()}),
         );
-        target.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
-        target.rpc_ok(
-            "nvmf_create_subsystem",
-            json!({"nqn": nqn, "allow_any_host": true, "serial_number": "BASALTPATHS1",
-                "min_cntlid": cntlids.0, "max_cntlid": cntlids.1}),
+        let port = target.start_nvmf_with(
+            nqn,
+            "img",
+            json!({"serial_number": "BASALTPATHS1", "min_cntlid": cntlids.0,
+                "max_cntlid": cntlids.1}),
         );
-        target.rpc_ok(
-            "nvmf_subsystem_add_ns",
-            json!({"nqn": nqn, "namespace": {"bdev_name": "img", "nsid": 1}}),
-        );
-        target.rpc_ok(
-            "nvmf_subsystem_add_listener",
-            json!({"nqn": nqn, "listen_address": {"trtype": "TCP", "adrfam": "IPv4",
-                "traddr": "127.0.0.1", "trsvcid": "0"}}),
-        );
-        let subsystems = target.rpc_ok("nvmf_get_subsystems", json!({"nqn": nqn}));
-        let port = subsystems[0]["listen_addresses"][0]["trsvcid"]
-            .as_str()
-            .expect("trsvcid")
-            .to_string();
-        (target, port)
+        (target, port.to_string())
     };
     let (mut a, port_a) = start("a", (1, 999));
     let (b, port_b) = start("b", (1000, 1999));
 
-    let trigger = TcpListener::bind("127.0.0.1:0").expect("trigger listener");
-    let trigger_port = trigger.local_addr().expect("address").port().to_string();
-    let mut guest = Command::new(RUN);
-    guest.args([
-        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/guest/nvme_multipath.sh"),
-        &port_a,
-        &port_b,
-        nqn,
-        &trigger_port,
-    ]);
+    let guest = |trigger_port: u16| {
+        let mut command = support::guest_command("nvme_multipath.sh");
+        command.args([&port_a, &port_b, nqn, &trigger_port.to_string()]);
+        command
+    };
     let (status, console) =
-        support::run_guest_serving(guest, trigger, &dir.join("console.txt"), |request| {
+        support::run_guest_serving(guest, &dir.join("console.txt"), |request| {
             assert_eq!(request, "kill-a", "unknown request from the guest");
-            a.child.kill().expect("kill -9 target A");
-            a.child.wait().expect("the killed target");
+            a.kill();
             "killed"
         });
     support::check_guest(status, &console, "nvme_multipath: done", || {

@@ -300,28 +300,25 @@ fn a_guest_runs_on_an_image_through_an_osd_crash() {
         json!({"ctrlr": "vhost.img", "dev_name": "img", "max_queues": 2}),
     );
 
-    let trigger = std::net::TcpListener::bind("127.0.0.1:0").expect("trigger listener");
-    let trigger_port = trigger.local_addr().expect("address").port();
-    let mut guest = Command::new(RUN);
-    guest
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/guest/vhost_image.sh"
-        ))
-        .args([
-            trigger_port.to_string(),
-            SIZE.to_string(),
-            (2_048 * OBJECT).to_string(),
-        ])
-        .arg("--")
-        .args([
-            "-chardev",
-            &format!("socket,id=vu0,path={}", sockets.join("vhost.img").display()),
-        ])
-        .args(["-device", "vhost-user-blk-pci,chardev=vu0,num-queues=2"]);
+    let guest = |trigger_port: u16| {
+        let mut command = support::guest_command("vhost_image.sh");
+        command
+            .args([
+                trigger_port.to_string(),
+                SIZE.to_string(),
+                (2_048 * OBJECT).to_string(),
+            ])
+            .arg("--")
+            .args([
+                "-chardev",
+                &format!("socket,id=vu0,path={}", sockets.join("vhost.img").display()),
+            ])
+            .args(["-device", "vhost-user-blk-pci,chardev=vu0,num-queues=2"]);
+        command
+    };
     let mut killed = None;
     let (status, console) =
-        support::run_guest_serving(guest, trigger, &dir.join("console.txt"), |request| {
+        support::run_guest_serving(guest, &dir.join("console.txt"), |request| {
             cluster.guest_request(request, &mut killed)
         });
     support::check_guest(status, &console, "vhost_image: done", || target.log_text());

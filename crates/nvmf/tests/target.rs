@@ -564,14 +564,12 @@ async fn commands_wait_for_the_transports_data_budget() {
     let first = Arc::new(connect().await.expect("connect"));
     let second = connect().await.expect("connect");
     let writes = spawn_writes(&first, 2, 2, 1);
-    let started = std::time::Instant::now();
-    while gate.started() < 2 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the writes reach the device"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until(
+        "the writes reach the device",
+        Duration::from_secs(5),
+        || gate.started() >= 2,
+    )
+    .await;
     let budget = fixture
         .target
         .data_budget()
@@ -644,14 +642,10 @@ async fn a_host_withholding_write_data_loses_its_connection() {
         .expect("connect");
     let writes = spawn_writes(&broken, 1, 2, 1);
     let budget = target.data_budget().expect("the transport's budget");
-    let started = std::time::Instant::now();
-    while budget.in_use() < 16384 {
-        assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "the R2Ts hold the budget"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until("the R2Ts hold the budget", Duration::from_secs(1), || {
+        budget.in_use() >= 16384
+    })
+    .await;
     let data = pattern(9, 8192);
     let write = {
         let data = data.clone();

@@ -3,6 +3,9 @@
 # file beside the script as /basalt/common.sh. A script sets `script_name` (its name in
 # messages) before it sources this file.
 
+# The host, as the guest reaches it (QEMU's user-mode networking).
+host=10.0.2.2
+
 step() { echo "${script_name:-guest}: $*"; }
 
 fail() {
@@ -27,19 +30,16 @@ device_of() {
     done
     sleep 0.1
   done
-  echo "${script_name:-guest}: no block device for namespace $nsid of $want_nqn" >&2
   nvme list >&2 || true
-  return 1
+  fail "no block device for namespace $nsid of $want_nqn"
 }
 
 # Reads COUNT 4 KiB blocks at 4 KiB block OFFSET of DEVICE and fails unless all are zero.
 expect_zeroes() {
   local device="$1" offset="$2" count="$3"
-  if ! dd if="$device" bs=4096 skip="$offset" count="$count" iflag=direct status=none |
-    cmp -s - <(head -c $((count * 4096)) /dev/zero); then
-    echo "${script_name:-guest}: blocks $offset+$count of $device are not zeroes" >&2
-    return 1
-  fi
+  dd if="$device" bs=4096 skip="$offset" count="$count" iflag=direct status=none |
+    cmp -s - <(head -c $((count * 4096)) /dev/zero) ||
+    fail "blocks $offset+$count of $device are not zeroes"
 }
 
 # Writes three files of random data (TENTHS, twice and three times TENTHS tenths of a
@@ -57,18 +57,17 @@ write_files_and_trim() {
   fstrim -v /mnt
 }
 
-# Asks the host test for WHAT on the connection open as fd 3 and waits for ANSWER.
+# Opens the connection to the host test's requests, at PORT of the host, as fd 3.
+open_host_requests() {
+  exec 3<>"/dev/tcp/$host/$1"
+}
+
+# Asks the host test for WHAT on that connection and waits for ANSWER.
 ask_host() {
   local what="$1" want="$2" answer
   echo "$what" >&3
-  if ! read -r answer <&3; then
-    echo "${script_name:-guest}: the host did not answer '$what'" >&2
-    return 1
-  fi
-  if [ "$answer" != "$want" ]; then
-    echo "${script_name:-guest}: the host answered '$what' with '$answer'" >&2
-    return 1
-  fi
+  read -r answer <&3 || fail "the host did not answer '$what'"
+  [ "$answer" = "$want" ] || fail "the host answered '$what' with '$answer'"
 }
 
 # Writes 3 MiB of random data at MiB AT of DEVICE, zeroes the middle MiB with
@@ -82,11 +81,9 @@ zero_a_mib() {
   blkdiscard $how -o $(((at + 1) << 20)) -l $((1 << 20)) "$device"
   expect_zeroes "$device" $(((at + 1) * 256)) 256
   dd if="$device" bs=1M skip="$at" count=3 iflag=direct status=none >/tmp/read
-  if ! cmp -n $((1 << 20)) /tmp/random /tmp/read ||
-    ! cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)); then
-    echo "${script_name:-guest}: blkdiscard $how changed data beside its MiB" >&2
-    return 1
-  fi
+  cmp -n $((1 << 20)) /tmp/random /tmp/read &&
+    cmp /tmp/random /tmp/read $((2 << 20)) $((2 << 20)) ||
+    fail "blkdiscard $how changed data beside its MiB"
 }
 
 # Runs fio's writes with ARGs (a crc32c-verified write job) in the background and asks
@@ -99,20 +96,14 @@ fio_while_host() {
   fio "$@" --do_verify=0 --output=/tmp/fio-out >/dev/null &
   pid=$!
   sleep 2
-  if ! kill -0 "$pid" 2>/dev/null; then
-    echo "${script_name:-guest}: fio's writes ended before '$what': nothing was tested" >&2
-    return 1
-  fi
+  kill -0 "$pid" 2>/dev/null || fail "fio's writes ended before '$what': nothing was tested"
   ask_host "$what" "$want"
-  if ! kill -0 "$pid" 2>/dev/null; then
-    echo "${script_name:-guest}: fio's writes ended before the host's '$want': they may not have met it" >&2
-    return 1
-  fi
-  if ! wait "$pid"; then
+  kill -0 "$pid" 2>/dev/null ||
+    fail "fio's writes ended before the host's '$want': they may not have met it"
+  wait "$pid" || {
     cat /tmp/fio-out >&2
-    echo "${script_name:-guest}: fio failed across '$what'" >&2
-    return 1
-  fi
+    fail "fio failed across '$what'"
+  }
   grep -E 'IOPS|err=|clat \(' /tmp/fio-out
   fio "$@" --verify_only | grep -E 'err='
 }

@@ -8,7 +8,6 @@ set -euo pipefail
 port="$1"
 export_name="$2"
 size="$3"
-host=10.0.2.2
 device=/dev/nbd0
 script_name=nbd_kernel
 # shellcheck source=common.sh

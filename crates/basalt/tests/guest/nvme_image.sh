@@ -16,13 +16,12 @@ nqn="$2"
 trigger="$3"
 size="$4"
 discard="$5"
-host=10.0.2.2
 script_name=nvme_image
 # shellcheck source=common.sh
 source /basalt/common.sh
 
 modprobe nvme-tcp
-exec 3<>"/dev/tcp/$host/$trigger"
+open_host_requests "$trigger"
 
 step "connect"
 # Reconnecting a second after a lost connection (rather than Linux's default 10 s).

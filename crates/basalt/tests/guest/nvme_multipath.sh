@@ -12,13 +12,12 @@ port_a="$1"
 port_b="$2"
 nqn="$3"
 trigger="$4"
-host=10.0.2.2
 script_name=nvme_multipath
 # shellcheck source=common.sh
 source /basalt/common.sh
 
 modprobe nvme-tcp
-exec 3<>"/dev/tcp/$host/$trigger"
+open_host_requests "$trigger"
 
 step "connect to both targets: one namespace, two paths"
 nvme connect -t tcp -a "$host" -s "$port_a" -n "$nqn" --ctrl-loss-tmo=5 --reconnect-delay=1

@@ -5,14 +5,13 @@
 #   nvme_tcp.sh PORT NQN RESTRICTED_NQN TRIGGER_PORT
 #
 # NQN exports a 128 MiB namespace to any host; RESTRICTED_NQN allows one host that is not
-# this guest. A connection to TRIGGER_PORT asks the host test to hot-add namespace 2 to
-# NQN; it answers with a line once the namespace is added.
+# this guest. On a connection to TRIGGER_PORT the guest asks the host test to
+# "add-namespace" 2 to NQN; the host answers "added" once it is.
 set -euo pipefail
 port="$1"
 nqn="$2"
 restricted="$3"
 trigger="$4"
-host=10.0.2.2
 script_name=nvme_tcp
 
 # shellcheck source=common.sh
@@ -90,9 +89,8 @@ device="$(device_of "$nqn" 1)"
 check_files "$device"
 
 step "a namespace hot-added on the target shows up"
-exec 3<>"/dev/tcp/$host/$trigger"
-read -r answer <&3
-[ "$answer" = added ]
+open_host_requests "$trigger"
+ask_host add-namespace added
 second="$(device_of "$nqn" 2)"
 [ "$(blockdev --getsize64 "$second")" = $((32 << 20)) ]
 fio --name=second --filename="$second" --direct=1 --ioengine=libaio --iodepth=8 \

@@ -21,7 +21,7 @@ source /basalt/common.sh
 modprobe virtio_blk
 for _ in $(seq 100); do [ -b "$device" ] && break; sleep 0.1; done
 [ -b "$device" ] || fail "no $device"
-exec 3<>"/dev/tcp/10.0.2.2/$trigger"
+open_host_requests "$trigger"
 
 step "size, queues, and the discard limit the driver took"
 [ "$(blockdev --getsize64 "$device")" = "$size" ] ||

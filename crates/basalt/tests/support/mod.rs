@@ -171,11 +171,18 @@ impl TargetProcess {
     /// Creates the TCP transport and subsystem `nqn` (any host) with `bdev` as its
     /// namespace, listening on a free loopback port; returns the port.
     pub fn start_nvmf(&self, nqn: &str, bdev: &str) -> u16 {
+        self.start_nvmf_with(nqn, bdev, json!({}))
+    }
+
+    /// The same, with more parameters of `nvmf_create_subsystem` (`subsystem`, an object).
+    pub fn start_nvmf_with(&self, nqn: &str, bdev: &str, subsystem: Value) -> u16 {
         self.rpc_ok("nvmf_create_transport", json!({"trtype": "TCP"}));
-        self.rpc_ok(
-            "nvmf_create_subsystem",
-            json!({"nqn": nqn, "allow_any_host": true}),
-        );
+        let mut params = json!({"nqn": nqn, "allow_any_host": true});
+        params
+            .as_object_mut()
+            .expect("an object")
+            .extend(subsystem.as_object().expect("subsystem parameters").clone());
+        self.rpc_ok("nvmf_create_subsystem", params);
         self.rpc_ok(
             "nvmf_subsystem_add_ns",
             json!({"nqn": nqn, "namespace": {"bdev_name": bdev}}),
@@ -190,6 +197,12 @@ impl TargetProcess {
             .as_str()
             .and_then(|port| port.parse().ok());
         port.unwrap_or_else(|| panic!("no listener port in {subsystems}"))
+    }
+
+    /// Kills it with SIGKILL (a crash) and reaps it.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("kill -9 the target");
+        self.child.wait().expect("the killed target");
     }
 
     /// SIGTERM, then waits (30 s at most) for a clean exit.
@@ -1138,14 +1151,23 @@ pub fn nvmf_host(
 /// scripts/guest/run.sh: boots the test guest and runs a script in it.
 pub const GUEST_RUN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/guest/run.sh");
 
+/// scripts/guest/run.sh with `tests/guest/SCRIPT`, to which arguments are added.
+pub fn guest_command(script: &str) -> Command {
+    let mut command = Command::new(GUEST_RUN);
+    command
+        .arg(format!(
+            "{}/tests/guest/{script}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .env("BASALT_GUEST_TIMEOUT", "600");
+    command
+}
+
 /// Runs `tests/guest/SCRIPT` with `args` in the guest and returns its console; fails unless
 /// the script exits 0 and prints `done`, showing the console and `log()` (the target's).
 pub fn run_guest(script: &str, args: &[&str], done: &str, log: impl Fn() -> String) -> String {
-    let script = format!("{}/tests/guest/{script}", env!("CARGO_MANIFEST_DIR"));
-    let output = Command::new(GUEST_RUN)
-        .arg(script)
+    let output = guest_command(script)
         .args(args)
-        .env("BASALT_GUEST_TIMEOUT", "600")
         .output()
         .expect("run the guest");
     let console = String::from_utf8_lossy(&output.stdout).into_owned()
@@ -1171,13 +1193,12 @@ pub fn check_guest(
     }
 }
 
-/// Runs the guest of `command` (scripts/guest/run.sh and its arguments), its console to
-/// `console`, serving the requests its script sends on a connection to `trigger`: one
-/// line each, answered with the line `serve` returns. Returns the guest's exit status and
-/// console once it ends.
+/// Runs the guest of `command(port)` ([`guest_command`] and its arguments), its console to
+/// `console`, serving the requests its script sends on a connection to `port` on the
+/// host's loopback: one line each, answered with the line `serve` returns. Returns the
+/// guest's exit status and console once it ends.
 pub fn run_guest_serving(
-    mut command: Command,
-    trigger: std::net::TcpListener,
+    command: impl FnOnce(u16) -> Command,
     console: &Path,
     mut serve: impl FnMut(&str) -> &'static str,
 ) -> (std::process::ExitStatus, String) {
@@ -1195,10 +1216,11 @@ pub fn run_guest_serving(
             }
         }
     }
+    let trigger = std::net::TcpListener::bind("127.0.0.1:0").expect("trigger listener");
+    let port = trigger.local_addr().expect("address").port();
     let file = std::fs::File::create(console).expect("console file");
     let mut guest = Guest(
-        command
-            .env("BASALT_GUEST_TIMEOUT", "600")
+        command(port)
             .stdout(file.try_clone().expect("console file"))
             .stderr(file)
             .spawn()

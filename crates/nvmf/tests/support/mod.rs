@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use basalt_bdev::BdevRegistry;
 use basalt_io::Reactors;
@@ -154,4 +155,13 @@ pub async fn add_namespace(fixture: &Fixture, name: &str) -> Value {
     )
     .await
     .expect("namespace")
+}
+
+/// Waits until `ready` holds, checking every 5 ms; fails after `timeout`, saying `what`.
+pub async fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let started = std::time::Instant::now();
+    while !ready() {
+        assert!(started.elapsed() < timeout, "{what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
