@@ -795,9 +795,9 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     assert!(pgs.iter().all(|pg| pg["state"] == "consistent"), "{pgs:?}");
 
     // Damage again, in data written after the repair, that replay must go through.
-    qemu_io_ok(
+    write_in_batches_of_their_own(
+        &cluster,
         &uri,
-        false,
         &["write -P 0x77 8M 1M", "write -P 0x44 12M 1M"],
     );
     // Restarted, the OSD replays its log, finds the damaged data with intact batches after
@@ -816,13 +816,11 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     // done: the OSD cuts a checkpoint past it at once, which marks it; restarted with the
     // others, replay no longer goes through it, and the checkpoint's marks have the copy
     // rebuilt.
-    // (A write after it: damage in the last batch of a log is taken for a torn write.)
-    qemu_io_ok(
+    write_in_batches_of_their_own(
+        &cluster,
         &uri,
-        false,
         &["write -P 0x22 10M 1M", "write -P 0x23 11M 1M"],
     );
-    cluster.wait_replicas_equal(Duration::from_secs(60));
     for n in 0..3 {
         cluster.kill_osd(n);
     }
@@ -854,9 +852,9 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
 
     // Damage to a batch's header (the OSD's own records of what the batch holds): the
     // OSD refuses to start rather than drop what followed it.
-    qemu_io_ok(
+    write_in_batches_of_their_own(
+        &cluster,
         &uri,
-        false,
         &["write -P 0x66 14M 1M", "write -P 0x55 15M 1M"],
     );
     cluster.kill_osd(1);
@@ -867,6 +865,20 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
         .arg(dir.join("osd.1")));
     let stderr = refused_with(&refused, "the log is damaged");
     assert!(stderr.contains("basalt osd out"), "{stderr}");
+}
+
+/// Writes each of `writes` through `uri` in turn, waiting after each until every replica
+/// holds it, so that on every OSD each lies in a batch of its own and a later batch follows
+/// the first: damage in the last batch of a log is taken for a torn write. (Without the
+/// wait, a replica that lags behind the two that acknowledged the first write, a follower
+/// or a leader whose own log write is still going, may take both in one batch: CI once saw
+/// replay take the damaged batch for the torn end of the log. A replica applies only
+/// what its log holds.)
+fn write_in_batches_of_their_own(cluster: &ClusterProcesses, uri: &str, writes: &[&str]) {
+    for write in writes {
+        qemu_io_ok(uri, false, &[write]);
+        cluster.wait_replicas_equal(Duration::from_secs(60));
+    }
 }
 
 /// Every PG's scrub verdict (`basalt pg scrub --json`), which must succeed or fail as
