@@ -56,6 +56,11 @@ where
         let option = reader.read_u32().await?;
         let len = reader.read_u32().await?;
         if len > OPTION_SIZE_MAX {
+            // NBD_OPT_EXPORT_NAME gets no option reply: a name that long names no export,
+            // which only closing the connection can say.
+            if option == OPT_EXPORT_NAME {
+                return Ok(Outcome::Closed);
+            }
             // Too large to read; refusing and skipping it would mean reading it anyway.
             discard(reader, u64::from(len)).await?;
             reply(writer, option, REP_ERR_TOO_BIG, b"option data too large").await?;

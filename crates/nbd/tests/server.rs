@@ -227,6 +227,9 @@ async fn malformed_handshakes_end_only_their_connection() {
     let mut huge = OPTION_MAGIC.to_be_bytes().to_vec();
     huge.extend_from_slice(&OPT_GO.to_be_bytes());
     huge.extend_from_slice(&u32::MAX.to_be_bytes());
+    // An export name too long to read gets no option reply (its client waits for the
+    // export's size): the connection closes (perhaps with a reset, the name unread).
+    let huge_name = option(OPT_EXPORT_NAME, &[b'a'; OPTION_SIZE_MAX as usize + 1]);
     let sessions: Vec<(&str, Vec<u8>)> = vec![
         ("garbage", b"GET / HTTP/1.1\r\n\r\n".to_vec()),
         (
@@ -239,6 +242,7 @@ async fn malformed_handshakes_end_only_their_connection() {
             with_flags(&OPTION_MAGIC.to_be_bytes()[..5]),
         ),
         ("huge option length", with_flags(&huge)),
+        ("huge export name", with_flags(&huge_name)),
         (
             "unknown export by name",
             with_flags(&option(OPT_EXPORT_NAME, b"nope")),
@@ -262,6 +266,10 @@ async fn malformed_handshakes_end_only_their_connection() {
                 assert!(replied(REP_ERR_INVALID), "{name}: {answer:?}")
             }
             "unknown option" => assert!(replied(REP_ERR_UNSUP), "{name}: {answer:?}"),
+            "huge export name" => assert!(
+                !replied(REP_ERR_TOO_BIG) && answer.len() <= 18,
+                "{name}: {answer:?}"
+            ),
             "huge option length" => {
                 assert!(replied(REP_ERR_TOO_BIG) || answer.len() == 18, "{name}")
             }
@@ -328,6 +336,28 @@ fn piped_session(
     (serve, client_reader, client_writer, session)
 }
 
+/// Opens the piped session (sends `session`, takes the greeting) and sends `reads` reads
+/// of the first MiB (handles from 0).
+async fn open_and_read_mibs(
+    client_reader: &mut tokio::io::ReadHalf<tokio::io::DuplexStream>,
+    client_writer: &mut tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    session: &[u8],
+    reads: u64,
+) {
+    client_writer.write_all(session).await.expect("negotiate");
+    let mut greeting = [0u8; 18 + 10];
+    client_reader
+        .read_exact(&mut greeting)
+        .await
+        .expect("greeting");
+    for handle in 0..reads {
+        client_writer
+            .write_all(&read_mib(handle))
+            .await
+            .expect("read");
+    }
+}
+
 /// A read of the first MiB.
 fn read_mib(handle: u64) -> [u8; 28] {
     Request {
@@ -373,6 +403,72 @@ async fn unread_replies_stop_the_server_at_its_budget() {
     sender.abort();
 }
 
+/// A client that keeps many large reads in flight and takes its replies more slowly than
+/// the server makes them never lets the server's reply buffer empty; the replies written
+/// must still be given back, or the buffer grows by every byte served (4.4 GB after 20 s
+/// of such a client on `basalt target`, before the fix). The test process's resident
+/// memory must grow by much less than the 1.5 GiB served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steady_reader_does_not_grow_the_reply_buffer() {
+    const DEPTH: u64 = 64;
+    const SERVED_MIB: u64 = 1536;
+    let server = server_of(malloc("m"));
+    let (_serve, mut client_reader, mut client_writer, session) = piped_session(&server);
+    let resident = || {
+        let status = std::fs::read_to_string("/proc/self/status").expect("status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|kib| kib.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect("VmRSS")
+            << 10
+    };
+    let before = resident();
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(before));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (peak, done) = (peak.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak.fetch_max(resident(), std::sync::atomic::Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    open_and_read_mibs(&mut client_reader, &mut client_writer, &session, DEPTH).await;
+    let mut chunk = vec![0u8; 64 << 10];
+    for handle in DEPTH..SERVED_MIB + DEPTH {
+        let mut reply = [0u8; 16];
+        client_reader.read_exact(&mut reply).await.expect("reply");
+        assert_eq!(&reply[4..8], &[0; 4], "no error");
+        let mut left = 1 << 20;
+        while left > 0 {
+            let take = left.min(chunk.len());
+            let got = client_reader.read(&mut chunk[..take]).await.expect("data");
+            assert!(got > 0, "the server closed");
+            left -= got;
+        }
+        // Slower than the server: its replies wait on a full pipe.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        if handle < SERVED_MIB {
+            client_writer
+                .write_all(&read_mib(handle))
+                .await
+                .expect("read");
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().expect("sampler");
+    let grown = peak
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(before);
+    assert!(
+        grown < 512 << 20,
+        "resident memory grew by {} MiB while {SERVED_MIB} MiB were served",
+        grown >> 20
+    );
+}
+
 /// A client that leaves every reply unread is dropped after the stall timeout: the
 /// connection's task ends with `TimedOut` (without the limit it would wait for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -388,18 +484,7 @@ async fn a_client_reading_no_reply_is_dropped_after_the_stall_timeout() {
         .await
         .expect("listen");
     let (serve, mut client_reader, mut client_writer, session) = piped_session(&server);
-    client_writer.write_all(&session).await.expect("negotiate");
-    let mut greeting = [0u8; 18 + 10];
-    client_reader
-        .read_exact(&mut greeting)
-        .await
-        .expect("greeting");
-    for handle in 0..4u64 {
-        client_writer
-            .write_all(&read_mib(handle))
-            .await
-            .expect("request");
-    }
+    open_and_read_mibs(&mut client_reader, &mut client_writer, &session, 4).await;
     let started = std::time::Instant::now();
     let ended = tokio::time::timeout(Duration::from_secs(10), serve)
         .await

@@ -95,9 +95,14 @@ pub fn controller(
     // OACS 0: no optional admin commands (no namespace management, format, firmware).
     page[258] = 3; // ACL: 4 aborts
     page[259] = (ASYNC_EVENT_REQUESTS_MAX - 1) as u8; // AERL, 0's based
-    page[260] = 0b011; // FRMW: slot 1 read-only, 1 slot
-    // LPA: commands supported and effects log (bit 1), extended Get Log Page (bit 2).
-    page[261] = (1 << 1) | (1 << 2);
+    // LPA: extended Get Log Page (bit 2); an I/O controller serves the commands supported
+    // and effects log too (bit 1). A discovery controller serves no other pages (the
+    // discovery and error logs), and its FRMW is reserved (no firmware slot log).
+    page[261] = 1 << 2;
+    if io {
+        page[260] = 0b011; // FRMW: slot 1 read-only, 1 slot
+        page[261] |= 1 << 1;
+    }
     page[262] = (ERROR_LOG_ENTRIES - 1) as u8; // ELPE: error log entries, 0's based
     put_u16(&mut page, 320, KEEP_ALIVE_GRANULARITY_100MS); // KAS
     page[512] = 0x66; // SQES: 64-byte entries

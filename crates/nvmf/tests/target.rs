@@ -131,6 +131,7 @@ async fn every_command_with_and_without_digests() {
             u64::from_le_bytes(health[80..88].try_into().expect("in range")) >= 4,
             "write commands counted"
         );
+        assert_eq!((id[260], id[261]), (0b011, 0b110), "FRMW and LPA");
         let effects = host
             .log_page(LOG_COMMAND_EFFECTS, 0, 4096, false)
             .await
@@ -983,6 +984,20 @@ async fn namespace_changes_raise_an_event_and_discovery_lists_subsystems() {
         (63, vec![0; 64]),
         "ELPE and the discovery controller's error log"
     );
+    // It names no log page it does not serve: no commands supported and effects log (LPA
+    // bit 1), no firmware slots (FRMW).
+    assert_eq!(
+        (discovery.identify[260], discovery.identify[261]),
+        (0, 1 << 2),
+        "FRMW and LPA of a discovery controller"
+    );
+    for refused in [LOG_COMMAND_EFFECTS, LOG_FIRMWARE_SLOT, LOG_HEALTH] {
+        let error = discovery
+            .log_page(refused, 0, 512, false)
+            .await
+            .expect_err("a page the discovery controller does not serve");
+        assert_eq!(error.status(), Some(Status::INVALID_LOG_PAGE.with_dnr()));
+    }
     let header = discovery
         .log_page(LOG_DISCOVERY, 0, 1024, false)
         .await
