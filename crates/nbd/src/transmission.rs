@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use basalt_bdev::BdevError;
 use basalt_bdev::bdev::libc_errno;
+use basalt_common::SendBuffer;
 use basalt_io::DmaBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
@@ -84,8 +85,7 @@ struct Connection<'a> {
     structured: bool,
     input: Vec<u8>,
     input_start: usize,
-    output: Vec<u8>,
-    output_start: usize,
+    output: SendBuffer,
     in_flight: Vec<Pending<'a>>,
     in_flight_cost: u64,
     discard: Option<Discard>,
@@ -115,8 +115,7 @@ where
         structured,
         input: Vec::with_capacity(READ_CHUNK_BYTES),
         input_start: 0,
-        output: Vec::with_capacity(READ_CHUNK_BYTES),
-        output_start: 0,
+        output: SendBuffer::new(READ_CHUNK_BYTES),
         in_flight: Vec::new(),
         in_flight_cost: 0,
         discard: None,
@@ -137,7 +136,7 @@ where
             break;
         }
         let can_read = connection.can_read();
-        let has_output = connection.output_start < connection.output.len();
+        let has_output = !connection.output.is_empty();
         let has_in_flight = !connection.in_flight.is_empty();
         if can_read {
             connection.make_room_to_read();
@@ -154,13 +153,12 @@ where
                     connection.encode(reply);
                 }
             }
-            written = writer.write(&connection.output[connection.output_start..]), if has_output => {
+            written = writer.write(connection.output.unwritten()), if has_output => {
                 let written = written?;
                 if written == 0 {
                     return Err(io::ErrorKind::WriteZero.into());
                 }
-                connection.output_start += written;
-                connection.compact_output();
+                connection.output.written(written);
                 written_at = Instant::now();
             }
             read = reader.read_buf(&mut connection.input), if can_read => {
@@ -212,7 +210,7 @@ fn poll_ready(in_flight: &mut Vec<Pending<'_>>, cx: &mut Context<'_>) -> Poll<Ve
 
 impl<'a> Connection<'a> {
     fn unwritten_bytes(&self) -> u64 {
-        (self.output.len() - self.output_start) as u64
+        self.output.unwritten_len() as u64
     }
 
     fn has_budget(&self) -> bool {
@@ -244,25 +242,6 @@ impl<'a> Connection<'a> {
             self.input.drain(..self.input_start);
             self.input_start = 0;
             self.input.reserve(READ_CHUNK_BYTES);
-        }
-    }
-
-    /// Drops the replies written. Under a steady client the buffer may never empty
-    /// (replies keep coming while the socket is full), so the written part also goes once
-    /// it is as large as what is left: the buffer stays within about twice the unwritten
-    /// bytes the budget allows, each byte moved at most once on average.
-    fn compact_output(&mut self) {
-        if self.output_start == self.output.len() {
-            self.output.clear();
-            self.output_start = 0;
-            if self.output.capacity() > 4 * READ_CHUNK_BYTES {
-                self.output.shrink_to(READ_CHUNK_BYTES);
-            }
-        } else if self.output_start >= READ_CHUNK_BYTES
-            && self.output_start >= self.output.len() - self.output_start
-        {
-            self.output.drain(..self.output_start);
-            self.output_start = 0;
         }
     }
 
@@ -381,7 +360,7 @@ impl<'a> Connection<'a> {
     /// Appends a reply to the output buffer and returns its cost to the budget.
     fn encode(&mut self, reply: Reply) {
         self.in_flight_cost -= reply.cost_bytes;
-        let out = &mut self.output;
+        let out = self.output.tail();
         match (reply.result, self.structured) {
             (Ok(data), false) => {
                 out.extend_from_slice(&encode_simple_reply(0, reply.handle));

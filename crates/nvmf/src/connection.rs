@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use basalt_common::SendBuffer;
 use basalt_io::DmaBuf;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -82,8 +83,7 @@ struct Connection {
     closed: Option<watch::Receiver<bool>>,
     input: Vec<u8>,
     input_start: usize,
-    output: Vec<u8>,
-    output_start: usize,
+    output: SendBuffer,
     in_flight: Vec<InFlight>,
     transfers: HashMap<u16, Transfer>,
     next_transfer_tag: u16,
@@ -130,8 +130,7 @@ pub async fn serve(
         closed: None,
         input: Vec::with_capacity(READ_CHUNK_BYTES),
         input_start: 0,
-        output: Vec::with_capacity(READ_CHUNK_BYTES),
-        output_start: 0,
+        output: SendBuffer::new(READ_CHUNK_BYTES),
         in_flight: Vec::new(),
         transfers: HashMap::new(),
         next_transfer_tag: 0,
@@ -173,7 +172,7 @@ pub async fn serve(
         if can_read {
             connection.make_room_to_read();
         }
-        let has_output = connection.output_start < connection.output.len();
+        let has_output = !connection.output.is_empty();
         let has_in_flight = !connection.in_flight.is_empty();
         let deadline = connection.deadline(connect_deadline);
         // Idle, or waiting for a lone command under way (an image bdev's reply from its
@@ -217,12 +216,11 @@ pub async fn serve(
             }), if has_in_flight => {
                 connection.respond_all(responses);
             }
-            written = writer.write(&connection.output[connection.output_start..]), if has_output => {
+            written = writer.write(connection.output.unwritten()), if has_output => {
                 match written {
                     Ok(0) => break Err(io::ErrorKind::WriteZero.into()),
                     Ok(written) => {
-                        connection.output_start += written;
-                        connection.compact_output();
+                        connection.output.written(written);
                     }
                     Err(error) => break Err(error),
                 }
@@ -372,7 +370,7 @@ impl Connection {
 
     fn is_finished(&self) -> bool {
         !self.reading
-            && self.output_start == self.output.len()
+            && self.output.is_empty()
             && (self.terminating || self.in_flight.iter().all(|command| command.async_event))
     }
 
@@ -392,7 +390,7 @@ impl Connection {
             .map_or(1, |queue| usize::from(queue.sq_size));
         self.in_flight.len() + self.transfers.len() + self.parked.len()
             <= depth_max + ASYNC_EVENT_REQUESTS_MAX
-            && self.output.len() - self.output_start < OUTPUT_BYTES_MAX
+            && self.output.unwritten_len() < OUTPUT_BYTES_MAX
     }
 
     fn stop_reading(&mut self) {
@@ -411,13 +409,6 @@ impl Connection {
             self.input.drain(..self.input_start);
             self.input_start = 0;
             self.input.reserve(want);
-        }
-    }
-
-    fn compact_output(&mut self) {
-        if self.output_start == self.output.len() {
-            self.output.clear();
-            self.output_start = 0;
         }
     }
 
@@ -597,7 +588,7 @@ impl Connection {
     /// Sends the C2HTermReq for `error` (if one is due) and stops.
     fn terminate(&mut self, error: &PduError, error_data: &[u8]) {
         if let Some(term) = error.term_req(Role::Controller, error_data) {
-            encode(&term, &self.negotiated, &mut self.output);
+            encode(&term, &self.negotiated, self.output.tail());
         }
         self.stop_reading();
         self.terminating = true;
@@ -610,7 +601,7 @@ impl Connection {
                 let in_capsule = IN_CAPSULE_DATA_SIZE_ADMIN.max(self.options.in_capsule_data_size);
                 let (ic_resp, negotiated) =
                     Negotiated::accept_ic_req(&ic_req, maxh2cdata, in_capsule);
-                encode(&Pdu::IcResp(ic_resp), &self.negotiated, &mut self.output);
+                encode(&Pdu::IcResp(ic_resp), &self.negotiated, self.output.tail());
                 self.negotiated = negotiated;
             }
             Pdu::H2CTermReq(term) => {
@@ -791,7 +782,7 @@ impl Connection {
                 len_bytes: prepared.data_len_bytes,
             }),
             &self.negotiated,
-            &mut self.output,
+            self.output.tail(),
         );
         self.transfers.insert(
             tag,
@@ -1030,7 +1021,7 @@ impl Connection {
                     success,
                 }),
                 &self.negotiated,
-                &mut self.output,
+                self.output.tail(),
             );
             if success {
                 return;
@@ -1048,7 +1039,7 @@ impl Connection {
         encode(
             &Pdu::CapsuleResp(CapsuleResp { cqe }),
             &self.negotiated,
-            &mut self.output,
+            self.output.tail(),
         );
     }
 }
