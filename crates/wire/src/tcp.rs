@@ -11,6 +11,14 @@
 //! frames queued while it writes. `TCP_NODELAY` is set: a frame is never held back
 //! waiting for more data from the network.
 //!
+//! A peer that dies without closing (a host powered off, cut off by the network) is found
+//! by TCP itself: a connection whose data stays unacknowledged (or whose peer's window
+//! stays shut) for [`USER_TIMEOUT`] fails, and an idle one fails after its keep-alive
+//! probes go unanswered ([`KEEPALIVE_IDLE`], then [`KEEPALIVE_PROBES`] probes
+//! [`KEEPALIVE_INTERVAL`] apart); the bytes waiting for it are then dropped. Otherwise
+//! such a connection would hold them for the system's default of about 15 minutes of
+//! retransmissions, and an idle one for ever.
+//!
 //! This is the only module of `wire` that does I/O; the codecs stay pure.
 
 use std::collections::HashMap;
@@ -20,6 +28,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::tcp::OwnedWriteHalf;
@@ -48,6 +57,33 @@ const BACKLOG_BYTES_MAX: usize = if cfg!(test) { 4 << 20 } else { 64 << 20 };
 /// fails the connection. Well above what a client's requests or a leader's raft appends
 /// keep under way to a live peer.
 const SEND_BACKLOG_BYTES_MAX: usize = if cfg!(test) { 128 << 20 } else { 256 << 20 };
+
+/// How long sent data may stay unacknowledged (or unsent behind a peer's shut window)
+/// before the connection fails (`TCP_USER_TIMEOUT`). Far above any pause of a live peer
+/// (raft's election timeouts are 1-2 s; a client's attempt gives up after 5 s).
+pub const USER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Silence after which an idle connection's peer is probed (TCP keep-alive).
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+/// Time between keep-alive probes.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Unanswered keep-alive probes after which an idle connection fails.
+pub const KEEPALIVE_PROBES: u32 = 3;
+/// A writer's buffers keep at most this much room once empty (a burst's room goes).
+const KEPT_ROOM_BYTES: usize = 4 * READ_CHUNK_BYTES;
+
+/// Sets a connection's options: `TCP_NODELAY`, and the limits that find a dead peer
+/// (`user_timeout`: [`USER_TIMEOUT`] but in tests).
+fn tune(stream: &TcpStream, user_timeout: Duration) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    let socket = socket2::SockRef::from(stream);
+    socket.set_tcp_user_timeout(Some(user_timeout))?;
+    socket.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(KEEPALIVE_IDLE)
+            .with_interval(KEEPALIVE_INTERVAL)
+            .with_retries(KEEPALIVE_PROBES),
+    )
+}
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -157,7 +193,10 @@ impl Outgoing {
         let task = tokio::spawn(async move {
             if let Err(error) = writer.write_queued().await {
                 tracing::debug!(%error, "connection write failed");
-                writer.state().failed = true;
+                let mut state = writer.state();
+                state.failed = true;
+                // Nothing waiting will ever go.
+                state.queued = Vec::new();
             }
             // Whoever waits for room learns that none will come.
             writer.written.notify_waiters();
@@ -256,10 +295,13 @@ impl OutgoingShared {
         loop {
             let wrote = !batch.is_empty();
             batch.clear();
+            batch.shrink_to(KEPT_ROOM_BYTES);
             {
                 let mut state = self.state();
                 state.writing_bytes = 0;
                 if state.queued.is_empty() {
+                    // (The batch's room came from it: after a burst, both give it back.)
+                    state.queued.shrink_to(KEPT_ROOM_BYTES);
                     if state.senders == 0 || state.failed {
                         return Ok(());
                     }
@@ -394,12 +436,17 @@ fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingCalls> {
 impl Client {
     /// Connects to `peer`.
     pub async fn connect(peer: SocketAddr) -> Result<Self, TransportError> {
+        Self::connect_with(peer, USER_TIMEOUT).await
+    }
+
+    async fn connect_with(
+        peer: SocketAddr,
+        user_timeout: Duration,
+    ) -> Result<Self, TransportError> {
         let stream = TcpStream::connect(peer)
             .await
             .map_err(|source| TransportError::Connect { peer, source })?;
-        stream
-            .set_nodelay(true)
-            .map_err(|source| TransportError::Connect { peer, source })?;
+        tune(&stream, user_timeout).map_err(|source| TransportError::Connect { peer, source })?;
         let (reader, writer) = stream.into_split();
         let (outgoing, writer_task) = Outgoing::new(writer);
         let pending: Pending = Arc::default();
@@ -504,7 +551,9 @@ impl Server {
             loop {
                 match listener.accept().await {
                     Ok((stream, peer)) => {
-                        let _ = stream.set_nodelay(true);
+                        if let Err(error) = tune(&stream, USER_TIMEOUT) {
+                            tracing::warn!(%error, %peer, "cannot set the connection's options");
+                        }
                         tokio::spawn(serve_connection(stream, peer, handler.clone()));
                     }
                     Err(error) => {
@@ -872,6 +921,52 @@ mod tests {
         assert!(error.to_string().contains("has not read"), "{error}");
         let after = client.call(&echo_request(0, &[1])).await;
         assert!(after.is_err(), "the connection failed for good");
+    }
+
+    /// A peer that stops taking what is sent to it (here its process reads nothing; a dead
+    /// host acknowledges nothing) fails the connection once the user timeout passes: the
+    /// call waiting on it fails instead of waiting for ever, and the bytes queued for it
+    /// are dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_takes_nothing_fails_the_connection_after_the_user_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let held = tokio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
+        let client = Client::connect_with(address, Duration::from_secs(1))
+            .await
+            .expect("connect");
+        let _stream = held.await.expect("accept task").expect("accept");
+        let frame = Message::Raft {
+            pg: pg(0),
+            message: vec![7; 1 << 20],
+        };
+        // Enough to fill both sockets' buffers, then some waiting in the writer.
+        for _ in 0..64 {
+            let call = tokio::time::timeout(Duration::from_millis(5), client.call(&frame));
+            assert!(call.await.is_err(), "an answer from a peer that reads none");
+        }
+        let started = std::time::Instant::now();
+        let call =
+            tokio::time::timeout(Duration::from_secs(20), client.call(&echo_request(0, &[1])))
+                .await
+                .expect("the call failed rather than waiting on a peer that takes nothing");
+        let error = call.expect_err("an answer from a peer that reads none");
+        // (Which side of the connection saw the timeout first decides the reason.)
+        assert!(matches!(error, TransportError::Closed { .. }), "{error}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        let state = client.outgoing.shared.state();
+        assert!(state.failed);
+        assert_eq!(
+            (state.queued.len(), state.queued.capacity()),
+            (0, 0),
+            "queued bytes dropped"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
