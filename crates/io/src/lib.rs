@@ -8,6 +8,7 @@
 //! - [`reactor`]: [`Reactors`], threads that each run a single-threaded runtime and own the
 //!   connections handed to them.
 //! - [`unix_fds`]: bytes and file descriptors over a Unix stream socket (`SCM_RIGHTS`).
+//! - [`tcp_options`]: keep-alive and a user timeout, which find peers gone without closing.
 //!
 //! Invariant: a buffer handed to the kernel stays owned by the engine until its completion
 //! arrives, so the kernel never writes into freed memory.
@@ -17,6 +18,7 @@ pub mod dma_buf;
 pub mod file_engine;
 pub mod process;
 pub mod reactor;
+pub mod tcp_options;
 pub mod unix_fds;
 
 pub use dma_buf::DmaBuf;

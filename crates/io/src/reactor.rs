@@ -239,6 +239,10 @@ pub async fn serve_connections<F, Fut>(
             Ok((stream, peer)) => {
                 // Latency matters more than packet count for block I/O.
                 let _ = stream.set_nodelay(true);
+                // A client host that died leaves no idle connection behind.
+                if let Err(error) = crate::tcp_options::keep_alive(&stream) {
+                    tracing::debug!(what, %peer, %error, "keep-alive not set");
+                }
                 // The connection moves to a reactor, which registers it with its runtime.
                 let stream = match stream.into_std() {
                     Ok(stream) => stream,
@@ -496,5 +500,46 @@ mod tests {
             dropped.load(Ordering::SeqCst),
             "dropping the reactors ended the thread and its task"
         );
+    }
+
+    /// Connections handed to a frontend come with keep-alive on (a client host that dies
+    /// leaves no idle connection behind) and without Nagle's delay.
+    #[tokio::test]
+    async fn served_connections_have_keep_alive() {
+        let reactors = Arc::new(Reactors::start(1, "r").expect("start"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (told, options) = tokio::sync::oneshot::channel();
+        let told = Arc::new(std::sync::Mutex::new(Some(told)));
+        tokio::spawn(serve_connections(
+            reactors,
+            listener,
+            "test",
+            move |stream, _| {
+                let told = told.clone();
+                async move {
+                    let socket = socket2::SockRef::from(&stream);
+                    let seen = (
+                        socket.keepalive()?,
+                        socket.tcp_keepalive_time()?,
+                        stream.nodelay()?,
+                    );
+                    if let Some(told) = told.lock().expect("lock").take() {
+                        let _ = told.send(seen);
+                    }
+                    Ok(())
+                }
+            },
+        ));
+        let _client = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        let seen = tokio::time::timeout(std::time::Duration::from_secs(5), options)
+            .await
+            .expect("served")
+            .expect("options");
+        assert_eq!(seen, (true, crate::tcp_options::KEEPALIVE_IDLE, true));
     }
 }

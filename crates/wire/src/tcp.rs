@@ -12,12 +12,11 @@
 //! waiting for more data from the network.
 //!
 //! A peer that dies without closing (a host powered off, cut off by the network) is found
-//! by TCP itself: a connection whose data stays unacknowledged (or whose peer's window
-//! stays shut) for [`USER_TIMEOUT`] fails, and an idle one fails after its keep-alive
-//! probes go unanswered ([`KEEPALIVE_IDLE`], then [`KEEPALIVE_PROBES`] probes
-//! [`KEEPALIVE_INTERVAL`] apart); the bytes waiting for it are then dropped. Otherwise
-//! such a connection would hold them for the system's default of about 15 minutes of
-//! retransmissions, and an idle one for ever.
+//! by TCP itself ([`basalt_io::tcp_options`]): a connection whose data stays
+//! unacknowledged (or whose peer's window stays shut) for [`USER_TIMEOUT`] fails, and an
+//! idle one fails once its keep-alive probes go unanswered; the bytes waiting for it are
+//! then dropped. Otherwise such a connection would hold them for the system's default of
+//! about 15 minutes of retransmissions, and an idle one for ever.
 //!
 //! This is the only module of `wire` that does I/O; the codecs stay pure.
 
@@ -35,6 +34,8 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
+
+use basalt_io::tcp_options::{self, USER_TIMEOUT};
 
 use crate::frame;
 use crate::message::{Message, MessageError};
@@ -58,16 +59,6 @@ const BACKLOG_BYTES_MAX: usize = if cfg!(test) { 4 << 20 } else { 64 << 20 };
 /// keep under way to a live peer.
 const SEND_BACKLOG_BYTES_MAX: usize = if cfg!(test) { 128 << 20 } else { 256 << 20 };
 
-/// How long sent data may stay unacknowledged (or unsent behind a peer's shut window)
-/// before the connection fails (`TCP_USER_TIMEOUT`). Far above any pause of a live peer
-/// (raft's election timeouts are 1-2 s; a client's attempt gives up after 5 s).
-pub const USER_TIMEOUT: Duration = Duration::from_secs(30);
-/// Silence after which an idle connection's peer is probed (TCP keep-alive).
-pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
-/// Time between keep-alive probes.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
-/// Unanswered keep-alive probes after which an idle connection fails.
-pub const KEEPALIVE_PROBES: u32 = 3;
 /// A writer's buffers keep at most this much room once empty (a burst's room goes).
 const KEPT_ROOM_BYTES: usize = 4 * READ_CHUNK_BYTES;
 
@@ -75,14 +66,7 @@ const KEPT_ROOM_BYTES: usize = 4 * READ_CHUNK_BYTES;
 /// (`user_timeout`: [`USER_TIMEOUT`] but in tests).
 fn tune(stream: &TcpStream, user_timeout: Duration) -> io::Result<()> {
     stream.set_nodelay(true)?;
-    let socket = socket2::SockRef::from(stream);
-    socket.set_tcp_user_timeout(Some(user_timeout))?;
-    socket.set_tcp_keepalive(
-        &socket2::TcpKeepalive::new()
-            .with_time(KEEPALIVE_IDLE)
-            .with_interval(KEEPALIVE_INTERVAL)
-            .with_retries(KEEPALIVE_PROBES),
-    )
+    tcp_options::find_dead_peers(stream, user_timeout)
 }
 
 /// Why a call failed.
