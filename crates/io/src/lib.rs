@@ -8,7 +8,7 @@
 //! - [`reactor`]: [`Reactors`], threads that each run a single-threaded runtime and own the
 //!   connections handed to them.
 //! - [`unix_fds`]: bytes and file descriptors over a Unix stream socket (`SCM_RIGHTS`).
-//! - [`tcp_options`]: keep-alive and a user timeout, which find peers gone without closing.
+//! - [`tcp_options`]: keep-alive, which finds peers gone without closing.
 //!
 //! Invariant: a buffer handed to the kernel stays owned by the engine until its completion
 //! arrives, so the kernel never writes into freed memory.

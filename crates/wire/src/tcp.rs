@@ -11,12 +11,10 @@
 //! frames queued while it writes. `TCP_NODELAY` is set: a frame is never held back
 //! waiting for more data from the network.
 //!
-//! A peer that dies without closing (a host powered off, cut off by the network) is found
-//! by TCP itself ([`basalt_io::tcp_options`]): a connection whose data stays
-//! unacknowledged (or whose peer's window stays shut) for [`USER_TIMEOUT`] fails, and an
-//! idle one fails once its keep-alive probes go unanswered; the bytes waiting for it are
-//! then dropped. Otherwise such a connection would hold them for the system's default of
-//! about 15 minutes of retransmissions, and an idle one for ever.
+//! An idle connection to a peer that died without closing (a host powered off, cut off by
+//! the network) fails once its keep-alive probes go unanswered
+//! ([`basalt_io::tcp_options`]); one with data in flight, after TCP's retransmissions.
+//! When a connection's write fails, the bytes waiting for it are dropped.
 //!
 //! This is the only module of `wire` that does I/O; the codecs stay pure.
 
@@ -27,7 +25,6 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::tcp::OwnedWriteHalf;
@@ -35,7 +32,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
 
-use basalt_io::tcp_options::{self, USER_TIMEOUT};
+use basalt_io::tcp_options;
 
 use crate::frame;
 use crate::message::{Message, MessageError};
@@ -62,11 +59,10 @@ const SEND_BACKLOG_BYTES_MAX: usize = if cfg!(test) { 128 << 20 } else { 256 << 
 /// A writer's buffers keep at most this much room once empty (a burst's room goes).
 const KEPT_ROOM_BYTES: usize = 4 * READ_CHUNK_BYTES;
 
-/// Sets a connection's options: `TCP_NODELAY`, and the limits that find a dead peer
-/// (`user_timeout`: [`USER_TIMEOUT`] but in tests).
-fn tune(stream: &TcpStream, user_timeout: Duration) -> io::Result<()> {
+/// Sets a connection's options: `TCP_NODELAY` and keep-alive.
+fn tune(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
-    tcp_options::find_dead_peers(stream, user_timeout)
+    tcp_options::keep_alive(stream)
 }
 
 /// Why a call failed.
@@ -420,17 +416,10 @@ fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, PendingCalls> {
 impl Client {
     /// Connects to `peer`.
     pub async fn connect(peer: SocketAddr) -> Result<Self, TransportError> {
-        Self::connect_with(peer, USER_TIMEOUT).await
-    }
-
-    async fn connect_with(
-        peer: SocketAddr,
-        user_timeout: Duration,
-    ) -> Result<Self, TransportError> {
         let stream = TcpStream::connect(peer)
             .await
             .map_err(|source| TransportError::Connect { peer, source })?;
-        tune(&stream, user_timeout).map_err(|source| TransportError::Connect { peer, source })?;
+        tune(&stream).map_err(|source| TransportError::Connect { peer, source })?;
         let (reader, writer) = stream.into_split();
         let (outgoing, writer_task) = Outgoing::new(writer);
         let pending: Pending = Arc::default();
@@ -535,7 +524,7 @@ impl Server {
             loop {
                 match listener.accept().await {
                     Ok((stream, peer)) => {
-                        if let Err(error) = tune(&stream, USER_TIMEOUT) {
+                        if let Err(error) = tune(&stream) {
                             tracing::warn!(%error, %peer, "cannot set the connection's options");
                         }
                         tokio::spawn(serve_connection(stream, peer, handler.clone()));
@@ -907,21 +896,18 @@ mod tests {
         assert!(after.is_err(), "the connection failed for good");
     }
 
-    /// A peer that stops taking what is sent to it (here its process reads nothing; a dead
-    /// host acknowledges nothing) fails the connection once the user timeout passes: the
-    /// call waiting on it fails instead of waiting for ever, and the bytes queued for it
-    /// are dropped.
+    /// A connection whose peer is gone (here it resets the connection with bytes still
+    /// waiting for it) fails the call waiting on it, and the bytes queued for it are
+    /// dropped rather than kept for good.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_peer_that_takes_nothing_fails_the_connection_after_the_user_timeout() {
+    async fn a_failed_connection_drops_what_was_queued() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let address = listener.local_addr().expect("address");
         let held = tokio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
-        let client = Client::connect_with(address, Duration::from_secs(1))
-            .await
-            .expect("connect");
-        let _stream = held.await.expect("accept task").expect("accept");
+        let client = Client::connect(address).await.expect("connect");
+        let stream = held.await.expect("accept task").expect("accept");
         let frame = Message::Raft {
             pg: pg(0),
             message: vec![7; 1 << 20],
@@ -931,26 +917,33 @@ mod tests {
             let call = tokio::time::timeout(Duration::from_millis(5), client.call(&frame));
             assert!(call.await.is_err(), "an answer from a peer that reads none");
         }
-        let started = std::time::Instant::now();
+        let queued = client.outgoing.shared.state().queued.len();
+        assert!(queued > 0, "nothing waits in the writer");
+        // A reset: closed with bytes unread and no lingering.
+        stream.set_zero_linger().expect("linger");
+        drop(stream);
         let call =
-            tokio::time::timeout(Duration::from_secs(20), client.call(&echo_request(0, &[1])))
+            tokio::time::timeout(Duration::from_secs(10), client.call(&echo_request(0, &[1])))
                 .await
-                .expect("the call failed rather than waiting on a peer that takes nothing");
-        let error = call.expect_err("an answer from a peer that reads none");
-        // (Which side of the connection saw the timeout first decides the reason.)
+                .expect("the call failed rather than waiting on a peer that is gone");
+        let error = call.expect_err("an answer from a peer that is gone");
         assert!(matches!(error, TransportError::Closed { .. }), "{error}");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{:?}",
-            started.elapsed()
-        );
+        wait_until(|| client.outgoing.shared.state().failed);
         let state = client.outgoing.shared.state();
-        assert!(state.failed);
         assert_eq!(
             (state.queued.len(), state.queued.capacity()),
             (0, 0),
             "queued bytes dropped"
         );
+    }
+
+    /// Waits (up to 10 s) for `done`.
+    fn wait_until(done: impl Fn() -> bool) {
+        let started = std::time::Instant::now();
+        while !done() {
+            assert!(started.elapsed() < Duration::from_secs(10), "not in time");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
