@@ -3,8 +3,10 @@
 //! Replies are appended at the end while earlier ones are still being written, so under a
 //! steady client the buffer may never empty. The part already written is therefore dropped
 //! not only when everything is written but also once it is as large as what is left: the
-//! buffer stays within about twice its unwritten bytes (which the connection bounds), and
-//! each byte is moved at most once on average.
+//! buffer holds at most about twice its unwritten bytes (which the connection bounds), and
+//! each byte is moved at most once on average. Its allocation follows: room beyond four
+//! times what is held is given back, so a burst's room does not stay while a steady client
+//! keeps a little waiting.
 
 /// Encoded bytes waiting for the socket.
 #[derive(Debug)]
@@ -73,6 +75,10 @@ impl SendBuffer {
         } else if self.start >= self.chunk && self.start >= self.unwritten_len() {
             self.bytes.drain(..self.start);
             self.start = 0;
+            let kept = (2 * self.bytes.len()).max(self.chunk);
+            if self.bytes.capacity() > 4 * kept {
+                self.bytes.shrink_to(kept);
+            }
         }
     }
 }
@@ -121,6 +127,29 @@ mod tests {
             expected = expected.wrapping_add(1);
             byte == expected
         }));
+    }
+
+    /// After a burst, a client that keeps only a little waiting does not keep the burst's
+    /// room allocated.
+    #[test]
+    fn a_burst_s_room_goes_while_a_little_stays_waiting() {
+        let chunk = 64 << 10;
+        let mut buffer = SendBuffer::new(chunk);
+        buffer.tail().extend_from_slice(&vec![1; 32 << 20]);
+        buffer.written(1 << 20);
+        assert!(buffer.capacity() >= 32 << 20);
+        for _ in 0..64 {
+            buffer.tail().extend_from_slice(&[2; 4096]);
+            let written = buffer.unwritten_len() - 8192;
+            buffer.written(written.min(4 << 20));
+        }
+        assert_eq!(buffer.unwritten_len(), 8192);
+        assert!(
+            buffer.capacity() <= 8 * chunk,
+            "{} bytes allocated for {} unwritten",
+            buffer.capacity(),
+            buffer.unwritten_len()
+        );
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Keep-alive, which finds a peer gone without closing (a host powered off, or cut off by
 //! the network) behind an idle connection, which TCP would otherwise keep for ever: after
 //! [`KEEPALIVE_IDLE`] of silence the peer is probed, [`KEEPALIVE_PROBES`] times
-//! [`KEEPALIVE_INTERVAL`] apart, and the connection fails when none is answered.
+//! [`KEEPALIVE_INTERVAL`] apart, and the connection fails when none is answered: two
+//! minutes in all, which a client paused for a while (a VM stopped for a snapshot or a
+//! migration) outlasts.
 //!
 //! A connection with data in flight is left to TCP's retransmissions (about 15 minutes
 //! before it fails). A user timeout (`TCP_USER_TIMEOUT`) would end it sooner, but it also
@@ -16,11 +18,11 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 
 /// Silence after which an idle connection's peer is probed.
-pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 /// Time between keep-alive probes.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// Unanswered keep-alive probes after which an idle connection fails.
-pub const KEEPALIVE_PROBES: u32 = 3;
+pub const KEEPALIVE_PROBES: u32 = 6;
 
 /// Turns keep-alive on for `stream`, with the probes above.
 pub fn keep_alive(stream: &TcpStream) -> io::Result<()> {

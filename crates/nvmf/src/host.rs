@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use basalt_common::SendBuffer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -326,8 +327,7 @@ async fn run_queue(
     let mut next_id: u16 = 0;
     let mut input: Vec<u8> = Vec::with_capacity(256 << 10);
     let mut input_start = 0usize;
-    let mut output: Vec<u8> = Vec::new();
-    let mut output_start = 0usize;
+    let mut output = SendBuffer::new(256 << 10);
     let mut accepting = true;
     loop {
         // Decode every whole PDU received.
@@ -339,7 +339,7 @@ async fn run_queue(
                 Ok(Some((pdu, used))) => {
                     input_start += used;
                     if let Err(error) =
-                        handle_pdu(pdu, &mut pending, &negotiated, maxh2cdata, &mut output)
+                        handle_pdu(pdu, &mut pending, &negotiated, maxh2cdata, output.tail())
                     {
                         failure = Some(error);
                         break;
@@ -363,25 +363,19 @@ async fn run_queue(
             input_start = 0;
             input.reserve(negotiated.pdu_size_max().max(256 << 10));
         }
-        if !accepting && pending.is_empty() && output_start == output.len() {
+        if !accepting && pending.is_empty() && output.is_empty() {
             return;
         }
-        let has_output = output_start < output.len();
+        let has_output = !output.is_empty();
         let can_accept = accepting && pending.len() < usize::from(depth);
         tokio::select! {
-            written = writer.write(&output[output_start..]), if has_output => {
+            written = writer.write(output.unwritten()), if has_output => {
                 match written {
                     Ok(0) | Err(_) => {
                         fail_all(&mut pending, || HostError::Closed);
                         return;
                     }
-                    Ok(written) => {
-                        output_start += written;
-                        if output_start == output.len() {
-                            output.clear();
-                            output_start = 0;
-                        }
-                    }
+                    Ok(written) => output.written(written),
                 }
             }
             read = reader.read_buf(&mut input) => {
@@ -414,7 +408,7 @@ async fn run_queue(
                             &mut next_id,
                             &negotiated,
                             in_capsule_max,
-                            &mut output,
+                            output.tail(),
                         );
                     }
                     pending.len() < usize::from(depth)

@@ -275,13 +275,14 @@ impl OutgoingShared {
         loop {
             let wrote = !batch.is_empty();
             batch.clear();
-            batch.shrink_to(KEPT_ROOM_BYTES);
             {
                 let mut state = self.state();
                 state.writing_bytes = 0;
                 if state.queued.is_empty() {
-                    // (The batch's room came from it: after a burst, both give it back.)
+                    // Nothing waits: after a burst, both give its room back (not within one,
+                    // where the batch's room goes on serving as the queue's).
                     state.queued.shrink_to(KEPT_ROOM_BYTES);
+                    batch.shrink_to(KEPT_ROOM_BYTES);
                     if state.senders == 0 || state.failed {
                         return Ok(());
                     }
