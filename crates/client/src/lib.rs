@@ -228,10 +228,9 @@ impl Cluster {
             Ok(Err(error)) => return Err(error.to_string()),
             Err(_) => return Err(format!("connecting to {address} timed out")),
         };
-        Ok(lock(&self.connections)
-            .entry(address)
-            .or_insert(client)
-            .clone())
+        let mut connections = lock(&self.connections);
+        keep_mapped(&mut connections, address, &self.map());
+        Ok(connections.entry(address).or_insert(client).clone())
     }
 
     fn forget_connection(&self, address: SocketAddr, client: &Arc<Client>) {
@@ -400,6 +399,18 @@ impl Cluster {
             }
         }
     }
+}
+
+/// Drops the connections to addresses `map` no longer has (an OSD removed, or moved to
+/// another address) but `address`: nothing would call them again to find them closed.
+fn keep_mapped<T>(connections: &mut HashMap<SocketAddr, T>, address: SocketAddr, map: &ClusterMap) {
+    connections.retain(|known, _| {
+        *known == address
+            || map
+                .osds
+                .values()
+                .any(|osd| osd.address.parse::<SocketAddr>().ok() == Some(*known))
+    });
 }
 
 /// Caches `leader` as `pg`'s leader with `term`, never lowering a term already learned for
@@ -730,6 +741,33 @@ impl<T> Drop for AbortOnDrop<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Making a connection drops those to addresses the map no longer has.
+    #[test]
+    fn connections_to_osds_gone_from_the_map_are_dropped() {
+        let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let osd = |id: u32, port: u16| basalt_mon::map::OsdEntry {
+            id: OsdId(id),
+            uuid: format!("u{id}"),
+            host: "h".into(),
+            address: at(port).to_string(),
+            weight: 1.0,
+            up: true,
+            is_in: true,
+            auto_out: false,
+            full: false,
+        };
+        let mut map = ClusterMap::default();
+        for (id, port) in [(0, 7000), (1, 7001)] {
+            map.osds.insert(OsdId(id), osd(id, port));
+        }
+        let mut connections: HashMap<SocketAddr, ()> =
+            [7000, 7001, 7002, 7003].map(|port| (at(port), ())).into();
+        keep_mapped(&mut connections, at(7003), &map);
+        let mut left: Vec<u16> = connections.keys().map(SocketAddr::port).collect();
+        left.sort_unstable();
+        assert_eq!(left, vec![7000, 7001, 7003]);
+    }
 
     /// A discard's parts cover its range end to end, each within `objects` objects.
     #[test]
