@@ -831,15 +831,12 @@ fn scrub_finds_the_replica_whose_device_was_corrupted() {
     };
     let checkpoints_before = asked(&cluster);
     cluster.start_osd(1);
-    let started = Instant::now();
-    while asked(&cluster) <= checkpoints_before {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no checkpoint past the damage: {}",
-            cluster.log_text("osd.1")
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_telling(
+        "a checkpoint past the damage",
+        Duration::from_secs(60),
+        || asked(&cluster) > checkpoints_before,
+        || format!(": {}", cluster.log_text("osd.1")),
+    );
     cluster.kill_osd(1);
     let repairs_before = repairs_of_osd_1(&cluster);
     // (The damaged one first: if its log reads the damage, it waits for the others.)

@@ -10,7 +10,7 @@
 //! A retried write is safe: a write that timed out either never commits or commits before
 //! its retry in the PG's log, so an older write never lands after a newer one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -404,13 +404,12 @@ impl Cluster {
 /// Drops the connections to addresses `map` no longer has (an OSD removed, or moved to
 /// another address) but `address`: nothing would call them again to find them closed.
 fn keep_mapped<T>(connections: &mut HashMap<SocketAddr, T>, address: SocketAddr, map: &ClusterMap) {
-    connections.retain(|known, _| {
-        *known == address
-            || map
-                .osds
-                .values()
-                .any(|osd| osd.address.parse::<SocketAddr>().ok() == Some(*known))
-    });
+    let mapped: HashSet<SocketAddr> = map
+        .osds
+        .values()
+        .filter_map(|osd| osd.address.parse().ok())
+        .collect();
+    connections.retain(|known, _| *known == address || mapped.contains(known));
 }
 
 /// Caches `leader` as `pg`'s leader with `term`, never lowering a term already learned for

@@ -50,11 +50,6 @@ impl SendBuffer {
         &mut self.bytes
     }
 
-    /// The buffer's allocation, in bytes.
-    pub fn capacity(&self) -> usize {
-        self.bytes.capacity()
-    }
-
     /// Records that the first `written` unwritten bytes went to the socket.
     ///
     /// # Panics
@@ -110,9 +105,9 @@ mod tests {
             buffer.written(written);
             assert!(!buffer.is_empty());
             assert!(
-                buffer.capacity() <= 8 * buffer.unwritten_len().max(64 << 10),
+                buffer.bytes.capacity() <= 8 * buffer.unwritten_len().max(64 << 10),
                 "round {round}: {} bytes allocated for {} unwritten",
-                buffer.capacity(),
+                buffer.bytes.capacity(),
                 buffer.unwritten_len()
             );
         }
@@ -120,7 +115,7 @@ mod tests {
         let left = buffer.unwritten_len();
         buffer.written(left);
         assert!(buffer.is_empty());
-        assert!(buffer.capacity() <= 4 * (64 << 10), "room given back");
+        assert!(buffer.bytes.capacity() <= 4 * (64 << 10), "room given back");
         let mut expected = 0u8;
         assert_eq!(sent.len(), 20_000 * 4096);
         assert!(sent.iter().all(|&byte| {
@@ -137,7 +132,7 @@ mod tests {
         let mut buffer = SendBuffer::new(chunk);
         buffer.tail().extend_from_slice(&vec![1; 32 << 20]);
         buffer.written(1 << 20);
-        assert!(buffer.capacity() >= 32 << 20);
+        assert!(buffer.bytes.capacity() >= 32 << 20);
         for _ in 0..64 {
             buffer.tail().extend_from_slice(&[2; 4096]);
             let written = buffer.unwritten_len() - 8192;
@@ -145,9 +140,9 @@ mod tests {
         }
         assert_eq!(buffer.unwritten_len(), 8192);
         assert!(
-            buffer.capacity() <= 8 * chunk,
+            buffer.bytes.capacity() <= 8 * chunk,
             "{} bytes allocated for {} unwritten",
-            buffer.capacity(),
+            buffer.bytes.capacity(),
             buffer.unwritten_len()
         );
     }

@@ -237,11 +237,9 @@ pub async fn serve_connections<F, Fut>(
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                // Latency matters more than packet count for block I/O.
-                let _ = stream.set_nodelay(true);
-                // A client host that died leaves no idle connection behind.
-                if let Err(error) = crate::tcp_options::keep_alive(&stream) {
-                    tracing::debug!(what, %peer, %error, "keep-alive not set");
+                // No Nagle delay; a client host that died leaves no idle connection behind.
+                if let Err(error) = crate::tcp_options::tune(&stream) {
+                    tracing::debug!(what, %peer, %error, "connection options not set");
                 }
                 // The connection moves to a reactor, which registers it with its runtime.
                 let stream = match stream.into_std() {

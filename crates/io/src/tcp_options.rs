@@ -5,8 +5,8 @@
 //! minutes in all, which a client paused for a while (a VM stopped for a snapshot or a
 //! migration) outlasts.
 //!
-//! A connection with data in flight is left to TCP's retransmissions (about 15 minutes
-//! before it fails). A user timeout (`TCP_USER_TIMEOUT`) would end it sooner, but it also
+//! A connection with data in flight is left to TCP's retransmissions (Linux's default,
+//! `tcp_retries2`, gives up after about 15 minutes). A user timeout (`TCP_USER_TIMEOUT`) would end it sooner, but it also
 //! fails a connection to a live peer that only stopped reading (its window shut), whose
 //! socket may still hold requests: a client would then send its retries and the host's
 //! next writes on a new connection, and the old requests, read late from the old one by
@@ -23,6 +23,13 @@ pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// Unanswered keep-alive probes after which an idle connection fails.
 pub const KEEPALIVE_PROBES: u32 = 6;
+
+/// Sets what every Basalt connection wants: `TCP_NODELAY` (latency matters more than
+/// packet count for block I/O) and keep-alive.
+pub fn tune(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    keep_alive(stream)
+}
 
 /// Turns keep-alive on for `stream`, with the probes above.
 pub fn keep_alive(stream: &TcpStream) -> io::Result<()> {

@@ -32,7 +32,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
 
-use basalt_io::tcp_options;
+use basalt_io::tcp_options::tune;
 
 use crate::frame;
 use crate::message::{Message, MessageError};
@@ -58,12 +58,6 @@ const SEND_BACKLOG_BYTES_MAX: usize = if cfg!(test) { 128 << 20 } else { 256 << 
 
 /// A writer's buffers keep at most this much room once empty (a burst's room goes).
 const KEPT_ROOM_BYTES: usize = 4 * READ_CHUNK_BYTES;
-
-/// Sets a connection's options: `TCP_NODELAY` and keep-alive.
-fn tune(stream: &TcpStream) -> io::Result<()> {
-    stream.set_nodelay(true)?;
-    tcp_options::keep_alive(stream)
-}
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -850,26 +844,13 @@ mod tests {
     /// without end.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sends_to_a_peer_that_never_reads_stop_at_the_backlog_bound() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let address = listener.local_addr().expect("address");
-        let held = tokio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
-        let client = Client::connect(address).await.expect("connect");
-        let _stream = held.await.expect("accept task").expect("accept");
-        let frame = Message::Raft {
-            pg: pg(0),
-            message: vec![7; 1 << 20],
-        };
+        let (client, _stream) = connected_to_a_peer_that_reads_nothing().await;
         let waiting = || {
             let state = client.outgoing.shared.state();
             state.queued.len() + state.writing_bytes
         };
-        let calls = SEND_BACKLOG_BYTES_MAX / (1 << 20) + 16;
-        for _ in 0..calls {
-            let call = tokio::time::timeout(Duration::from_millis(5), client.call(&frame));
-            assert!(call.await.is_err(), "an answer from a peer that reads none");
-        }
+        give_up_calls(&client, SEND_BACKLOG_BYTES_MAX / (1 << 20) + 16).await;
+        let frame = mib_frame();
         assert!(
             waiting() >= SEND_BACKLOG_BYTES_MAX - (8 << 20),
             "the calls were queued: {} bytes",
@@ -902,22 +883,9 @@ mod tests {
     /// dropped rather than kept for good.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_connection_drops_what_was_queued() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let address = listener.local_addr().expect("address");
-        let held = tokio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
-        let client = Client::connect(address).await.expect("connect");
-        let stream = held.await.expect("accept task").expect("accept");
-        let frame = Message::Raft {
-            pg: pg(0),
-            message: vec![7; 1 << 20],
-        };
+        let (client, stream) = connected_to_a_peer_that_reads_nothing().await;
         // Enough to fill both sockets' buffers, then some waiting in the writer.
-        for _ in 0..64 {
-            let call = tokio::time::timeout(Duration::from_millis(5), client.call(&frame));
-            assert!(call.await.is_err(), "an answer from a peer that reads none");
-        }
+        give_up_calls(&client, 64).await;
         let queued = client.outgoing.shared.state().queued.len();
         assert!(queued > 0, "nothing waits in the writer");
         // A reset: closed with bytes unread and no lingering.
@@ -936,6 +904,35 @@ mod tests {
             (0, 0),
             "queued bytes dropped"
         );
+    }
+
+    /// A client connected to a peer that reads nothing, and the peer's end.
+    async fn connected_to_a_peer_that_reads_nothing() -> (Client, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let held = tokio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
+        let client = Client::connect(address).await.expect("connect");
+        let stream = held.await.expect("accept task").expect("accept");
+        (client, stream)
+    }
+
+    /// A message of 1 MiB.
+    fn mib_frame() -> Message {
+        Message::Raft {
+            pg: pg(0),
+            message: vec![7; 1 << 20],
+        }
+    }
+
+    /// Makes `calls` calls of 1 MiB that the peer never answers, each given up after 5 ms.
+    async fn give_up_calls(client: &Client, calls: usize) {
+        let frame = mib_frame();
+        for _ in 0..calls {
+            let call = tokio::time::timeout(Duration::from_millis(5), client.call(&frame));
+            assert!(call.await.is_err(), "an answer from a peer that reads none");
+        }
     }
 
     /// Waits (up to 10 s) for `done`.

@@ -85,10 +85,24 @@ pub fn run_ok(command: &mut Command) -> String {
 }
 
 /// Waits until `ready` holds, polling; panics with `what` after `timeout`.
-pub fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, timeout: Duration, ready: impl FnMut() -> bool) {
+    wait_for_telling(what, timeout, ready, String::new);
+}
+
+/// [`wait_for`], adding what `tell` says to the failure (a process's log, say).
+pub fn wait_for_telling(
+    what: &str,
+    timeout: Duration,
+    mut ready: impl FnMut() -> bool,
+    tell: impl Fn() -> String,
+) {
     let start = Instant::now();
     while !ready() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out waiting for {what}{}",
+            tell()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
